@@ -44,19 +44,19 @@ PYBIND11_MODULE(_engine, m) {
         .def(py::init([](const std::string & model_path, const std::string & policy, int32_t budget, int32_t heavy,
                          int32_t recent, int32_t sinks, bool position_rolling, uint32_t n_ctx, uint32_t n_batch,
                          uint32_t n_seq_max, int32_t n_threads, int32_t n_gpu_layers, bool scores_sum_rows,
-                         bool capture_softmax, bool verbose) {
+                         bool capture_softmax, bool kv_f32, bool verbose) {
                  EngineParams p;
                  p.policy = policy; p.budget = budget; p.heavy = heavy; p.recent = recent; p.sinks = sinks;
                  p.position_rolling = position_rolling; p.n_ctx = n_ctx; p.n_batch = n_batch; p.n_seq_max = n_seq_max;
                  p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers; p.scores_sum_rows = scores_sum_rows;
-                 p.capture_softmax = capture_softmax; p.verbose = verbose;
+                 p.capture_softmax = capture_softmax; p.kv_f32 = kv_f32; p.verbose = verbose;
                  py::gil_scoped_release release;
                  return new Engine(model_path, p);
              }),
              py::arg("model_path"), py::kw_only(), py::arg("policy") = "h2o", py::arg("budget") = -1,
              py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1, py::arg("position_rolling") = false,
              py::arg("n_ctx") = 0, py::arg("n_batch") = 512, py::arg("n_seq_max") = 1, py::arg("n_threads") = 0,
-             py::arg("n_gpu_layers") = 0, py::arg("scores_sum_rows") = false, py::arg("capture_softmax") = false,
+             py::arg("n_gpu_layers") = 0, py::arg("scores_sum_rows") = false, py::arg("capture_softmax") = false, py::arg("kv_f32") = false,
              py::arg("verbose") = false)
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
              py::call_guard<py::gil_scoped_release>(),
@@ -83,6 +83,10 @@ PYBIND11_MODULE(_engine, m) {
             return py::make_tuple(p, s);
         }, py::arg("seq_id") = 0, "The raw scores the patch exported for seq_id in the last llama_decode: (positions, [n, n_head]).")
         .def("state", &state_dict, py::arg("seq_id") = 0)
+        .def("seq_pos_range", [](const Engine & e, llama_seq_id seq) {
+            llama_memory_t mem = llama_get_memory(e.ctx());
+            return py::make_tuple(llama_memory_seq_pos_min(mem, seq), llama_memory_seq_pos_max(mem, seq));
+        }, py::arg("seq_id") = 0, "llama.cpp's own (min, max) position of seq_id; (-1, -1) when empty")
         .def("oracle_cell_scores", [](const Engine & e) {
             const auto & v = e.oracle_cell_scores();
             return to_numpy(v, {(py::ssize_t) (v.size()/std::max(e.n_head(), 1)), (py::ssize_t) e.n_head()});

@@ -98,6 +98,10 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.kv_unified      = true; // one cell space: the cache holds the budgets of all sequences + one batch
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED; // scores need the softmax
     cp.no_perf         = true;
+    if (params.kv_f32) {
+        cp.type_k = GGML_TYPE_F32;
+        cp.type_v = GGML_TYPE_F32;
+    }
     if (params.n_threads > 0) {
         cp.n_threads       = params.n_threads;
         cp.n_threads_batch = params.n_threads;

@@ -55,6 +55,7 @@ class Llama:
         n_threads: CPU threads (None: llama.cpp's default).
         n_gpu_layers: layers offloaded to the GPU (-1: all).
         seed: seed of the sampling RNG; each call without its own seed draws from it.
+        kv_f32: store K/V in F32 instead of F16 (twice the bytes; exact position rolling).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class Llama:
         n_threads: Optional[int] = None,
         n_gpu_layers: int = 0,
         seed: int = 0,
+        kv_f32: bool = False,
         verbose: bool = False,
         _scores_sum_rows: bool = False,
         _capture_softmax: bool = False,
@@ -112,6 +114,7 @@ class Llama:
             n_gpu_layers=int(n_gpu_layers),
             scores_sum_rows=_scores_sum_rows,
             capture_softmax=_capture_softmax,
+            kv_f32=kv_f32,
             verbose=verbose,
         )
         self.policy = policy

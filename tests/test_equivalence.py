@@ -1,0 +1,62 @@
+"""With a budget that never triggers eviction, every policy computes exactly what the full cache computes."""
+import numpy as np
+import pytest
+
+from h2o_local import Llama
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old clockmaker."
+
+
+def greedy_trace(llm: Llama, prompt_tokens, n: int):
+    """(generated tokens, logits after each fed token) with greedy decoding, token by token."""
+    llm.reset()
+    llm.eval(prompt_tokens)
+    tokens, logits = [], [llm.last_logits().copy()]
+    for _ in range(n):
+        t = int(np.argmax(logits[-1]))
+        tokens.append(t)
+        llm.eval([t])
+        logits.append(llm.last_logits().copy())
+    return tokens, np.stack(logits)
+
+
+@pytest.mark.parametrize("policy,budget", [("h2o", 1000), ("local", 1000), ("sink", 1000)])
+def test_unreached_budget_gives_the_full_cache_logits_exactly(tiny_model, policy, budget):
+    full = Llama(tiny_model, n_ctx=1536)
+    bounded = Llama(tiny_model, policy=policy, budget=budget, n_ctx=1536)
+    prompt = full.tokenize(PROMPT)
+    t_full, l_full = greedy_trace(full, prompt, 40)
+    t_bnd, l_bnd = greedy_trace(bounded, prompt, 40)
+    assert bounded.kv_state().n_evicted == 0
+    assert t_bnd == t_full
+    assert np.array_equal(l_bnd, l_full)  # bit for bit: score export only reads the softmax
+
+
+def test_generate_matches_the_full_cache(tiny_model):
+    full = Llama(tiny_model, n_ctx=512)
+    h2o = Llama(tiny_model, budget=400, n_ctx=512)
+    a = full.create_completion(PROMPT, max_tokens=30, temperature=0.7, seed=3)
+    b = h2o.create_completion(PROMPT, max_tokens=30, temperature=0.7, seed=3)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["usage"] == b["usage"]
+
+
+def test_eviction_changes_the_computation(tiny_model):
+    """The converse: once the budget is reached, logits differ from the full cache's (the check can fail)."""
+    full = Llama(tiny_model, n_ctx=512)
+    small = Llama(tiny_model, budget=8, n_ctx=512)
+    prompt = full.tokenize(PROMPT)
+    _, l_full = greedy_trace(full, prompt, 5)
+    _, l_small = greedy_trace(small, prompt, 5)
+    assert not np.allclose(l_full[1:], l_small[1:])
+
+
+@pytest.mark.slow
+def test_real_model_h2o_with_a_large_budget_equals_the_full_cache(smol_model):
+    full = Llama(smol_model, n_ctx=1024)
+    h2o = Llama(smol_model, budget=900, n_ctx=1024)
+    prompt = full.tokenize("The three most important inventions of the nineteenth century were")
+    t_full, l_full = greedy_trace(full, prompt, 24)
+    t_h2o, l_h2o = greedy_trace(h2o, prompt, 24)
+    assert t_h2o == t_full
+    assert np.array_equal(l_h2o, l_full)

@@ -1,0 +1,106 @@
+"""Eviction decisions: each policy keeps what its rule says, checked against independent references."""
+import numpy as np
+import pytest
+
+from h2o_local import Llama
+from h2o_reference import H2OReference
+
+TEXT_A = "Heavy hitters are the few tokens that receive most of the attention in a long sequence of text."
+TEXT_B = "Completely different words: quartz, zephyr, jigsaw, vortex, 1234567890, and a final question?"
+
+
+def run_against_reference(llm: Llama, prompt, steps, seq_id=0):
+    ref = H2OReference(heavy=llm.heavy, recent=llm.recent, sinks=llm.sinks)
+    llm.eval(prompt, seq_id=seq_id)
+    assert llm.kv_state(seq_id).positions.tolist() == ref.step(*llm._engine.last_scores(seq_id))
+    for t in steps:
+        llm.eval([t], seq_id=seq_id)
+        kept = llm.kv_state(seq_id).positions.tolist()
+        assert kept == ref.step(*llm._engine.last_scores(seq_id))
+    return ref
+
+
+@pytest.mark.parametrize("budget,heavy,recent,sinks", [(16, None, None, None), (10, 7, None, None),
+                                                       (12, None, 3, 2), (9, 0, None, None), (5, 4, 1, 0)])
+def test_h2o_keeps_what_the_reference_rule_keeps(tiny_model, budget, heavy, recent, sinks):
+    llm = Llama(tiny_model, budget=budget, heavy=heavy, recent=recent, sinks=sinks, n_batch=256)  # one prefill pass
+    steps = llm.tokenize(TEXT_B, add_bos=False) * 2
+    ref = run_against_reference(llm, llm.tokenize(TEXT_A), steps)
+    st = llm.kv_state()
+    assert st.n_cells == budget and st.n_evicted == st.n_seen - budget
+    # the engine's accumulated scores are the reference's, exactly
+    assert st.scores.tolist() == [float(ref.scores[p]) for p in st.positions.tolist()]
+    np.testing.assert_allclose(st.head_scores.sum(axis=1), st.scores, rtol=1e-5)
+
+
+def test_default_split_is_half_heavy_half_recent(tiny_model):
+    llm = Llama(tiny_model, budget=128)
+    assert (llm.sinks, llm.heavy, llm.recent) == (0, 64, 64)
+    llm = Llama(tiny_model, budget=7)
+    assert (llm.sinks, llm.heavy, llm.recent) == (0, 3, 4)
+
+
+def test_h2o_differs_from_a_window(tiny_model):
+    """Heavy hitters are old tokens: the kept set is not just the last `budget` positions."""
+    llm = Llama(tiny_model, budget=16)
+    llm.eval(llm.tokenize(TEXT_A + TEXT_B))
+    kept = llm.kv_state().positions
+    assert kept.min() < kept.max() - 16
+
+
+def test_local_keeps_the_last_budget_positions(tiny_model):
+    llm = Llama(tiny_model, policy="local", budget=10, n_batch=16)
+    tokens = llm.tokenize(TEXT_A)
+    llm.eval(tokens)
+    n = len(tokens)
+    assert llm.kv_state().positions.tolist() == list(range(n - 10, n))
+    for i in range(5):
+        llm.eval([70 + i])
+        assert llm.kv_state().positions.tolist() == list(range(n + i + 1 - 10, n + i + 1))
+
+
+def test_sink_keeps_the_first_tokens_and_the_last(tiny_model):
+    llm = Llama(tiny_model, policy="sink", budget=10, sinks=3, n_batch=16)
+    assert (llm.sinks, llm.heavy, llm.recent) == (3, 0, 7)
+    tokens = llm.tokenize(TEXT_A)
+    llm.eval(tokens)
+    for i in range(4):
+        llm.eval([80 + i])
+    n = len(tokens) + 4
+    assert llm.kv_state().positions.tolist() == [0, 1, 2] + list(range(n - 7, n))
+    assert Llama(tiny_model, policy="sink", budget=10).sinks == 4  # StreamingLLM's default
+
+
+def test_full_never_evicts(tiny_model):
+    llm = Llama(tiny_model, n_ctx=256)
+    tokens = llm.tokenize(TEXT_A)
+    llm.eval(tokens)
+    st = llm.kv_state()
+    assert st.positions.tolist() == list(range(len(tokens))) and st.n_evicted == 0
+
+
+def test_two_sequences_in_one_batch_keep_their_own_heavy_hitters(tiny_model):
+    llm = Llama(tiny_model, budget=12, n_seq_max=2, n_batch=256)  # both prompts in one llama_decode
+    a, b = llm.tokenize(TEXT_A), llm.tokenize(TEXT_B)
+    refs = {0: H2OReference(llm.heavy, llm.recent), 1: H2OReference(llm.heavy, llm.recent)}
+    llm.eval_batch({0: a, 1: b})
+    for s in (0, 1):
+        assert llm.kv_state(s).positions.tolist() == refs[s].step(*llm._engine.last_scores(s))
+    for i in range(12):
+        llm.eval_batch({0: [60 + i], 1: [100 + i]})
+        for s in (0, 1):
+            pos, sums = llm._engine.last_scores(s)
+            # each sequence's queries attend only to its own cells: every head row sums to n_layer
+            np.testing.assert_allclose(sums.sum(axis=0), 2.0, rtol=1e-5)
+            assert llm.kv_state(s).positions.tolist() == refs[s].step(pos, sums)
+    s0, s1 = llm.kv_state(0), llm.kv_state(1)
+    assert s0.n_cells == s1.n_cells == 12
+    assert s0.positions.tolist() != s1.positions.tolist() or not np.allclose(s0.scores, s1.scores)
+
+    # the same sequence fed alone ends in the same state
+    solo = Llama(tiny_model, budget=12, n_batch=256)
+    solo.eval(a)
+    for i in range(12):
+        solo.eval([60 + i])
+    assert solo.kv_state().positions.tolist() == s0.positions.tolist()
+    np.testing.assert_allclose(solo.kv_state().scores, s0.scores, rtol=1e-4)

@@ -1,0 +1,56 @@
+"""Position rolling: kept positions renumbered 0..n-1, so generation runs far past the trained context."""
+import numpy as np
+
+from h2o_local import Llama
+
+PROMPT = "A long story begins here and goes on and on."
+
+
+def test_positions_stay_contiguous_from_zero(tiny_model):
+    llm = Llama(tiny_model, budget=16, position_rolling=True, n_batch=32)
+    llm.eval(llm.tokenize(PROMPT))
+    for i in range(40):
+        st = llm.kv_state()
+        assert st.positions.tolist() == list(range(st.n_cells))
+        assert llm._engine.seq_pos_range(0) == (0, st.n_cells - 1)  # llama.cpp's own view agrees
+        llm.eval([65 + i % 26])
+    assert llm.kv_state().n_cells == 16
+
+
+def test_generation_runs_well_past_the_trained_context(tiny_model):
+    llm = Llama(tiny_model, budget=32, position_rolling=True, n_batch=32)
+    n_train = llm.n_ctx_train()
+    assert n_train == 128
+    out = llm.generate(PROMPT, max_tokens=5 * n_train, temperature=0.8, seed=1)
+    st = llm.kv_state()
+    assert st.n_seen > 4 * n_train, "generation stopped early (end-of-text token): pick another seed"
+    assert st.positions.max() < 32 and st.n_cells == 32
+    assert len(out) > 0
+
+
+def test_without_rolling_positions_keep_growing(tiny_model):
+    llm = Llama(tiny_model, budget=32, n_batch=32)
+    llm.eval(llm.tokenize(PROMPT))
+    for i in range(200):
+        llm.eval([3 + (i * 37) % 256])
+    st = llm.kv_state()
+    assert st.positions.max() == st.n_seen - 1 > llm.n_ctx_train()
+
+
+def test_rolling_a_contiguous_window_keeps_the_logits(tiny_model):
+    """`local` keeps a contiguous window, so rolling moves every kept key by the same delta: with RoPE only
+    relative positions matter, and the logits must equal (to rounding of the K shift) those without rolling.
+    A missing or wrong shift would change relative positions and the logits. F32 cells: F16 keys are re-rounded
+    by every shift, and this random model's peaked attention amplifies that rounding."""
+    runs = {}
+    for rolling in (False, True):
+        llm = Llama(tiny_model, policy="local", budget=12, position_rolling=rolling, n_batch=64, kv_f32=True)
+        llm.eval(llm.tokenize(PROMPT * 2))
+        logits = []
+        for i in range(20):
+            llm.eval([70 + i])
+            logits.append(llm.last_logits())
+        runs[rolling] = np.stack(logits)
+        assert llm.kv_state().positions.max() == (11 if rolling else llm.kv_state().n_seen - 1)
+    np.testing.assert_allclose(runs[True], runs[False], rtol=1e-2, atol=1e-2)
+    assert not np.allclose(runs[True][1:], runs[True][:-1])  # the steps do differ from each other
