@@ -68,3 +68,56 @@ def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_lay
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL text model: M-RoPE, whose KV positions llama.cpp cannot shift."""
+    import gguf
+
+    n_embd, n_head, n_head_kv, n_ff, n_layer = 64, 4, 2, 128, 1
+    head_dim = n_embd // n_head
+    rng = np.random.default_rng(seed)
+    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)] + ["\u2581".encode()]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256 \
+        + [gguf.TokenType.NORMAL]
+
+    w = gguf.GGUFWriter(str(path), "qwen2vl")
+    w.add_context_length(128)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_sections([2, 3, 3, 0])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+
+    def t(name, *shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+
+    t("token_embd.weight", len(tokens), n_embd)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    t("output.weight", len(tokens), n_embd)
+    for il in range(n_layer):
+        w.add_tensor(f"blk.{il}.attn_norm.weight", np.ones(n_embd, np.float32))
+        t(f"blk.{il}.attn_q.weight", n_embd, n_embd)
+        t(f"blk.{il}.attn_q.bias", n_embd)
+        t(f"blk.{il}.attn_k.weight", n_head_kv * head_dim, n_embd)
+        t(f"blk.{il}.attn_k.bias", n_head_kv * head_dim)
+        t(f"blk.{il}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        t(f"blk.{il}.attn_v.bias", n_head_kv * head_dim)
+        t(f"blk.{il}.attn_output.weight", n_embd, n_embd)
+        w.add_tensor(f"blk.{il}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        t(f"blk.{il}.ffn_gate.weight", n_ff, n_embd)
+        t(f"blk.{il}.ffn_up.weight", n_ff, n_embd)
+        t(f"blk.{il}.ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

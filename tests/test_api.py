@@ -1,0 +1,134 @@
+"""The llama-cpp-python-style surface: generate, completions, chat, streaming, tokens, inspection."""
+import numpy as np
+import pytest
+
+from h2o_local import KVState, Llama
+from h2o_local._text import TextAssembler
+
+
+@pytest.fixture
+def llm(tiny_model):
+    return Llama(tiny_model, budget=24, n_batch=32)
+
+
+def test_tokenize_detokenize_roundtrip(llm):
+    text = "Hello, wörld! 123"
+    tokens = llm.tokenize(text)
+    assert tokens[0] == llm.token_bos()  # this model adds BOS
+    assert llm.tokenize(text, add_bos=False) == tokens[1:]
+    assert llm.detokenize(tokens[1:]).decode() == " " + text or llm.detokenize(tokens[1:]).decode() == text
+
+
+def test_generate_text_and_stream_agree(llm):
+    a = llm.generate("Once upon a time", max_tokens=30, temperature=0.9, seed=42)
+    pieces = list(llm.generate("Once upon a time", max_tokens=30, temperature=0.9, seed=42, stream=True))
+    assert isinstance(a, str) and a == "".join(pieces)
+    assert llm.generate("Once upon a time", max_tokens=30, temperature=0.9, seed=43) != a or len(a) == 0
+
+
+def test_greedy_is_deterministic(llm):
+    assert llm.generate("abc", max_tokens=20, temperature=0) == llm.generate("abc", max_tokens=20, temperature=0)
+
+
+def test_completion_dict(llm):
+    out = llm("The sea", max_tokens=12, temperature=0)
+    assert out["object"] == "text_completion"
+    choice = out["choices"][0]
+    assert set(choice) == {"text", "index", "logprobs", "finish_reason"}
+    assert choice["finish_reason"] in ("stop", "length")
+    assert out["usage"]["prompt_tokens"] == len(llm.tokenize("The sea"))
+    assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+
+
+def test_completion_echo_and_logprobs(llm):
+    out = llm.create_completion("The sea", max_tokens=5, temperature=0, echo=True, logprobs=3)
+    choice = out["choices"][0]
+    n_prompt = out["usage"]["prompt_tokens"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == n_prompt + out["usage"]["completion_tokens"]
+    assert lp["token_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    # greedy: each generated token is the most likely one
+    for i in range(n_prompt, len(lp["tokens"])):
+        assert lp["token_logprobs"][i] >= max(lp["top_logprobs"][i].values()) - 1e-6
+    assert choice["text"].startswith(llm.detokenize(llm.tokenize("The sea")).decode(errors="replace"))
+
+
+def test_completion_stream_chunks(llm):
+    chunks = list(llm.create_completion("The sea", max_tokens=8, temperature=0, stream=True))
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == llm("The sea", max_tokens=8, temperature=0)["choices"][0]["text"]
+
+
+def test_stop_strings_cut_the_text():
+    t = TextAssembler(["###"])
+    out = t.push(b"Hello #") + t.push(b"#") + t.push(b"# world")
+    assert out == "Hello " and t.stopped
+    t = TextAssembler(["###"])
+    assert t.push(b"a #") == "a " and t.push(b" b") == "# b"  # a partial stop string is held, then released
+
+
+def test_utf8_split_across_tokens():
+    t = TextAssembler()
+    e = "é".encode()
+    assert t.push(e[:1]) == "" and t.push(e[1:]) == "é"
+
+
+def test_stop_in_generation(llm):
+    full = llm.generate("x", max_tokens=40, temperature=0)
+    if len(full) > 6:
+        stop = full[3:5]
+        cut = llm.generate("x", max_tokens=40, temperature=0, stop=[stop])
+        assert cut == full[: full.index(stop)]
+
+
+def test_kv_state_and_reset(llm):
+    llm.generate("A fairly long prompt that exceeds the budget of this small cache.", max_tokens=10, temperature=0)
+    st = llm.kv_state()
+    assert isinstance(st, KVState)
+    assert st.positions.dtype == np.int32 and st.scores.dtype == np.float32
+    assert st.n_cells == 24 and st.head_scores.shape == (24, 4)
+    assert st.n_evicted == st.n_seen - 24 and st.kv_bytes > 0
+    assert np.all(np.diff(st.positions) > 0)
+    llm.reset()
+    assert llm.kv_state().n_cells == 0 and llm.kv_state().n_seen == 0
+
+
+def test_session_continues_without_reset(llm):
+    llm.generate("First turn.", max_tokens=5, temperature=0)
+    seen = llm.kv_state().n_seen
+    llm.generate(" Second turn.", max_tokens=5, temperature=0, reset=False, add_bos=False)
+    assert llm.kv_state().n_seen > seen
+
+
+def test_last_logits(llm):
+    llm.eval(llm.tokenize("abc"))
+    logits = llm.last_logits()
+    assert logits.shape == (llm.n_vocab(),) and logits.dtype == np.float32 and np.isfinite(logits).all()
+
+
+@pytest.mark.slow
+def test_real_model_chat(smol_model):
+    llm = Llama(smol_model, budget=64)
+    out = llm.create_chat_completion([{"role": "user", "content": "What is the capital of France?"}],
+                                     max_tokens=24, temperature=0)
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant" and "Paris" in msg["content"]
+    chunks = list(llm.create_chat_completion([{"role": "user", "content": "Say hello."}], max_tokens=8,
+                                             temperature=0, stream=True))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_real_model_h2o_generation_is_coherent(smol_model):
+    """The main job: a chat answer with a 64-entry cache, generated past its budget."""
+    llm = Llama(smol_model, budget=64)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse."}])
+    text = llm.generate(llm.tokenize(prompt, special=True), max_tokens=150, temperature=0)
+    st = llm.kv_state()
+    assert st.n_seen > 100 and st.n_cells == 64 and st.n_evicted > 0
+    words = text.split()
+    assert len(words) > 40
+    assert sum(w.lower().strip(".,") in {"the", "a", "and", "of", "to", "was"} for w in words) > 5  # English prose

@@ -1,0 +1,106 @@
+"""Bad input gets a clear Python exception and leaves the object usable; never a crash."""
+import shutil
+
+import pytest
+
+from h2o_local import Llama
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        Llama(str(tmp_path / "nope.gguf"))
+
+
+@pytest.mark.parametrize("content", [b"", b"not a gguf at all" * 100, b"GGUF" + b"\xff" * 64])
+def test_not_a_gguf(tmp_path, content):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="bad.gguf"):
+        Llama(str(path))
+
+
+def test_truncated_gguf(tmp_path, tiny_model):
+    data = open(tiny_model, "rb").read()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated.gguf"):
+        Llama(str(path))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(budget=0), "budget"),
+    (dict(budget=-5), "budget"),
+    (dict(budget=10, heavy=11), "heavy"),
+    (dict(budget=10, recent=11), "recent"),
+    (dict(budget=10, sinks=4, recent=8), "sinks \\+ recent"),
+    (dict(budget=10, heavy=5, recent=4), "equal budget"),
+    (dict(budget=10, heavy=10), "recent"),
+    (dict(budget=10, policy="sink", sinks=10), "newest token"),
+    (dict(budget=10, policy="local", heavy=3), "local"),
+    (dict(budget=10, policy="fancy"), "unknown policy"),
+    (dict(policy="local"), "needs a budget"),
+    (dict(budget=64, n_ctx=32), "n_ctx"),
+])
+def test_impossible_budget(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Llama(tiny_model, **kwargs)
+
+
+def test_full_policy_prompt_larger_than_context_then_usable(tiny_model):
+    llm = Llama(tiny_model, n_ctx=256)
+    assert llm.n_ctx() == 256
+    with pytest.raises(ValueError, match="cannot feed 259 tokens"):
+        llm.generate(list(range(3, 259)) + [5, 6, 7], max_tokens=4)
+    assert llm.kv_state().n_cells == 0  # nothing was fed, no silent truncation
+    assert isinstance(llm.generate("Hello", max_tokens=4, temperature=0), str)
+
+
+def test_full_policy_stops_at_the_end_of_the_context(tiny_model):
+    llm = Llama(tiny_model, n_ctx=256)
+    out = llm.create_completion(list(range(3, 243)), max_tokens=100, temperature=0)
+    choice = out["choices"][0]
+    if choice["finish_reason"] == "length":
+        # every cell holds a token; the last sampled token needs none
+        assert out["usage"]["total_tokens"] == 256 + 1
+    assert llm.kv_state().n_cells <= 256
+
+
+def test_bad_token_ids_then_usable(tiny_model):
+    llm = Llama(tiny_model, budget=16)
+    with pytest.raises(ValueError, match="token id"):
+        llm.eval([5, 99999])
+    with pytest.raises(ValueError, match="token id"):
+        llm.eval([-1])
+    llm.eval([5, 6, 7])
+    assert llm.kv_state().positions.tolist() == [0, 1, 2]
+
+
+def test_bad_sequence_id(tiny_model):
+    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    with pytest.raises(ValueError, match="seq_id"):
+        llm.eval([5], seq_id=2)
+
+
+def test_position_rolling_on_a_model_that_cannot_shift(tmp_path):
+    """M-RoPE models (Qwen2-VL) cannot shift their KV positions: rolling is refused up front."""
+    from tiny_model import write_tiny_qwen2vl
+
+    path = write_tiny_qwen2vl(tmp_path / "tiny-qwen2vl.gguf")
+    Llama(str(path), budget=16)  # loads, and evicts without rolling
+    with pytest.raises(ValueError, match="position_rolling"):
+        Llama(str(path), budget=16, position_rolling=True)
+
+
+def test_empty_prompt_and_negative_max_tokens(tiny_model):
+    llm = Llama(tiny_model, budget=16)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([], max_tokens=3)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("Hi", max_tokens=-1)
+    assert isinstance(llm.generate("Hi", max_tokens=2), str)
+
+
+def test_chat_without_a_template(tiny_model):
+    llm = Llama(tiny_model, budget=16)
+    with pytest.raises(ValueError, match="chat template"):
+        llm.create_chat_completion([{"role": "user", "content": "hi"}])
