@@ -91,7 +91,7 @@ PYBIND11_MODULE(_engine, m) {
             const auto & v = e.oracle_cell_scores();
             return to_numpy(v, {(py::ssize_t) (v.size()/std::max(e.n_head(), 1)), (py::ssize_t) e.n_head()});
         })
-        .def("clear_oracle", [](Engine & e) { const_cast<std::vector<float> &>(e.oracle_cell_scores()).clear(); })
+        .def("clear_oracle", &Engine::clear_oracle)
         .def("tokenize", &Engine::tokenize, py::arg("text"), py::arg("add_special"), py::arg("parse_special"))
         .def("token_to_piece", [](const Engine & e, llama_token t, bool special) {
             return py::bytes(e.token_to_piece(t, special));

@@ -311,12 +311,12 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
         st.peak_cells  = std::max(st.peak_cells, (int32_t) st.positions.size());
 
         if (scores_path_ >= 0) {
-            fold_scores(seq, n_new);
+            fold_scores(seq);
         }
     }
 }
 
-void Engine::fold_scores(llama_seq_id seq, size_t) {
+void Engine::fold_scores(llama_seq_id seq) {
     SeqState & st = seqs_[seq];
 
     const llama_pos * pos = nullptr;

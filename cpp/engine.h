@@ -81,6 +81,7 @@ public:
 
     // test oracle (capture_softmax): per-cell, per-head column sums of kq_soft_max over the last eval's decodes
     const std::vector<float> & oracle_cell_scores() const { return oracle_acc_; }
+    void clear_oracle() { oracle_acc_.clear(); }
 
     // tokenizer
     std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
@@ -102,7 +103,7 @@ public:
 private:
     SeqState & seq_state(llama_seq_id seq);
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits);
-    void fold_scores(llama_seq_id seq, size_t n_new);
+    void fold_scores(llama_seq_id seq);
     void evict(llama_seq_id seq);
     void roll_positions(llama_seq_id seq);
 
