@@ -11,6 +11,16 @@ from pathlib import Path
 import numpy as np
 
 
+def byte_vocab():
+    """The 260-token SPM vocabulary: <unk>, <s>, </s>, the 256 byte tokens and the word marker."""
+    import gguf
+
+    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)] + ["\u2581".encode()]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256 \
+        + [gguf.TokenType.NORMAL]
+    return tokens, types
+
+
 def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_layer: int = 2) -> Path:
     import gguf
 
@@ -18,9 +28,7 @@ def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_lay
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
 
-    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)] + ["\u2581".encode()]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256 \
-        + [gguf.TokenType.NORMAL]
+    tokens, types = byte_vocab()
     n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -77,9 +85,7 @@ def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
     n_embd, n_head, n_head_kv, n_ff, n_layer = 64, 4, 2, 128, 1
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
-    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)] + ["\u2581".encode()]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256 \
-        + [gguf.TokenType.NORMAL]
+    tokens, types = byte_vocab()
 
     w = gguf.GGUFWriter(str(path), "qwen2vl")
     w.add_context_length(128)
