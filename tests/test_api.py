@@ -132,3 +132,21 @@ def test_real_model_h2o_generation_is_coherent(smol_model):
     words = text.split()
     assert len(words) > 40
     assert sum(w.lower().strip(".,") in {"the", "a", "and", "of", "to", "was"} for w in words) > 5  # English prose
+
+
+def test_reset_one_sequence_keeps_the_other(tiny_model):
+    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    llm.eval_batch({0: [5, 6, 7], 1: [8, 9]})
+    llm.reset(1)
+    assert llm.kv_state(1).n_cells == 0 and llm.kv_state(0).positions.tolist() == [0, 1, 2]
+    llm.eval([10], seq_id=1)
+    assert llm.kv_state(1).positions.tolist() == [0]
+
+
+def test_cli_runs_the_main_job(tiny_model, capsys):
+    from h2o_local.cli import main
+
+    assert main(["--model", tiny_model, "--no-chat", "--prompt", "Hello there", "--budget", "16",
+                 "--max-tokens", "40"]) == 0
+    err = capsys.readouterr().err
+    assert "policy=h2o budget=16" in err and "kept=" in err
