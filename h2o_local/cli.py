@@ -29,13 +29,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--n-gpu-layers", type=int, default=0)
+    ap.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
     args = ap.parse_args(argv)
 
     model = args.model or default_model_path()
     budget = args.budget or None
     llm = Llama(model, budget=budget, policy="full" if budget is None else args.policy, heavy=args.heavy,
                 recent=args.recent, sinks=args.sinks, position_rolling=args.position_rolling,
-                n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, seed=args.seed)
+                n_batch=args.n_batch, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, seed=args.seed)
     prompt = args.prompt
     if args.chat:
         prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
