@@ -124,7 +124,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         throw std::invalid_argument("position_rolling=True needs a KV cache whose positions can be shifted; "
                                     "this model's cannot (M-RoPE, recurrent or sliding-window cache)");
     }
-    if (policy_->needs_scores() || params.capture_softmax) {
+    if (policy_->needs_scores() || params.capture_softmax || params.export_scores) {
         scores_path_ = llama_attn_scores_enable(ctx_, true, params.scores_sum_rows);
         if (scores_path_ < 0) {
             throw std::runtime_error("cannot export attention scores for this model" + last_error_suffix());

@@ -32,6 +32,7 @@ struct EngineParams {
     int32_t  n_gpu_layers = 0;
     bool     scores_sum_rows = false; // force the transpose + sum_rows reduction (the Metal path) on any backend
     bool     capture_softmax = false; // test oracle: also sum kq_soft_max columns through the eval callback
+    bool     export_scores = false;   // export scores even when the policy does not use them (overhead benchmarks)
     bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
     bool     verbose = false;
 };

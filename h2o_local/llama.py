@@ -78,6 +78,7 @@ class Llama:
         verbose: bool = False,
         _scores_sum_rows: bool = False,
         _capture_softmax: bool = False,
+        _export_scores: bool = False,
     ):
         self.model_path = os.fspath(model_path)
         if not os.path.isfile(self.model_path):
@@ -114,6 +115,7 @@ class Llama:
             n_gpu_layers=int(n_gpu_layers),
             scores_sum_rows=_scores_sum_rows,
             capture_softmax=_capture_softmax,
+            export_scores=_export_scores,
             kv_f32=kv_f32,
             verbose=verbose,
         )
@@ -355,6 +357,90 @@ class Llama:
             out["top_logprobs"].append({self._engine.token_to_piece(int(t), False).decode("utf-8", errors="replace"):
                                         float(lp[t]) for t in top})
         return out
+
+    # ------------------------------------------------------------------ batched generation
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        max_tokens: Optional[int] = 128,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        top_k: int = 40,
+        min_p: float = 0.05,
+        stop: Optional[Union[str, Sequence[str]]] = None,
+        seed: Optional[int] = None,
+        stream: bool = False,
+        add_bos: Optional[bool] = None,
+    ) -> Union[List[str], Iterator[tuple]]:
+        """Generate for several prompts decoded together: one llama_decode per step for all live sequences.
+
+        Each sequence has its own KV budget, scores and sampler (seeded `seed + i`, so sequence i samples what
+        `generate(prompts[i], seed=seed + i)` would, up to batching round-off); finished sequences leave the
+        batch. At most `n_seq_max` prompts run at once; more are processed in waves. Returns the texts, or with
+        `stream=True` an iterator of (index, text piece) pairs, and (index, None) when sequence `index` ends.
+        """
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0 (or None)")
+        token_lists = [self._prompt_tokens(p, add_bos) for p in prompts]
+        if any(not t for t in token_lists):
+            raise ValueError("a prompt is empty: pass at least one token per prompt")
+        base_seed = self._rng.getrandbits(32) if seed is None else int(seed)
+        it = self._batch_stream(token_lists, max_tokens, (temperature, top_p, top_k, min_p), base_seed, stops)
+        if stream:
+            return it
+        texts = [""] * len(prompts)
+        for i, piece in it:
+            if piece:
+                texts[i] += piece
+        return texts
+
+    def _batch_stream(self, token_lists, max_tokens, knobs, base_seed, stops) -> Iterator[tuple]:
+        self.finish_reasons: List[Optional[str]] = [None] * len(token_lists)
+        for wave in range(0, len(token_lists), self.n_seq_max):
+            idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
+            self._engine.reset()
+            self._engine.eval({s: token_lists[i] for s, i in enumerate(idx)}, False)
+            live = {s: (i, self._sampler(*knobs, seed=base_seed + i), TextAssembler(stops), [0])
+                    for s, i in enumerate(idx)}
+            while live:
+                step: Dict[int, List[int]] = {}
+                for s, (i, sampler, text, count) in list(live.items()):
+                    token = sampler.sample(self._engine.last_logits(s))
+                    finish = None
+                    if self._engine.is_eog(token):
+                        finish = "stop"
+                    else:
+                        count[0] += 1
+                        piece = text.push(self._engine.token_to_piece(token, False))
+                        if piece:
+                            yield i, piece
+                        if text.stopped:
+                            finish = "stop"
+                        elif max_tokens is not None and count[0] >= max_tokens:
+                            finish = "length"
+                        else:
+                            step[s] = [token]
+                    if finish is not None:
+                        rest = text.flush()
+                        if rest:
+                            yield i, rest
+                        yield i, None
+                        self.finish_reasons[i] = finish
+                        self._engine.reset_seq(s)
+                        del live[s]
+                if step:
+                    if self.policy == "full" and self._engine.cells_used + len(step) > self._engine.n_ctx:
+                        for s in list(live):
+                            i, _, text, _ = live.pop(s)
+                            rest = text.flush()
+                            if rest:
+                                yield i, rest
+                            yield i, None
+                            self.finish_reasons[i] = "length"
+                        break
+                    self._engine.eval(step, False)
 
     # ------------------------------------------------------------------ chat
     def create_chat_completion(

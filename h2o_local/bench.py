@@ -1,0 +1,336 @@
+"""Benchmark: prompt and decode speed and KV memory vs context depth, score-export and rolling overhead, and the
+decode roofline, side by side with llama-cpp-python on the same model, threads and batch size.
+
+    pip install ".[bench]"
+    python -m h2o_local.bench --depths 512 2048 8192 --budgets 128 256 512 1024 --repeats 3 --out results/bench
+
+Every setting runs in its own subprocess (peak resident memory is per process) and the settings of one depth run
+interleaved, repeat after repeat, so that machine noise spreads over all of them; medians are reported.
+Writes OUT.json (every measurement), OUT.md (tables) and OUT.png (decode speed and KV memory vs depth).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+
+SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum_0shot_dev.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------- one measurement
+def _text() -> str:
+    if SHARED_TEXT.is_file():
+        with open(SHARED_TEXT) as f:
+            return "\n".join(json.loads(line)["article"] for line in f)
+    words = "the lighthouse keeper wrote a long letter about the sea and the ships that passed at night".split()
+    return " ".join(words[(i * 7) % len(words)] for i in range(200_000))
+
+
+def _prompt(tokenize, depth: int) -> List[int]:
+    tokens = tokenize(_text())
+    while len(tokens) < depth:
+        tokens = tokens + tokens
+    return tokens[:depth]
+
+
+def _peak_rss() -> int:
+    """Peak resident bytes of this process (VmHWM: unlike ru_maxrss, not inherited from the parent)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Prefill `depth` tokens, then decode `decode_tokens` greedily one by one; time both."""
+    depth, n_dec, n_batch, threads = cfg["depth"], cfg["decode_tokens"], cfg["n_batch"], cfg["threads"]
+    if cfg["runner"] == "llama_cpp":
+        import llama_cpp
+
+        llm = llama_cpp.Llama(cfg["model"], n_ctx=depth + n_dec + 16, n_batch=n_batch, n_ubatch=n_batch,
+                              n_threads=threads, n_threads_batch=threads, flash_attn=False, verbose=False)
+        prompt = _prompt(lambda t: llm.tokenize(t.encode(), add_bos=False), depth)
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t_prefill = time.perf_counter() - t0
+        steps = []
+        for _ in range(n_dec):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            t0 = time.perf_counter()
+            llm.eval([tok])
+            steps.append(time.perf_counter() - t0)
+        # llama-cpp-python has no call for it: F16 K and V of every layer, the same cells as ours
+        m = llm.model
+        head_dim = llama_cpp.llama_model_n_embd(m) // llama_cpp.llama_model_n_head(m)
+        kv_cells = llm.n_ctx()
+        kv_bytes = kv_cells * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * head_dim * 2 * 2
+        cells = llm.n_tokens
+        model_bytes = llama_cpp.llama_model_size(m)
+    else:
+        from .llama import Llama
+
+        budget = cfg["budget"]
+        n_ctx = depth + n_dec + 16 if budget is None else 0
+        llm = Llama(cfg["model"], policy=cfg["policy"], budget=budget, position_rolling=cfg["rolling"],
+                    n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, _export_scores=cfg["export_scores"])
+        prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t_prefill = time.perf_counter() - t0
+        steps = []
+        for _ in range(n_dec):
+            tok = int(np.argmax(llm.last_logits()))
+            t0 = time.perf_counter()
+            llm.eval([tok])
+            steps.append(time.perf_counter() - t0)
+        st = llm.kv_state()
+        kv_bytes = st.kv_bytes
+        kv_cells = st.kv_cells
+        cells = st.n_cells
+        model_bytes = llm._engine.model_bytes
+    return {
+        "prefill_tok_s": depth / t_prefill,
+        "decode_tok_s": 1.0 / statistics.median(steps),
+        "kv_bytes": kv_bytes,
+        "kv_cells": kv_cells,
+        "cells_in_use": cells,
+        "model_bytes": model_bytes,
+        "peak_rss": _peak_rss(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- the whole run
+def memory_bandwidth(size_mib: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of a large array copy (read + write), the best of a few runs."""
+    a = np.ones(size_mib * 2**20 // 8)
+    b = np.empty_like(a)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = max(best, 2 * a.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def settings(budgets: List[int], peer: bool) -> List[Dict[str, Any]]:
+    out = [{"name": "full", "policy": "full", "budget": None, "rolling": False, "export_scores": False},
+           {"name": "full+scores", "policy": "full", "budget": None, "rolling": False, "export_scores": True}]
+    for b in budgets:
+        for policy in ("local", "sink", "h2o"):
+            out.append({"name": f"{policy}-{b}", "policy": policy, "budget": b, "rolling": False, "export_scores": False})
+        out.append({"name": f"h2o-{b}+roll", "policy": "h2o", "budget": b, "rolling": True, "export_scores": False})
+    if peer:
+        out.append({"name": "llama-cpp-python", "runner": "llama_cpp", "policy": "full", "budget": None,
+                    "rolling": False, "export_scores": False})
+    return out
+
+
+def run_one(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "h2o_local.bench", "--one", json.dumps(cfg)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def machine() -> Dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+
+
+def summarize(records: List[Dict[str, Any]]) -> Dict[tuple, Dict[str, Any]]:
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in records:
+        if "error" not in r:
+            groups.setdefault((r["name"], r["depth"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        out[key] = {k: statistics.median([r[k] for r in rs]) if rs[0][k] is not None else None
+                    for k in ("prefill_tok_s", "decode_tok_s", "kv_bytes", "cells_in_use", "model_bytes", "peak_rss")}
+        out[key]["n"] = len(rs)
+    return out
+
+
+def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]]) -> None:
+    summary = summarize(records)
+    names = list(dict.fromkeys(r["name"] for r in records))
+    depths = sorted({r["depth"] for r in records})
+    bw = meta["memory_bandwidth"]
+    lines = [f"# Benchmark: {Path(meta['model']).name}", "",
+             f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; threads {meta['threads']}, "
+             f"n_batch {meta['n_batch']}; load average before/after {meta['load_before']} / {meta['load_after']}; "
+             f"copy bandwidth {bw / 1e9:.1f} GB/s; {meta['repeats']} repeats, medians; {meta['decode_tokens']} "
+             f"decode steps per run (median step).", ""]
+    for metric, title in (("decode_tok_s", "Decode tokens/s"), ("prefill_tok_s", "Prompt tokens/s"),
+                          ("kv_bytes", "KV MiB allocated"), ("peak_rss", "Peak RSS MiB")):
+        lines += [f"## {title} vs context depth", "", "| setting | " + " | ".join(map(str, depths)) + " |",
+                  "|---|" + "---|" * len(depths)]
+        for name in names:
+            cells = []
+            for d in depths:
+                s = summary.get((name, d))
+                v = None if s is None else s[metric]
+                if v is None:
+                    cells.append("-")
+                elif metric in ("kv_bytes", "peak_rss"):
+                    cells.append(f"{v / 2**20:.1f}")
+                else:
+                    cells.append(f"{v:.1f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    lines += ["## Ratios (same run)", "", "| depth | comparison | ratio |", "|---|---|---|"]
+    for d in depths:
+        def val(name, metric):
+            s = summary.get((name, d))
+            return None if s is None else s[metric]
+        pairs = [("decode h2o-256 / full", "h2o-256", "full", "decode_tok_s"),
+                 ("decode full / llama-cpp-python", "full", "llama-cpp-python", "decode_tok_s"),
+                 ("prefill full / llama-cpp-python", "full", "llama-cpp-python", "prefill_tok_s"),
+                 ("decode full+scores / full", "full+scores", "full", "decode_tok_s"),
+                 ("prefill full+scores / full", "full+scores", "full", "prefill_tok_s")]
+        for b in meta["budgets"]:
+            pairs += [(f"decode h2o-{b} / local-{b}", f"h2o-{b}", f"local-{b}", "decode_tok_s"),
+                      (f"prefill h2o-{b} / local-{b}", f"h2o-{b}", f"local-{b}", "prefill_tok_s"),
+                      (f"decode h2o-{b}+roll / h2o-{b}", f"h2o-{b}+roll", f"h2o-{b}", "decode_tok_s")]
+        for label, a, b, metric in pairs:
+            va, vb = val(a, metric), val(b, metric)
+            if va and vb:
+                lines.append(f"| {d} | {label} | {va / vb:.3f} |")
+    lines += ["", "## Decode roofline", "",
+              "Bytes read per generated token = weights + KV in use (cells x bytes per cell); roofline tokens/s = "
+              "copy bandwidth / bytes per token.", "",
+              "| setting | depth | MiB per token | roofline tok/s | measured tok/s | fraction |", "|---|---|---|---|---|---|"]
+    for (name, d), s in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if s["kv_bytes"] is None or s["model_bytes"] is None:
+            continue
+        cell_bytes = s["kv_bytes"] / max(1, _cells_allocated(records, name, d))
+        per_tok = s["model_bytes"] + s["cells_in_use"] * cell_bytes
+        roof = bw / per_tok
+        lines.append(f"| {name} | {d} | {per_tok / 2**20:.1f} | {roof:.0f} | {s['decode_tok_s']:.1f} | "
+                     f"{s['decode_tok_s'] / roof:.2f} |")
+    errors = [r for r in records if "error" in r]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {r['name']} @ {r['depth']}: {r['error']}" for r in errors]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _plot(out.with_suffix(".png"), summary, names, depths)
+
+
+def _cells_allocated(records, name, depth) -> int:
+    for r in records:
+        if r["name"] == name and r["depth"] == depth and "kv_cells" in r:
+            return r["kv_cells"]
+    return 1
+
+
+def _plot(path: Path, summary, names, depths) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install '.[bench]')", file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for name in names:
+        xs = [d for d in depths if (name, d) in summary]
+        if not xs:
+            continue
+        style = "--" if "local" in name or "sink" in name else "-"
+        ax1.plot(xs, [summary[(name, d)]["decode_tok_s"] for d in xs], style, marker="o", label=name)
+        kv = [summary[(name, d)]["kv_bytes"] for d in xs]
+        if all(v is not None for v in kv):
+            ax2.plot(xs, [v / 2**20 for v in kv], style, marker="o", label=name)
+    for ax, title, ylabel in ((ax1, "Decode speed", "tokens/s"), (ax2, "KV cache allocated", "MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context depth (tokens seen)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m h2o_local.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--depths", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024])
+    ap.add_argument("--only", nargs="+", help="run only these setting names (e.g. full h2o-256 llama-cpp-python)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--n-batch", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
+    ap.add_argument("--out", type=Path, default=Path("results/bench"))
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.one:
+        cfg = json.loads(args.one)
+        print(json.dumps(measure(cfg)))
+        return 0
+
+    from .models import default_model_path
+
+    model = args.model or default_model_path()
+    peer = not args.no_peer
+    if peer:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama-cpp-python is not installed: running without the peer (pip install '.[bench]')",
+                  file=sys.stderr)
+            peer = False
+    todo = settings(args.budgets, peer)
+    if args.only:
+        todo = [s for s in todo if s["name"] in args.only]
+    meta = {"model": model, "machine": machine(), "threads": args.threads, "n_batch": args.n_batch,
+            "repeats": args.repeats, "decode_tokens": args.decode_tokens, "budgets": args.budgets,
+            "depths": args.depths, "load_before": os.getloadavg()[0], "memory_bandwidth": memory_bandwidth()}
+    records: List[Dict[str, Any]] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    total = len(todo) * len(args.depths) * args.repeats
+    done = 0
+    t_start = time.time()
+    for depth in args.depths:
+        for rep in range(args.repeats):
+            for s in todo:
+                cfg = {"runner": "h2o_local", **s, "model": model, "depth": depth, "decode_tokens": args.decode_tokens,
+                       "n_batch": args.n_batch, "threads": args.threads}
+                r = run_one(cfg)
+                records.append({**s, "depth": depth, "repeat": rep, **r})
+                done += 1
+                shown = "error: " + r["error"] if "error" in r else \
+                    f"prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
+                print(f"[{done}/{total} {time.time() - t_start:.0f}s] depth {depth} {s['name']}: {shown}",
+                      file=sys.stderr, flush=True)
+    meta["load_after"] = os.getloadavg()[0]
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_report(args.out, meta, records)
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
