@@ -61,6 +61,11 @@ PYBIND11_MODULE(_engine, m) {
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
              py::call_guard<py::gil_scoped_release>(),
              "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says.")
+        .def("set_policy", &Engine::set_policy, py::arg("policy"), py::arg("budget") = -1, py::arg("heavy") = -1,
+             py::arg("recent") = -1, py::arg("sinks") = -1)
+        .def("compress", &Engine::compress, py::arg("seq_id") = 0)
+        .def("snapshot", &Engine::snapshot, py::arg("seq_id") = 0)
+        .def("restore", &Engine::restore, py::arg("seq_id"), py::arg("snapshot"))
         .def("reset", &Engine::reset)
         .def("reset_seq", &Engine::reset_seq, py::arg("seq_id"))
         .def("last_logits", [](const Engine & e, llama_seq_id seq) {
@@ -120,6 +125,10 @@ PYBIND11_MODULE(_engine, m) {
             const auto s = e.policy().split();
             return py::make_tuple(s.sinks, s.heavy, s.recent);
         }, "(sinks, heavy, recent) entries kept per sequence");
+
+    py::class_<h2o::SeqSnapshot, std::shared_ptr<h2o::SeqSnapshot>>(m, "SeqSnapshot")
+        .def_property_readonly("nbytes", [](const h2o::SeqSnapshot & s) { return s.kv.size(); })
+        .def_property_readonly("n_cells", [](const h2o::SeqSnapshot & s) { return s.state.positions.size(); });
 
     py::class_<Sampler>(m, "Sampler")
         .def(py::init<float, float, int32_t, float, uint32_t>(), py::arg("temperature"), py::arg("top_p"),

@@ -197,6 +197,53 @@ void Engine::reset_seq(llama_seq_id seq) {
     logits_all_.erase(seq);
 }
 
+void Engine::set_policy(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
+    auto policy = make_policy(name, budget, heavy, recent, sinks);
+    if (policy->needs_scores() && scores_path_ < 0) {
+        throw std::invalid_argument("policy '" + name + "' needs attention scores: create the engine with a scoring "
+                                    "policy or export_scores=True");
+    }
+    if (policy->bounded() && params_.n_seq_max*policy->split().total() >= n_ctx()) {
+        throw std::invalid_argument("budget " + std::to_string(budget) + " leaves no room in the context's " +
+                                    std::to_string(n_ctx()) + " cells");
+    }
+    policy_ = std::move(policy);
+}
+
+void Engine::compress(llama_seq_id seq) {
+    seq_state(seq);
+    evict(seq);
+}
+
+std::shared_ptr<SeqSnapshot> Engine::snapshot(llama_seq_id seq) const {
+    auto snap = std::make_shared<SeqSnapshot>();
+    snap->kv.resize(llama_state_seq_get_size(ctx_, seq));
+    const size_t n = llama_state_seq_get_data(ctx_, snap->kv.data(), snap->kv.size(), seq);
+    snap->kv.resize(n);
+    snap->state = state(seq);
+    const auto it = last_logits_.find(seq);
+    if (it != last_logits_.end()) {
+        snap->logits = it->second;
+    }
+    return snap;
+}
+
+void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
+    SeqState & st = seq_state(seq);
+    llama_memory_seq_rm(mem_, seq, -1, -1);
+    if (!snap.kv.empty() && llama_state_seq_set_data(ctx_, snap.kv.data(), snap.kv.size(), seq) == 0) {
+        seqs_.erase(seq);
+        throw std::runtime_error("cannot restore the snapshot: not enough free KV cells" + last_error_suffix());
+    }
+    st = snap.state;
+    if (snap.logits.empty()) {
+        last_logits_.erase(seq);
+    } else {
+        last_logits_[seq] = snap.logits;
+    }
+    logits_all_.erase(seq);
+}
+
 void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool all_logits) {
     const int32_t n_vocab = this->n_vocab();
     size_t n_total = 0;
@@ -413,8 +460,11 @@ void Engine::roll_positions(llama_seq_id seq) {
 }
 
 bool Engine::on_eval(struct ggml_tensor * t, bool ask, void * user_data) {
+    // exactly "kq_soft_max-<layer>": views and copies of it are named "kq_soft_max-<layer> (reshaped)" etc.
     static const char prefix[] = "kq_soft_max-";
-    const bool wanted = strncmp(t->name, prefix, sizeof(prefix) - 1) == 0;
+    const char * rest = t->name + sizeof(prefix) - 1;
+    const bool wanted = strncmp(t->name, prefix, sizeof(prefix) - 1) == 0 && *rest != '\0' &&
+                        strspn(rest, "0123456789") == strlen(rest);
     if (ask) {
         return wanted;
     }

@@ -48,6 +48,13 @@ struct SeqState {
     int32_t   peak_cells = 0;           // most entries held at once (between a decode and its eviction)
 };
 
+// A sequence's cache and the engine's bookkeeping of it, to branch several continuations from one prefix.
+struct SeqSnapshot {
+    std::vector<uint8_t> kv;     // llama_state_seq_get_data
+    SeqState             state;
+    std::vector<float>   logits; // after the last token
+};
+
 class Model {
 public:
     Model(const std::string & path, int32_t n_gpu_layers, bool verbose);
@@ -75,6 +82,14 @@ public:
 
     void reset();                      // every sequence
     void reset_seq(llama_seq_id seq);
+
+    // switch the policy for what follows (the engine keeps exporting scores if the new policy needs them)
+    void set_policy(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks);
+    // evict now what the current policy would not keep (after set_policy, say)
+    void compress(llama_seq_id seq);
+
+    std::shared_ptr<SeqSnapshot> snapshot(llama_seq_id seq) const;
+    void restore(llama_seq_id seq, const SeqSnapshot & snap);
 
     const std::vector<float> & last_logits(llama_seq_id seq) const;
     const std::vector<float> & logits_all(llama_seq_id seq) const; // [n_fed][n_vocab] of the last eval

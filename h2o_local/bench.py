@@ -62,12 +62,15 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         llm = llama_cpp.Llama(cfg["model"], n_ctx=depth + n_dec + 16, n_batch=n_batch, n_ubatch=n_batch,
                               n_threads=threads, n_threads_batch=threads, flash_attn=False, verbose=False)
         prompt = _prompt(lambda t: llm.tokenize(t.encode(), add_bos=False), depth)
+        n_vocab = llm.n_vocab()
         t0 = time.perf_counter()
         llm.eval(prompt)
         t_prefill = time.perf_counter() - t0
         steps = []
         for _ in range(n_dec):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # its eval keeps no logits (its sampler reads them from the context): read them there, without a copy
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+            tok = int(np.argmax(logits))
             t0 = time.perf_counter()
             llm.eval([tok])
             steps.append(time.perf_counter() - t0)
@@ -175,7 +178,7 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
     bw = meta["memory_bandwidth"]
     lines = [f"# Benchmark: {Path(meta['model']).name}", "",
              f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; threads {meta['threads']}, "
-             f"n_batch {meta['n_batch']}; load average before/after {meta['load_before']} / {meta['load_after']}; "
+             f"n_batch {meta['n_batch']}; load average before/after {meta['load_before']:.2f} / {meta.get('load_after', float('nan')):.2f}; "
              f"copy bandwidth {bw / 1e9:.1f} GB/s; {meta['repeats']} repeats, medians; {meta['decode_tokens']} "
              f"decode steps per run (median step).", ""]
     for metric, title in (("decode_tok_s", "Decode tokens/s"), ("prefill_tok_s", "Prompt tokens/s"),
@@ -283,12 +286,22 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
     ap.add_argument("--out", type=Path, default=Path("results/bench"))
+    ap.add_argument("--report", type=Path, nargs="+", help="only write the report of these JSON files (merged)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.one:
         cfg = json.loads(args.one)
         print(json.dumps(measure(cfg)))
+        return 0
+    if args.report:
+        loaded = [json.loads(p.read_text()) for p in args.report]
+        meta = loaded[0]["meta"]
+        meta["budgets"] = sorted({b for d in loaded for b in d["meta"]["budgets"]})
+        meta["sources"] = [str(p) for p in args.report]
+        records = [r for d in loaded for r in d["records"]]
+        write_report(args.out, meta, records)
+        print(args.out.with_suffix(".md").read_text())
         return 0
 
     from .models import default_model_path
@@ -325,6 +338,7 @@ def main(argv=None) -> int:
                     f"prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
                 print(f"[{done}/{total} {time.time() - t_start:.0f}s] depth {depth} {s['name']}: {shown}",
                       file=sys.stderr, flush=True)
+                args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     meta["load_after"] = os.getloadavg()[0]
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     write_report(args.out, meta, records)

@@ -125,6 +125,7 @@ class Llama:
         self.sinks, self.heavy, self.recent = self._engine.split
         self.n_seq_max = int(n_seq_max)
         self._rng = random.Random(seed)
+        self.last_eog_token: Optional[int] = None  # the end-of-generation token the last generation sampled
 
     # ------------------------------------------------------------------ model facts
     def n_ctx(self) -> int:
@@ -189,6 +190,36 @@ class Llama:
             kv_cells=self._engine.n_ctx,
         )
 
+    def set_policy(self, policy: str, budget: Optional[int] = None, *, heavy: Optional[int] = None,
+                   recent: Optional[int] = None, sinks: Optional[int] = None) -> None:
+        """Switch the eviction policy for what follows; `compress()` applies it to the cache now.
+
+        A policy that needs scores (h2o) needs a `Llama` created with one, so that scores were accumulated.
+        """
+        if budget is None and policy not in ("h2o", "full"):
+            raise ValueError(f"policy {policy!r} needs a budget (KV entries kept per sequence)")
+        if budget is None:
+            policy = "full"
+
+        def opt(v: Optional[int]) -> int:
+            return -1 if v is None else int(v)
+
+        self._engine.set_policy(policy, opt(budget), opt(heavy), opt(recent), opt(sinks))
+        self.policy, self.budget = policy, budget
+        self.sinks, self.heavy, self.recent = self._engine.split
+
+    def compress(self, seq_id: int = 0) -> None:
+        """Evict now what the current policy does not keep."""
+        self._engine.compress(seq_id)
+
+    def save_state(self, seq_id: int = 0):
+        """A snapshot of one sequence: its KV cells, positions, scores, counters and last logits (in memory)."""
+        return self._engine.snapshot(seq_id)
+
+    def load_state(self, state, seq_id: int = 0) -> None:
+        """Put a `save_state` snapshot back into `seq_id` (replacing what it holds), to branch from a prefix."""
+        self._engine.restore(seq_id, state)
+
     # ------------------------------------------------------------------ generation
     def _sampler(self, temperature: float, top_p: float, top_k: int, min_p: float, seed: Optional[int]):
         if seed is None:
@@ -203,13 +234,14 @@ class Llama:
     def _stream_tokens(self, prompt_tokens: List[int], max_tokens: Optional[int], sampler, stop: Sequence[str],
                        reset: bool, all_logits: bool = False) -> Iterator[tuple]:
         """Yields (token, text, logits) per generated token, then (None, text, finish_reason) once."""
-        if not prompt_tokens:
-            raise ValueError("the prompt is empty: pass at least one token")
+        if not prompt_tokens and reset:
+            raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
         if max_tokens is not None and max_tokens < 0:
             raise ValueError("max_tokens must be >= 0 (or None: until the end of the text or the context)")
         if reset:
             self._engine.reset()
-        self._engine.eval({0: prompt_tokens}, all_logits)
+        if prompt_tokens:
+            self._engine.eval({0: prompt_tokens}, all_logits)
         text = TextAssembler(stop)
         n = 0
         finish = "length"
@@ -217,6 +249,7 @@ class Llama:
             logits = self._engine.last_logits(0)
             token = sampler.sample(logits)
             if self._engine.is_eog(token):
+                self.last_eog_token = token  # sampled, not fed: a session that goes on feeds it first
                 finish = "stop"
                 break
             n += 1
@@ -251,7 +284,8 @@ class Llama:
 
         Returns the text, or with `stream=True` an iterator of text pieces. `max_tokens` counts generated tokens
         (None: until an end-of-generation token, a stop string, or, for the full cache, the end of the context).
-        `reset=False` continues the session: the prompt is appended to what the cache already holds.
+        `reset=False` continues the session: the prompt is appended to what the cache already holds (an empty
+        prompt continues from the last token fed).
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         sampler = self._sampler(temperature, top_p, top_k, min_p, seed)

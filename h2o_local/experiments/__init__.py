@@ -1,0 +1,1 @@
+"""Reproductions of the H2O experiments on GGUF models (see docs/experiments.md)."""

@@ -1,0 +1,143 @@
+"""The MT-Bench "infinite" session: all 160 turns of question.jsonl in one session, the cache kept across turns.
+
+    python -m h2o_local.experiments.mtbench --input-path ../shared/data/question.jsonl \\
+        --settings full h2o-1024+roll --output results/mtbench-smollm2
+
+Each turn is the user message formatted by the model's chat template and appended to the cache; the reply is
+generated greedily (up to --max-tokens) until the end-of-turn token, which is fed back so the next turn follows
+the template. `full` has the model's trained context and stops when a turn no longer fits: where and how is
+recorded. Per turn: tokens generated, decode tokens/s, KV cells in use, KV bytes allocated, resident memory.
+Writes OUT.json, OUT.md, OUT.png and the transcripts OUT-<setting>.txt.gz.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..llama import Llama
+from ..models import default_model_path
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def make(model: str, setting: str, threads) -> Llama:
+    if setting == "full":
+        n_train = Llama(model, n_ctx=256).n_ctx_train()
+        return Llama(model, n_ctx=n_train, n_threads=threads)
+    policy, rest = setting.split("-", 1)
+    rolling = rest.endswith("+roll")
+    budget = int(rest.replace("+roll", ""))
+    return Llama(model, policy=policy, budget=budget, position_rolling=rolling, n_batch=256, n_threads=threads)
+
+
+def session(llm: Llama, turns, max_tokens: int, transcript) -> list:
+    records = []
+    eog_tail = None
+    for k, turn in enumerate(turns):
+        prompt = llm.apply_chat_template([{"role": "user", "content": turn}])
+        tokens = ([eog_tail] if eog_tail is not None else []) + llm.tokenize(prompt, add_bos=k == 0, special=True)
+        rec = {"turn": k, "prompt_tokens": len(tokens)}
+        try:
+            t0 = time.perf_counter()
+            llm.eval(tokens)
+            t_prompt = time.perf_counter() - t0
+            n, reason, text = 0, "length", []
+            t1 = time.perf_counter()
+            for token, piece, extra in llm._stream_tokens([], max_tokens, llm._sampler(0, 1, 0, 0, 0), [], False):
+                if token is None:
+                    reason = extra
+                    text.append(piece)
+                    break
+                n += 1
+                text.append(piece)
+            t_gen = time.perf_counter() - t1
+            # the stream samples an end-of-turn token without feeding it: the next turn feeds it first
+            eog_tail = llm.last_eog_token if reason == "stop" else None
+            st = llm.kv_state()
+            rec.update({"generated": n, "finish": reason, "prompt_tok_s": len(tokens) / t_prompt,
+                        "decode_tok_s": n / t_gen if n else None, "kv_cells": st.n_cells, "kv_bytes": st.kv_bytes,
+                        "n_seen": st.n_seen, "n_evicted": st.n_evicted, "rss": rss_bytes()})
+            transcript.write(f"### turn {k}\nUSER: {turn}\nASSISTANT: {''.join(text)}\n\n")
+        except (ValueError, RuntimeError) as e:
+            rec.update({"error": f"{type(e).__name__}: {e}", "n_seen": llm.kv_state().n_seen})
+            transcript.write(f"### turn {k}\nUSER: {turn}\n[stopped: {e}]\n")
+            records.append(rec)
+            print(f"\n  turn {k}: {rec['error']}", file=sys.stderr)
+            break
+        records.append(rec)
+        print(f"\r  turn {k + 1}/{len(turns)}: {n} tokens, {rec['decode_tok_s'] or 0:.1f} tok/s, "
+              f"{st.n_cells} cells, seen {st.n_seen}   ", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return records
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m h2o_local.experiments.mtbench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input-path", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--settings", nargs="+", default=["full", "h2o-1024+roll"])
+    ap.add_argument("--max-tokens", type=int, default=1000)
+    ap.add_argument("--max-turns", type=int, default=160)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--output", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    model = args.model or default_model_path()
+    turns = [t for line in open(args.input_path) for t in json.loads(line)["turns"]][: args.max_turns]
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for setting in args.settings:
+        print(f"{setting}:", file=sys.stderr)
+        llm = make(model, setting, args.threads)
+        with gzip.open(f"{args.output}-{setting}.txt.gz", "wt") as transcript:
+            results[setting] = session(llm, turns, args.max_tokens, transcript)
+    args.output.with_suffix(".json").write_text(json.dumps({"model": model, "turns": len(turns),
+                                                            "max_tokens": args.max_tokens, "results": results}))
+    lines = ["| setting | turns completed | tokens seen | stopped by | median decode tok/s | KV MiB | max RSS MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for setting, recs in results.items():
+        ok = [r for r in recs if "error" not in r]
+        err = next((r["error"] for r in recs if "error" in r), "-")
+        speeds = sorted(r["decode_tok_s"] for r in ok if r["decode_tok_s"])
+        med = speeds[len(speeds) // 2] if speeds else 0
+        lines.append(f"| {setting} | {len(ok)} | {recs[-1].get('n_seen', 0)} | {err} | {med:.1f} | "
+                     f"{max((r['kv_bytes'] for r in ok), default=0) / 2**20:.1f} | "
+                     f"{max((r['rss'] for r in ok), default=0) / 2**20:.0f} |")
+    args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for setting, recs in results.items():
+            ok = [r for r in recs if "error" not in r]
+            ax1.plot([r["turn"] for r in ok], [r["decode_tok_s"] or 0 for r in ok], label=setting)
+            ax2.plot([r["turn"] for r in ok], [r["kv_cells"] for r in ok], label=setting)
+        ax1.set_title("decode speed per turn")
+        ax1.set_ylabel("tokens/s")
+        ax2.set_title("KV cells in use after each turn")
+        ax2.set_ylabel("cells")
+        for ax in (ax1, ax2):
+            ax.set_xlabel("turn")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.output.with_suffix(".png"), dpi=110)
+    except ImportError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Streaming past the trained context: perplexity over one long text for full, local, sink, h2o and h2o + rolling.
+
+    python -m h2o_local.experiments.streaming --input-path ../shared/data/xsum_0shot_dev.jsonl \\
+        --tokens 32768 --budgets 256 1024 --output results/streaming-smollm2
+
+The articles are concatenated into one stream and fed in chunks of `--chunk` tokens (one forward pass each, then
+eviction) with every token's logits kept: the negative log-likelihood of token t comes from the logits after token
+t-1. `full` gets a context of the model's trained length and stops when it is full. Writes OUT.json (per-window
+perplexities), OUT.md (a table) and OUT.png (running perplexity vs tokens seen).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+
+from ..llama import Llama
+from ..models import default_model_path
+
+
+def stream_tokens(llm: Llama, path: str, n: int) -> List[int]:
+    text = "\n\n".join(json.loads(line)["article"] for line in open(path))
+    tokens = llm.tokenize(text, add_bos=False)
+    if len(tokens) < n + 1:
+        raise SystemExit(f"{path} gives only {len(tokens)} tokens")
+    return tokens[: n + 1]
+
+
+def nll_run(model: str, tokens: List[int], policy: str, budget, rolling: bool, chunk: int, threads) -> np.ndarray:
+    """NLL (nats) of tokens[1:], NaN where the setting could not go on."""
+    if policy == "full":
+        probe = Llama(model, n_ctx=256)
+        llm = Llama(model, n_ctx=probe.n_ctx_train(), n_batch=chunk, n_threads=threads)
+    else:
+        llm = Llama(model, policy=policy, budget=budget, position_rolling=rolling, n_batch=chunk, n_threads=threads)
+    nll = np.full(len(tokens) - 1, np.nan)
+    prev = None  # logits after the last token of the previous chunk
+    t0 = time.time()
+    for start in range(0, len(tokens) - 1, chunk):
+        piece = tokens[start: min(start + chunk, len(tokens) - 1)]
+        if policy == "full" and llm.kv_state().n_cells + len(piece) > llm.n_ctx():
+            break
+        llm._engine.eval({0: piece}, True)
+        rows = llm._engine.logits_all(0)
+        logits = rows if prev is None else np.vstack([prev[None, :], rows])
+        targets = tokens[start + (0 if prev is not None else 1): start + len(piece) + 1]
+        logits = logits[: len(targets)]
+        lse = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
+        vals = lse - logits[np.arange(len(targets)), targets]
+        first = start if prev is not None else start + 1
+        nll[first - 1: first - 1 + len(vals)] = vals
+        prev = rows[-1]
+        done = start + len(piece)
+        print(f"\r  {done}/{len(tokens) - 1} tokens, {done / (time.time() - t0):.0f} tok/s   ", end="",
+              file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return nll
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m h2o_local.experiments.streaming", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input-path", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--window", type=int, default=1024, help="tokens per perplexity window in the table")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--output", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    model = args.model or default_model_path()
+    tokens = stream_tokens(Llama(model, n_ctx=256), args.input_path, args.tokens)
+    runs = [("full", None, False)]
+    for b in args.budgets:
+        runs += [("local", b, False), ("sink", b, False), ("h2o", b, False), ("h2o", b, True)]
+    results: Dict[str, List[float]] = {}
+    for policy, budget, rolling in runs:
+        name = policy if budget is None else f"{policy}-{budget}" + ("+roll" if rolling else "")
+        print(f"{name}:", file=sys.stderr)
+        results[name] = nll_run(model, tokens, policy, budget, rolling, args.chunk, args.threads).tolist()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    n_train = Llama(model, n_ctx=256).n_ctx_train()
+    windows = list(range(0, args.tokens, args.window))
+
+    def ppl(vals):
+        v = np.asarray(vals, dtype=float)
+        return float(math.exp(np.mean(v))) if len(v) and not np.isnan(v).any() else None
+
+    table = {name: [ppl(v[w: w + args.window]) for w in windows] for name, v in results.items()}
+    args.output.with_suffix(".json").write_text(json.dumps({"model": model, "tokens": args.tokens,
+                                                            "chunk": args.chunk, "window": args.window,
+                                                            "n_ctx_train": n_train, "ppl_per_window": table}))
+    lines = [f"Perplexity per window of {args.window} tokens (model trained context {n_train}); '-' = stopped.", "",
+             "| setting | " + " | ".join(f"{w // 1024}k" if w % 1024 == 0 else str(w) for w in windows) + " |",
+             "|---|" + "---|" * len(windows)]
+    for name, vals in table.items():
+        lines.append(f"| {name} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) + " |")
+    args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(11, 5))
+        for name, vals in results.items():
+            v = np.asarray(vals)
+            ok = ~np.isnan(v)
+            cum = np.exp(np.cumsum(np.where(ok, v, 0)) / np.maximum(np.cumsum(ok), 1))
+            x = np.arange(1, len(v) + 1)
+            ax.plot(x[ok], cum[ok], label=name, linestyle="--" if "local" in name or "sink" in name else "-")
+        ax.axvline(n_train, color="k", linewidth=0.8)
+        ax.text(n_train, ax.get_ylim()[1], " trained context", va="top")
+        ax.set_xlabel("tokens seen")
+        ax.set_ylabel("running perplexity")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.output.with_suffix(".png"), dpi=110)
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The benchmark and experiment entry points compute what they claim (on the tiny model, no network)."""
+import json
+
+import numpy as np
+import pytest
+
+from h2o_local import Llama
+
+
+def test_bench_measures_one_setting(tiny_model):
+    from h2o_local.bench import measure
+
+    cfg = {"runner": "h2o_local", "model": tiny_model, "policy": "h2o", "budget": 32, "rolling": False,
+           "export_scores": False, "depth": 200, "decode_tokens": 8, "n_batch": 64, "threads": 1}
+    r = measure(cfg)
+    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    assert r["cells_in_use"] == 32 and r["kv_cells"] == 256 and r["kv_bytes"] > 0 and r["peak_rss"] > 0
+
+
+def test_streaming_nll_equals_a_direct_computation(tiny_model, tmp_path):
+    """With a budget that never evicts, the chunked NLL equals -log softmax of one full pass."""
+    from h2o_local.experiments.streaming import nll_run
+
+    llm = Llama(tiny_model, n_ctx=512)
+    tokens = llm.tokenize("Streaming text for a perplexity check, fed in small chunks. " * 3, add_bos=False)[:150]
+    nll = nll_run(tiny_model, tokens, "h2o", 400, False, 16, None)
+    llm._engine.eval({0: tokens[:-1]}, True)
+    rows = llm._engine.logits_all(0).astype(np.float64)
+    lse = np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1)) + rows.max(1)
+    direct = lse - rows[np.arange(len(tokens) - 1), tokens[1:]]
+    np.testing.assert_allclose(nll, direct, rtol=1e-4, atol=1e-4)
+
+
+def test_streaming_full_stops_at_its_context(tiny_model):
+    from h2o_local.experiments.streaming import nll_run
+
+    tokens = list(range(3, 259)) * 2  # 512 tokens, trained context 128
+    nll = nll_run(tiny_model, tokens, "full", None, False, 32, None)
+    assert not np.isnan(nll[:120]).any() and np.isnan(nll[300:]).all()
+    local = nll_run(tiny_model, tokens, "local", 64, False, 32, None)
+    assert not np.isnan(local).any()
+
+
+def test_summarization_settings_and_summary(tmp_path):
+    from h2o_local.experiments.summarization import decodings, settings, summarize
+
+    assert settings(["h2o", "local"], ["64", "full"]) == [("full", None), ("h2o", 64), ("local", 64)]
+    assert decodings([0, 1], True) == [("greedy", None), ("seed0", 0), ("seed1", 1)]
+    path = tmp_path / "out.jsonl"
+    recs = []
+    for row in range(2):
+        for policy, budget in (("full", None), ("h2o", 64)):
+            for dec, r2 in (("greedy", 0.1), ("seed0", 0.2), ("seed1", 0.4)):
+                recs.append({"row": row, "policy": policy, "budget": budget, "decoding": dec, "rouge2": r2,
+                             "g_rouge2": r2, "rouge1": r2, "rougeL": r2})
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    table = summarize(path)
+    assert "| h2o | greedy | 0.1000 | 0.1000 |" in table
+    assert "| h2o | sampled | 0.3000 ± 0.1414 | 0.3000 ± 0.1414 |" in table
+
+
+def test_rouge_scores():
+    pytest.importorskip("rouge")
+    pytest.importorskip("rouge_score")
+    from h2o_local.experiments.summarization import rouge_scores
+
+    s = rouge_scores("a cat sat on a mat", "the cat sat on the mat")
+    assert s["rouge2"] == pytest.approx(0.4, abs=1e-6) and s["g_rouge2"] == pytest.approx(0.4, abs=1e-6)
+    assert rouge_scores("", "the cat")["rouge2"] == 0.0
