@@ -53,8 +53,12 @@ def test_summarization_settings_and_summary(tmp_path):
             for dec, r2 in (("greedy", 0.1), ("seed0", 0.2), ("seed1", 0.4)):
                 recs.append({"row": row, "policy": policy, "budget": budget, "decoding": dec, "rouge2": r2,
                              "g_rouge2": r2, "rouge1": r2, "rougeL": r2})
+    # a row that a stopped run left incomplete is left out of every cell
+    recs.append({"row": 2, "policy": "h2o", "budget": 64, "decoding": "greedy", "rouge2": 0.9, "g_rouge2": 0.9,
+                 "rouge1": 0.9, "rougeL": 0.9})
     path.write_text("\n".join(json.dumps(r) for r in recs))
     table = summarize(path)
+    assert table.startswith("Rows: 2.")
     assert "| h2o | greedy | 0.1000 | 0.1000 |" in table
     assert "| h2o | sampled | 0.3000 ± 0.1414 | 0.3000 ± 0.1414 |" in table
 

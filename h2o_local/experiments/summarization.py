@@ -111,6 +111,12 @@ def run(args) -> None:
 
 def summarize(path: Path) -> str:
     recs = [json.loads(line) for line in open(path)]
+    # only rows that every setting finished: a stopped run must not compare settings over different rows
+    per_row: Dict[int, int] = {}
+    for r in recs:
+        per_row[r["row"]] = per_row.get(r["row"], 0) + 1
+    full_count = max(per_row.values(), default=0)
+    recs = [r for r in recs if per_row[r["row"]] == full_count]
     groups: Dict[Tuple[str, Any, str], List[dict]] = {}
     for r in recs:
         groups.setdefault((r["policy"], r["budget"], r["decoding"]), []).append(r)
