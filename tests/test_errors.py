@@ -1,5 +1,4 @@
 """Bad input gets a clear Python exception and leaves the object usable; never a crash."""
-import shutil
 
 import pytest
 

@@ -21,6 +21,21 @@ def byte_vocab():
     return tokens, types
 
 
+def add_hparams(w, n_ctx_train: int, n_embd: int, n_layer: int, n_ff: int, n_head: int, n_head_kv: int) -> None:
+    """The hyperparameters every tiny model has (F32 weights, RMS norm, RoPE over the whole head)."""
+    import gguf
+
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
 def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_layer: int = 2) -> Path:
     import gguf
 
@@ -33,15 +48,7 @@ def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_lay
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-random-llama")
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(head_dim)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_hparams(w, n_ctx_train, n_embd, n_layer, n_ff, n_head, n_head_kv)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * n_vocab)
@@ -88,16 +95,8 @@ def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
     tokens, types = byte_vocab()
 
     w = gguf.GGUFWriter(str(path), "qwen2vl")
-    w.add_context_length(128)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(head_dim)
+    add_hparams(w, 128, n_embd, n_layer, n_ff, n_head, n_head_kv)
     w.add_rope_dimension_sections([2, 3, 3, 0])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * len(tokens))
