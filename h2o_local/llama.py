@@ -236,8 +236,7 @@ class Llama:
         """Yields (token, text, logits) per generated token, then (None, text, finish_reason) once."""
         if not prompt_tokens and reset:
             raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
-        if max_tokens is not None and max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0 (or None: until the end of the text or the context)")
+        _check_max_tokens(max_tokens)
         if reset:
             self._engine.reset()
         if prompt_tokens:
@@ -287,7 +286,7 @@ class Llama:
         `reset=False` continues the session: the prompt is appended to what the cache already holds (an empty
         prompt continues from the last token fed).
         """
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stops = _stop_list(stop)
         sampler = self._sampler(temperature, top_p, top_k, min_p, seed)
         tokens = self._prompt_tokens(prompt, add_bos)
         it = self._stream_tokens(tokens, max_tokens, sampler, stops, reset)
@@ -314,7 +313,7 @@ class Llama:
         `usage`; `logprobs=k` adds the k most likely tokens per position; `echo` prepends the prompt)."""
         if logprobs is not None and logprobs < 0:
             raise ValueError("logprobs must be >= 0")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stops = _stop_list(stop)
         prompt_tokens = self._prompt_tokens(prompt, None)
         sampler = self._sampler(temperature, top_p, top_k, min_p, seed)
         want_prompt_lp = echo and logprobs is not None
@@ -414,9 +413,8 @@ class Llama:
         batch. At most `n_seq_max` prompts run at once; more are processed in waves. Returns the texts, or with
         `stream=True` an iterator of (index, text piece) pairs, and (index, None) when sequence `index` ends.
         """
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if max_tokens is not None and max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0 (or None)")
+        stops = _stop_list(stop)
+        _check_max_tokens(max_tokens)
         token_lists = [self._prompt_tokens(p, add_bos) for p in prompts]
         if any(not t for t in token_lists):
             raise ValueError("a prompt is empty: pass at least one token per prompt")
@@ -457,24 +455,23 @@ class Llama:
                         else:
                             step[s] = [token]
                     if finish is not None:
-                        rest = text.flush()
-                        if rest:
-                            yield i, rest
-                        yield i, None
-                        self.finish_reasons[i] = finish
+                        yield from self._end_sequence(i, text, finish)
                         self._engine.reset_seq(s)
                         del live[s]
                 if step:
                     if self.policy == "full" and self._engine.cells_used + len(step) > self._engine.n_ctx:
                         for s in list(live):
                             i, _, text, _ = live.pop(s)
-                            rest = text.flush()
-                            if rest:
-                                yield i, rest
-                            yield i, None
-                            self.finish_reasons[i] = "length"
+                            yield from self._end_sequence(i, text, "length")
                         break
                     self._engine.eval(step, False)
+
+    def _end_sequence(self, i: int, text: TextAssembler, finish: str) -> Iterator[tuple]:
+        rest = text.flush()
+        if rest:
+            yield i, rest
+        yield i, None
+        self.finish_reasons[i] = finish
 
     # ------------------------------------------------------------------ chat
     def create_chat_completion(
@@ -493,7 +490,7 @@ class Llama:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF)."""
         prompt = self.apply_chat_template(messages)
         tokens = self.tokenize(prompt, add_bos=self._engine.add_bos, special=True)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stops = _stop_list(stop)
         sampler = self._sampler(temperature, top_p, top_k, min_p, seed)
         it = self._stream_tokens(tokens, max_tokens, sampler, stops, True)
         meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": self.model_path}
@@ -529,6 +526,15 @@ class Llama:
                 raise ValueError("each message needs a 'role' and a 'content'")
             pairs.append((str(m["role"]), str(m["content"])))
         return self._engine.apply_chat_template(pairs, add_generation_prompt)
+
+
+def _stop_list(stop: Optional[Union[str, Sequence[str]]]) -> List[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _check_max_tokens(max_tokens: Optional[int]) -> None:
+    if max_tokens is not None and max_tokens < 0:
+        raise ValueError("max_tokens must be >= 0 (or None: until the end of the text or the context)")
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
