@@ -110,6 +110,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("token_eos", [](const Engine & e) { return llama_vocab_eos(llama_model_get_vocab(e.model())); })
         .def_property_readonly("add_bos", [](const Engine & e) { return llama_vocab_get_add_bos(llama_model_get_vocab(e.model())); })
         .def_property_readonly("n_ctx", &Engine::n_ctx)
+        .def_property_readonly("capacity", &Engine::capacity)
         .def_property_readonly("n_vocab", &Engine::n_vocab)
         .def_property_readonly("n_head", &Engine::n_head)
         .def_property_readonly("n_head_kv", [](const Engine & e) { return llama_model_n_head_kv(e.model()); })

@@ -90,6 +90,8 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
                                     std::to_string(n_keep_max) + " entries): use n_ctx > budget * n_seq_max, or 0");
     }
 
+    capacity_ = n_ctx;
+
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = n_ctx;
     cp.n_batch         = std::min(params.n_batch, n_ctx);
@@ -203,9 +205,9 @@ void Engine::set_policy(const std::string & name, int32_t budget, int32_t heavy,
         throw std::invalid_argument("policy '" + name + "' needs attention scores: create the engine with a scoring "
                                     "policy or export_scores=True");
     }
-    if (policy->bounded() && params_.n_seq_max*policy->split().total() >= n_ctx()) {
+    if (policy->bounded() && params_.n_seq_max*policy->split().total() >= capacity_) {
         throw std::invalid_argument("budget " + std::to_string(budget) + " leaves no room in the context's " +
-                                    std::to_string(n_ctx()) + " cells");
+                                    std::to_string(capacity_) + " cells");
     }
     policy_ = std::move(policy);
 }
@@ -263,7 +265,8 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
         return;
     }
 
-    const int32_t n_ctx  = (int32_t) this->n_ctx();
+    // the capacity, not llama.cpp's padded n_ctx, decides: the same prompt is fed the same way whatever the padding
+    const int32_t n_ctx  = (int32_t) capacity_;
     const bool    fits   = (int64_t) n_total <= n_ctx - cells_used();
     if (!fits && !policy_->bounded()) {
         throw std::invalid_argument("cannot feed " + std::to_string(n_total) + " tokens: " + std::to_string(cells_used()) +
@@ -272,20 +275,30 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     }
 
     // fits: the reference mode, attend everything then compress once; otherwise a bounded prefill that feeds what
-    // fits beside the kept entries and evicts after every chunk, so the cache never holds more than budget + n_batch
+    // fits beside the kept entries and evicts after every chunk, so the cache never holds more than budget + n_batch.
+    // Each sequence is cut into pieces of n_batch tokens from its own start, and a chunk takes whole pieces only, so
+    // a sequence is fed (and evicted) at the same boundaries alone or beside others.
+    const size_t n_piece = llama_n_batch(ctx_);
     std::map<llama_seq_id, size_t> fed;
     size_t n_left = n_total;
     while (n_left > 0) {
         const int32_t room = fits ? n_ctx : n_ctx - cells_used();
         size_t take = std::min<size_t>({ (size_t) llama_n_batch(ctx_), n_left, (size_t) std::max(room, 0) });
-        if (take == 0) {
-            throw std::logic_error("no KV cell is free for the next chunk");
-        }
 
         std::map<llama_seq_id, std::vector<llama_token>> chunk;
         for (const auto & [seq, toks] : tokens) {
             size_t & off = fed[seq];
-            const size_t n = std::min(take, toks.size() - off);
+            size_t n = std::min(take, toks.size() - off);
+            if (!fits) {
+                const size_t piece = std::min(n_piece - off % n_piece, toks.size() - off);
+                if (n < piece) {
+                    if (!chunk.empty()) {
+                        break; // the next piece goes into the next chunk, whole
+                    }
+                } else {
+                    n = piece;
+                }
+            }
             if (n == 0) {
                 continue;
             }
@@ -293,6 +306,9 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             off  += n;
             take -= n;
             n_left -= n;
+        }
+        if (chunk.empty()) {
+            throw std::logic_error("no KV cell is free for the next chunk");
         }
         decode(chunk, all_logits);
         if (!fits) {

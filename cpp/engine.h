@@ -109,6 +109,7 @@ public:
     llama_model  * model()   const { return model_->get(); }
     llama_context * ctx()    const { return ctx_; }
     uint32_t n_ctx()   const { return llama_n_ctx(ctx_); }
+    uint32_t capacity() const { return capacity_; } // cells the engine fills: n_ctx as asked, before llama.cpp pads it
     int32_t  n_vocab() const { return llama_vocab_n_tokens(model_->vocab()); }
     int32_t  n_head()  const { return n_head_; }
     int32_t  n_ctx_train() const { return llama_model_n_ctx_train(model_->get()); }
@@ -132,6 +133,7 @@ private:
     llama_memory_t  mem_ = nullptr;
     llama_batch     batch_ {};
     int32_t n_head_ = 0;
+    uint32_t capacity_ = 0;
     int32_t scores_path_ = -1; // llama_attn_scores_enable: 0 out_prod, 1 sum_rows, -1 off
 
     std::map<llama_seq_id, SeqState> seqs_;

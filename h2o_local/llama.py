@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _engine
 from ._text import TextAssembler
+from .capacity import CELL_PAD, cells_needed, largest_batch
 
 Prompt = Union[str, bytes, Sequence[int]]
 POLICIES = ("full", "local", "sink", "h2o")
@@ -126,11 +127,58 @@ class Llama:
         self.n_seq_max = int(n_seq_max)
         self._rng = random.Random(seed)
         self.last_eog_token: Optional[int] = None  # the end-of-generation token the last generation sampled
+        self._eog: Optional[np.ndarray] = None
+
+    @classmethod
+    def for_kv_limit(
+        cls,
+        model_path: Union[str, os.PathLike],
+        kv_limit_bytes: int,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        budget: Optional[int] = None,
+        n_batch: int = 128,
+        **kwargs: Any,
+    ) -> "Llama":
+        """The memory-capped mode: a Llama that runs the most sequences at once within `kv_limit_bytes` of KV.
+
+        The full cache (`budget=None`) needs `prompt_tokens + max_tokens` cells per sequence, a bounded policy
+        `budget` per sequence plus `n_batch` shared (see `h2o_local.capacity`). The returned object has
+        `n_seq_max` set to that largest batch and its cache allocated within the limit (checked, in bytes, after
+        llama.cpp's rounding). Other keyword arguments go to `Llama(...)`. Raises ValueError when not even one
+        sequence fits.
+        """
+        if kv_limit_bytes < 1 or prompt_tokens < 1 or max_tokens < 0:
+            raise ValueError("kv_limit_bytes and prompt_tokens must be >= 1 and max_tokens >= 0")
+        kv_f32 = bool(kwargs.get("kv_f32", False))
+        probe = cls(model_path, n_ctx=CELL_PAD, n_batch=min(n_batch, CELL_PAD), kv_f32=kv_f32)
+        n_seq = largest_batch(kv_limit_bytes, bytes_per_cell=probe.kv_bytes_per_cell, prompt_tokens=prompt_tokens,
+                              max_tokens=max_tokens, budget=budget, n_batch=n_batch)
+        del probe
+        while n_seq > 0:
+            n_ctx = cells_needed(n_seq, prompt_tokens=prompt_tokens, max_tokens=max_tokens, budget=budget,
+                                 n_batch=n_batch)
+            llm = cls(model_path, budget=budget, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq, **kwargs)
+            if llm._engine.kv_bytes <= kv_limit_bytes:
+                return llm
+            n_seq -= 1  # a cache that is not all cells (sliding-window layers) can come out larger than estimated
+        raise ValueError(f"not even one sequence of {prompt_tokens} + {max_tokens} tokens fits in {kv_limit_bytes} "
+                         f"bytes of KV cache" + ("" if budget is None else f" with budget {budget}"))
 
     # ------------------------------------------------------------------ model facts
     def n_ctx(self) -> int:
-        """KV cells allocated (llama.cpp rounds up to a multiple of 256)."""
-        return self._engine.n_ctx
+        """KV cells (tokens, all sequences together) the cache fills at most: `n_ctx` as given, or its default.
+
+        llama.cpp allocates this rounded up to a multiple of 256 (`kv_state().kv_cells`); the extra cells stay unused.
+        """
+        return self._engine.capacity
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """Bytes of one KV cell: one token's K and V in every layer (models with sliding-window layers add a fixed
+        part on top, so for them this is an average over the allocated cells)."""
+        return self._engine.kv_bytes // self._engine.n_ctx
 
     def n_vocab(self) -> int:
         return self._engine.n_vocab
@@ -257,7 +305,7 @@ class Llama:
             if text.stopped:
                 finish = "stop"
                 break
-            if self.policy == "full" and self._engine.cells_used >= self._engine.n_ctx:
+            if self.policy == "full" and self._engine.cells_used >= self._engine.capacity:
                 break  # the context is full and never evicts: stop like llama-cpp-python does
             if max_tokens is not None and n >= max_tokens:
                 break
@@ -405,6 +453,7 @@ class Llama:
         seed: Optional[int] = None,
         stream: bool = False,
         add_bos: Optional[bool] = None,
+        ignore_eos: bool = False,
     ) -> Union[List[str], Iterator[tuple]]:
         """Generate for several prompts decoded together: one llama_decode per step for all live sequences.
 
@@ -412,6 +461,8 @@ class Llama:
         `generate(prompts[i], seed=seed + i)` would, up to batching round-off); finished sequences leave the
         batch. At most `n_seq_max` prompts run at once; more are processed in waves. Returns the texts, or with
         `stream=True` an iterator of (index, text piece) pairs, and (index, None) when sequence `index` ends.
+        `ignore_eos=True` never samples an end-of-generation token, so that every sequence runs to `max_tokens`
+        (benchmarks).
         """
         stops = _stop_list(stop)
         _check_max_tokens(max_tokens)
@@ -419,7 +470,10 @@ class Llama:
         if any(not t for t in token_lists):
             raise ValueError("a prompt is empty: pass at least one token per prompt")
         base_seed = self._rng.getrandbits(32) if seed is None else int(seed)
-        it = self._batch_stream(token_lists, max_tokens, (temperature, top_p, top_k, min_p), base_seed, stops)
+        if ignore_eos and max_tokens is None:
+            raise ValueError("ignore_eos=True needs max_tokens")
+        it = self._batch_stream(token_lists, max_tokens, (temperature, top_p, top_k, min_p), base_seed, stops,
+                                self._eog_tokens() if ignore_eos else None)
         if stream:
             return it
         texts = [""] * len(prompts)
@@ -428,7 +482,12 @@ class Llama:
                 texts[i] += piece
         return texts
 
-    def _batch_stream(self, token_lists, max_tokens, knobs, base_seed, stops) -> Iterator[tuple]:
+    def _eog_tokens(self) -> np.ndarray:
+        if self._eog is None:
+            self._eog = np.array([t for t in range(self.n_vocab()) if self._engine.is_eog(t)], dtype=np.int64)
+        return self._eog
+
+    def _batch_stream(self, token_lists, max_tokens, knobs, base_seed, stops, banned) -> Iterator[tuple]:
         self.finish_reasons: List[Optional[str]] = [None] * len(token_lists)
         for wave in range(0, len(token_lists), self.n_seq_max):
             idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
@@ -439,7 +498,11 @@ class Llama:
             while live:
                 step: Dict[int, List[int]] = {}
                 for s, (i, sampler, text, count) in list(live.items()):
-                    token = sampler.sample(self._engine.last_logits(s))
+                    logits = self._engine.last_logits(s)
+                    if banned is not None:
+                        logits = np.array(logits, dtype=np.float32)
+                        logits[banned] = -np.inf
+                    token = sampler.sample(logits)
                     finish = None
                     if self._engine.is_eog(token):
                         finish = "stop"
@@ -459,7 +522,7 @@ class Llama:
                         self._engine.reset_seq(s)
                         del live[s]
                 if step:
-                    if self.policy == "full" and self._engine.cells_used + len(step) > self._engine.n_ctx:
+                    if self.policy == "full" and self._engine.cells_used + len(step) > self._engine.capacity:
                         for s in list(live):
                             i, _, text, _ = live.pop(s)
                             yield from self._end_sequence(i, text, "length")

@@ -36,11 +36,48 @@ def test_batch_stream_and_finish(tiny_model):
 
 def test_batch_bounded_memory(tiny_model):
     llm = Llama(tiny_model, budget=16, n_seq_max=4, n_batch=32)
-    llm.generate_batch(["x" * 200] * 4, max_tokens=30, temperature=0)
-    assert llm.n_ctx() == 256  # 4 x 16 + 32 cells, rounded up by llama.cpp
+    stream = llm.generate_batch(["x" * 200] * 4, max_tokens=30, temperature=0, stream=True)
+    most = 0
+    for _ in stream:
+        most = max(most, llm._engine.cells_used)
+    assert llm.n_ctx() == 4 * 16 + 32
+    assert most == 4 * 16  # between steps every sequence holds exactly its budget
+    assert all(llm.kv_state(s).peak_cells <= 16 + 32 for s in range(4) if llm.kv_state(s).n_seen)
 
 
 def test_batch_rejects_empty_prompts(tiny_model):
     llm = Llama(tiny_model, budget=16, n_seq_max=2)
     with pytest.raises(ValueError, match="empty"):
         llm.generate_batch(["ok", []])
+
+
+def test_long_prompts_are_fed_at_the_same_boundaries_alone_or_batched(tiny_model):
+    # prompts longer than budget + n_batch, of lengths that are not multiples of n_batch: the bounded prefill cuts
+    # each sequence at multiples of n_batch from its own start, so batching does not change what is evicted when
+    prompts = [[(7 * i + j) % 200 + 3 for i in range(n)] for j, n in enumerate((150, 203, 97))]
+    batched = Llama(tiny_model, budget=16, n_seq_max=3, n_batch=32)
+    single = Llama(tiny_model, budget=16, n_batch=32)
+    texts = batched.generate_batch(prompts, max_tokens=12, temperature=0, stream=True)
+    kept = {}
+    for i, piece in texts:
+        if i not in kept:  # the first piece comes right after the prefill
+            kept[i] = batched.kv_state(i).positions.tolist()
+    for i, p in enumerate(prompts):
+        single.reset()
+        single.eval(p)
+        assert single.kv_state().positions.tolist() == kept[i]
+        assert single.kv_state().peak_cells <= 16 + 32
+
+
+def test_ignore_eos_runs_every_sequence_to_max_tokens(tiny_model):
+    llm = Llama(tiny_model, budget=16, n_seq_max=4, n_batch=64)
+    llm.generate_batch(PROMPTS, max_tokens=150, temperature=50.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    assert "stop" in llm.finish_reasons  # near-uniform sampling over the small vocabulary meets an end token
+    seen = [0] * len(PROMPTS)
+    for i, piece in llm.generate_batch(PROMPTS, max_tokens=150, temperature=50.0, top_k=0, top_p=1.0, min_p=0.0,
+                                       seed=3, ignore_eos=True, stream=True):
+        if piece is not None:
+            seen[i] = llm.kv_state(i).n_seen
+    assert llm.finish_reasons == ["length"] * len(PROMPTS)
+    # the last piece comes before the 150th token would be fed
+    assert seen == [len(llm.tokenize(p)) + 150 - 1 for p in PROMPTS]
