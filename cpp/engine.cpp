@@ -71,8 +71,8 @@ Model::~Model() {
 
 Engine::Engine(const std::string & model_path, const EngineParams & params) : params_(params) {
     policy_ = make_policy(params.policy, params.budget, params.heavy, params.recent, params.sinks);
-    if (params.n_seq_max < 1 || params.n_seq_max > 64) {
-        throw std::invalid_argument("n_seq_max must be in [1, 64]");
+    if (params.n_seq_max < 1 || params.n_seq_max > 256) {
+        throw std::invalid_argument("n_seq_max must be in [1, 256]");
     }
     if (params.n_batch < 1) {
         throw std::invalid_argument("n_batch must be >= 1");
@@ -80,14 +80,16 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
 
     model_ = std::make_unique<Model>(model_path, params.n_gpu_layers, params.verbose);
 
-    const uint32_t n_keep_max = policy_->bounded() ? params.n_seq_max*policy_->split().total() : 0;
+    // cells per stream: the budgets of all sequences + one batch (unified), or a budget + one batch per sequence
+    const uint32_t n_stream   = params.kv_unified ? 1 : params.n_seq_max;
+    const uint32_t n_keep_max = policy_->bounded() ? params.n_seq_max/n_stream*policy_->split().total() : 0;
     uint32_t n_ctx = params.n_ctx;
     if (n_ctx == 0) {
-        n_ctx = policy_->bounded() ? n_keep_max + params.n_batch : (uint32_t) std::max(n_ctx_train(), 1);
+        n_ctx = n_stream*(policy_->bounded() ? n_keep_max + params.n_batch : (uint32_t) std::max(n_ctx_train(), 1));
     }
-    if (policy_->bounded() && n_ctx <= n_keep_max) {
+    if (policy_->bounded() && n_ctx/n_stream <= n_keep_max) {
         throw std::invalid_argument("n_ctx=" + std::to_string(n_ctx) + " leaves no room beside the budget (" +
-                                    std::to_string(n_keep_max) + " entries): use n_ctx > budget * n_seq_max, or 0");
+                                    std::to_string(n_keep_max) + " entries per stream): use n_ctx > budget * n_seq_max, or 0");
     }
 
     capacity_ = n_ctx;
@@ -97,7 +99,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.n_batch         = std::min(params.n_batch, n_ctx);
     cp.n_ubatch        = cp.n_batch;
     cp.n_seq_max       = params.n_seq_max;
-    cp.kv_unified      = true; // one cell space: the cache holds the budgets of all sequences + one batch
+    cp.kv_unified      = params.kv_unified;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED; // scores need the softmax
     cp.no_perf         = true;
     if (params.kv_f32) {
@@ -168,6 +170,13 @@ const std::vector<float> & Engine::logits_all(llama_seq_id seq) const {
     return it == logits_all_.end() ? empty : it->second;
 }
 
+int32_t Engine::room(llama_seq_id seq) const {
+    if (params_.kv_unified) {
+        return (int32_t) capacity_ - cells_used();
+    }
+    return (int32_t) (capacity_/params_.n_seq_max) - (int32_t) state(seq).positions.size();
+}
+
 int32_t Engine::cells_used() const {
     int32_t n = 0;
     for (const auto & kv : seqs_) {
@@ -205,7 +214,8 @@ void Engine::set_policy(const std::string & name, int32_t budget, int32_t heavy,
         throw std::invalid_argument("policy '" + name + "' needs attention scores: create the engine with a scoring "
                                     "policy or export_scores=True");
     }
-    if (policy->bounded() && params_.n_seq_max*policy->split().total() >= capacity_) {
+    const uint32_t n_per_stream = params_.kv_unified ? params_.n_seq_max : 1;
+    if (policy->bounded() && n_per_stream*policy->split().total() >= capacity_/(params_.kv_unified ? 1 : params_.n_seq_max)) {
         throw std::invalid_argument("budget " + std::to_string(budget) + " leaves no room in the context's " +
                                     std::to_string(capacity_) + " cells");
     }
@@ -266,12 +276,14 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     }
 
     // the capacity, not llama.cpp's padded n_ctx, decides: the same prompt is fed the same way whatever the padding
-    const int32_t n_ctx  = (int32_t) capacity_;
-    const bool    fits   = (int64_t) n_total <= n_ctx - cells_used();
+    bool fits = params_.kv_unified ? (int64_t) n_total <= room(0) : true;
+    for (const auto & [seq, toks] : tokens) {
+        fits = fits && (int64_t) toks.size() <= room(seq);
+    }
     if (!fits && !policy_->bounded()) {
         throw std::invalid_argument("cannot feed " + std::to_string(n_total) + " tokens: " + std::to_string(cells_used()) +
-                                    " of the context's " + std::to_string(n_ctx) + " KV cells are in use and policy 'full' never "
-                                    "evicts (use a larger n_ctx or a bounded policy)");
+                                    " of the context's " + std::to_string(capacity_) + " KV cells are in use and policy "
+                                    "'full' never evicts (use a larger n_ctx or a bounded policy)");
     }
 
     // fits: the reference mode, attend everything then compress once; otherwise a bounded prefill that feeds what
@@ -282,13 +294,18 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     std::map<llama_seq_id, size_t> fed;
     size_t n_left = n_total;
     while (n_left > 0) {
-        const int32_t room = fits ? n_ctx : n_ctx - cells_used();
-        size_t take = std::min<size_t>({ (size_t) llama_n_batch(ctx_), n_left, (size_t) std::max(room, 0) });
+        size_t take = std::min<size_t>((size_t) llama_n_batch(ctx_), n_left);
+        if (!fits && params_.kv_unified) {
+            take = std::min<size_t>(take, (size_t) std::max(room(0), 0));
+        }
 
         std::map<llama_seq_id, std::vector<llama_token>> chunk;
         for (const auto & [seq, toks] : tokens) {
             size_t & off = fed[seq];
             size_t n = std::min(take, toks.size() - off);
+            if (!fits && !params_.kv_unified) {
+                n = std::min<size_t>(n, (size_t) std::max(room(seq), 0));
+            }
             if (!fits) {
                 const size_t piece = std::min(n_piece - off % n_piece, toks.size() - off);
                 if (n < piece) {

@@ -28,6 +28,7 @@ struct EngineParams {
     uint32_t n_ctx     = 0;          // KV cells; 0: budget + n_batch per sequence (bounded) or the trained context (full)
     uint32_t n_batch   = 512;        // tokens per llama_decode
     uint32_t n_seq_max = 1;
+    bool     kv_unified = true;      // one cell space for all sequences; false: a stream of n_ctx / n_seq_max cells each
     int32_t  n_threads = 0;          // 0: llama.cpp's default
     int32_t  n_gpu_layers = 0;
     bool     scores_sum_rows = false; // force the transpose + sum_rows reduction (the Metal path) on any backend
@@ -110,6 +111,7 @@ public:
     llama_context * ctx()    const { return ctx_; }
     uint32_t n_ctx()   const { return llama_n_ctx(ctx_); }
     uint32_t capacity() const { return capacity_; } // cells the engine fills: n_ctx as asked, before llama.cpp pads it
+    int32_t  room(llama_seq_id seq) const;          // cells still free for seq (shared by all in a unified cache)
     int32_t  n_vocab() const { return llama_vocab_n_tokens(model_->vocab()); }
     int32_t  n_head()  const { return n_head_; }
     int32_t  n_ctx_train() const { return llama_model_n_ctx_train(model_->get()); }

@@ -1,27 +1,35 @@
 """How many sequences fit in a KV memory limit: the sizing rule behind `Llama.for_kv_limit`.
 
-A context holds the KV entries of all its sequences in one cell space (one cell = one token's K and V in every
-layer). The full cache needs prompt + generation cells per sequence; a bounded policy needs its budget per
-sequence plus one batch of fresh tokens shared by all. llama.cpp allocates the cells rounded up to a multiple of
-`CELL_PAD`, so that is what a limit has to cover.
+One KV cell holds one token's K and V in every layer. The full cache needs prompt + generation cells per
+sequence; a bounded policy needs its budget per sequence plus one batch of fresh tokens, shared by all sequences
+in a unified cache and per sequence when each has its own stream. llama.cpp rounds the context up to a multiple of
+`CELL_PAD` cells, and each stream too, so that is what a limit has to cover.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-CELL_PAD = 256  # llama.cpp rounds n_ctx up to a multiple of this
+CELL_PAD = 256  # llama.cpp rounds n_ctx (and each stream's share of it) up to a multiple of this
 
 
-def padded_cells(n_cells: int) -> int:
-    """Cells llama.cpp allocates for a context of `n_cells` cells."""
-    return -(-n_cells // CELL_PAD) * CELL_PAD
+def _pad(n: int) -> int:
+    return -(-n // CELL_PAD) * CELL_PAD
 
 
-def cells_needed(n_seq: int, *, prompt_tokens: int, max_tokens: int, budget: Optional[int], n_batch: int) -> int:
+def padded_cells(n_cells: int, n_seq: int = 1, kv_unified: bool = True) -> int:
+    """Cells llama.cpp allocates for a context of `n_cells` cells and `n_seq` sequences."""
+    if kv_unified:
+        return _pad(n_cells)
+    return n_seq * _pad(_pad(n_cells) // n_seq)
+
+
+def cells_needed(n_seq: int, *, prompt_tokens: int, max_tokens: int, budget: Optional[int], n_batch: int,
+                 kv_unified: bool = True) -> int:
     """KV cells (tokens) a context must hold for `n_seq` sequences decoded together.
 
     Full cache (`budget=None`): every sequence keeps its prompt and its generated tokens. Bounded: each sequence
-    keeps `budget` entries, and one chunk of at most `n_batch` fresh tokens sits beside them before eviction.
+    keeps `budget` entries, and one chunk of at most `n_batch` fresh tokens sits beside them before eviction (one
+    chunk for all in a unified cache, one per sequence otherwise).
     """
     if n_seq < 1 or prompt_tokens < 1 or max_tokens < 0 or n_batch < 1:
         raise ValueError("n_seq, prompt_tokens and n_batch must be >= 1 and max_tokens >= 0")
@@ -29,11 +37,11 @@ def cells_needed(n_seq: int, *, prompt_tokens: int, max_tokens: int, budget: Opt
         return n_seq * (prompt_tokens + max_tokens)
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    return n_seq * budget + n_batch
+    return n_seq * budget + n_batch if kv_unified else n_seq * (budget + n_batch)
 
 
 def largest_batch(kv_limit_bytes: int, *, bytes_per_cell: int, prompt_tokens: int, max_tokens: int,
-                  budget: Optional[int], n_batch: int, n_seq_cap: int = 256) -> int:
+                  budget: Optional[int], n_batch: int, kv_unified: bool = True, n_seq_cap: int = 256) -> int:
     """The most sequences whose cache, as llama.cpp allocates it, takes at most `kv_limit_bytes` bytes.
 
     Returns 0 when not even one sequence fits; at most `n_seq_cap` (llama.cpp's limit on sequences per context).
@@ -42,8 +50,9 @@ def largest_batch(kv_limit_bytes: int, *, bytes_per_cell: int, prompt_tokens: in
         raise ValueError(f"bytes_per_cell must be >= 1, got {bytes_per_cell}")
     n = 0
     while n < n_seq_cap:
-        cells = cells_needed(n + 1, prompt_tokens=prompt_tokens, max_tokens=max_tokens, budget=budget, n_batch=n_batch)
-        if padded_cells(cells) * bytes_per_cell > kv_limit_bytes:
+        cells = cells_needed(n + 1, prompt_tokens=prompt_tokens, max_tokens=max_tokens, budget=budget,
+                             n_batch=n_batch, kv_unified=kv_unified)
+        if padded_cells(cells, n + 1, kv_unified) * bytes_per_cell > kv_limit_bytes:
             break
         n += 1
     return n

@@ -53,6 +53,9 @@ class Llama:
         n_batch: tokens per llama_decode; prompts longer than the free cells are fed in chunks with eviction in
             between, so memory stays at about budget + n_batch cells.
         n_seq_max: sequences the context can hold at once (each with its own budget).
+        kv_unified: one cell space shared by all sequences (n_ctx = their budgets + one batch); False gives each
+            sequence its own stream of n_ctx / n_seq_max cells (default: a budget + one batch each), so that a
+            sequence attends only its own cells, as in llama.cpp's parallel server slots.
         n_threads: CPU threads (None: llama.cpp's default).
         n_gpu_layers: layers offloaded to the GPU (-1: all).
         seed: seed of the sampling RNG; each call without its own seed draws from it.
@@ -72,6 +75,7 @@ class Llama:
         n_ctx: int = 0,
         n_batch: int = 512,
         n_seq_max: int = 1,
+        kv_unified: bool = True,
         n_threads: Optional[int] = None,
         n_gpu_layers: int = 0,
         seed: int = 0,
@@ -112,6 +116,7 @@ class Llama:
             n_ctx=int(n_ctx),
             n_batch=int(n_batch),
             n_seq_max=int(n_seq_max),
+            kv_unified=bool(kv_unified),
             n_threads=int(n_threads or 0),
             n_gpu_layers=int(n_gpu_layers),
             scores_sum_rows=_scores_sum_rows,
@@ -125,6 +130,7 @@ class Llama:
         self.position_rolling = position_rolling
         self.sinks, self.heavy, self.recent = self._engine.split
         self.n_seq_max = int(n_seq_max)
+        self.kv_unified = bool(kv_unified)
         self._rng = random.Random(seed)
         self.last_eog_token: Optional[int] = None  # the end-of-generation token the last generation sampled
         self._eog: Optional[np.ndarray] = None
@@ -139,12 +145,14 @@ class Llama:
         max_tokens: int,
         budget: Optional[int] = None,
         n_batch: int = 128,
+        kv_unified: bool = True,
         **kwargs: Any,
     ) -> "Llama":
         """The memory-capped mode: a Llama that runs the most sequences at once within `kv_limit_bytes` of KV.
 
         The full cache (`budget=None`) needs `prompt_tokens + max_tokens` cells per sequence, a bounded policy
-        `budget` per sequence plus `n_batch` shared (see `h2o_local.capacity`). The returned object has
+        `budget` per sequence plus `n_batch` (shared in a unified cache, per sequence otherwise; see
+        `h2o_local.capacity`). The returned object has
         `n_seq_max` set to that largest batch and its cache allocated within the limit (checked, in bytes, after
         llama.cpp's rounding). Other keyword arguments go to `Llama(...)`. Raises ValueError when not even one
         sequence fits.
@@ -154,12 +162,13 @@ class Llama:
         kv_f32 = bool(kwargs.get("kv_f32", False))
         probe = cls(model_path, n_ctx=CELL_PAD, n_batch=min(n_batch, CELL_PAD), kv_f32=kv_f32)
         n_seq = largest_batch(kv_limit_bytes, bytes_per_cell=probe.kv_bytes_per_cell, prompt_tokens=prompt_tokens,
-                              max_tokens=max_tokens, budget=budget, n_batch=n_batch)
+                              max_tokens=max_tokens, budget=budget, n_batch=n_batch, kv_unified=kv_unified)
         del probe
         while n_seq > 0:
             n_ctx = cells_needed(n_seq, prompt_tokens=prompt_tokens, max_tokens=max_tokens, budget=budget,
-                                 n_batch=n_batch)
-            llm = cls(model_path, budget=budget, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq, **kwargs)
+                                 n_batch=n_batch, kv_unified=kv_unified)
+            llm = cls(model_path, budget=budget, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq, kv_unified=kv_unified,
+                      **kwargs)
             if llm._engine.kv_bytes <= kv_limit_bytes:
                 return llm
             n_seq -= 1  # a cache that is not all cells (sliding-window layers) can come out larger than estimated

@@ -81,3 +81,25 @@ def test_ignore_eos_runs_every_sequence_to_max_tokens(tiny_model):
     assert llm.finish_reasons == ["length"] * len(PROMPTS)
     # the last piece comes before the 150th token would be fed
     assert seen == [len(llm.tokenize(p)) + 150 - 1 for p in PROMPTS]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "full"])
+def test_one_stream_per_sequence_gives_the_single_sequence_results(tiny_model, policy):
+    budget = 16 if policy == "h2o" else None
+    streams = Llama(tiny_model, budget=budget, n_seq_max=4, n_batch=32, kv_unified=False,
+                    n_ctx=0 if budget else 4 * 256)
+    single = Llama(tiny_model, budget=budget, n_batch=32, n_ctx=0 if budget else 256)
+    prompts = PROMPTS + [[(7 * i) % 200 + 3 for i in range(90)]]  # 5 prompts: a second wave
+    texts = streams.generate_batch(prompts, max_tokens=24, temperature=0)
+    assert texts == [single.generate(p, max_tokens=24, temperature=0) for p in prompts]
+    if budget:
+        assert streams.n_ctx() == 4 * (16 + 32)  # a budget and a batch per stream
+
+
+def test_a_stream_holds_only_its_share_of_the_context(tiny_model):
+    llm = Llama(tiny_model, n_seq_max=2, n_ctx=2 * 256, kv_unified=False)
+    llm.eval([5] * 200, seq_id=0)
+    with pytest.raises(ValueError, match="never evicts"):
+        llm.eval([5] * 100, seq_id=0)  # 300 > 256 cells of stream 0, though stream 1 is empty
+    llm.eval([5] * 250, seq_id=1)
+    assert llm.kv_state(0).n_seen == 200 and llm.kv_state(1).n_seen == 250

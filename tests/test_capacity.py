@@ -51,3 +51,21 @@ def test_for_kv_limit_runs_its_batch_without_running_out_of_cells(tiny_model):
 def test_for_kv_limit_rejects_a_limit_too_small_for_one_sequence(tiny_model):
     with pytest.raises(ValueError, match="not even one sequence"):
         Llama.for_kv_limit(tiny_model, 1000, prompt_tokens=512, max_tokens=512)
+
+
+def test_one_stream_per_sequence_pays_a_batch_and_the_rounding_per_sequence():
+    # 8 x (100 + 128) = 1824 cells -> 2048, 256 per stream; 9 x 228 = 2052 -> 2304 / 9 = 256: 2304 cells
+    assert cells_needed(8, prompt_tokens=512, max_tokens=512, budget=100, n_batch=128, kv_unified=False) == 8 * 228
+    assert padded_cells(8 * 228, 8, kv_unified=False) == 2048
+    assert padded_cells(9 * 228, 9, kv_unified=False) == 2304
+    assert largest_batch(2048 * 1000, bytes_per_cell=1000, prompt_tokens=512, max_tokens=512, budget=100,
+                         n_batch=128, kv_unified=False) == 8
+
+
+def test_for_kv_limit_with_one_stream_per_sequence(tiny_model):
+    per_cell = Llama(tiny_model, n_ctx=256).kv_bytes_per_cell
+    limit = 2048 * per_cell
+    llm = Llama.for_kv_limit(tiny_model, limit, prompt_tokens=100, max_tokens=100, budget=40, n_batch=64,
+                             kv_unified=False)
+    assert llm.n_seq_max == 8 and not llm.kv_unified  # 104 cells per stream, rounded up to 256
+    assert llm.kv_state().kv_bytes <= limit

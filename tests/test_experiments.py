@@ -71,3 +71,31 @@ def test_rouge_scores():
     s = rouge_scores("a cat sat on a mat", "the cat sat on the mat")
     assert s["rouge2"] == pytest.approx(0.4, abs=1e-6) and s["g_rouge2"] == pytest.approx(0.4, abs=1e-6)
     assert rouge_scores("", "the cat")["rouge2"] == 0.0
+
+
+def test_throughput_experiment_end_to_end(tiny_model, tmp_path):
+    """Fixed-length prompts, every setting recorded once, the capped batches within the limit, a report."""
+    from h2o_local.experiments.throughput import main
+
+    words = "the keeper of the lighthouse wrote a letter to the council about the storm".split()
+    rows = [{"article": "###\nArticle: " + " ".join(words[(i * j) % len(words)] for i in range(150)) +
+             "\n\nSummarize the above article in 1 sentence.\n", "summary_gt": "a keeper wrote a letter"}
+            for j in range(1, 17)]
+    data = tmp_path / "articles.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "tp"
+    argv = ["--input-path", str(data), "--model", tiny_model, "--lengths", "480:32", "--batch-sizes", "1", "4",
+            "--policies", "full", "h2o-25%", "local-32", "--kv-limit-batch", "2", "--quality", "3",
+            "--n-batch", "32", "--threads", "1", "--output", str(out)]
+    assert main(argv) == 0
+    recs = [json.loads(line) for line in open(out.with_suffix(".jsonl"))]
+    batch = [r for r in recs if r["kind"] == "batch"]
+    assert len(batch) == 6 and all(r["finish"] == ["length"] and r["tok_s"] > 0 for r in batch)
+    capped = {r["policy"]: r for r in recs if r["kind"] == "capped"}
+    assert all(r["kv_bytes"] <= r["kv_limit"] for r in capped.values())
+    assert capped["full"]["batch"] == 2 and capped["h2o-25%"]["batch"] > capped["full"]["batch"]
+    quality = [r for r in recs if r["kind"] == "quality"]
+    assert [r["n"] for r in quality] == [3, 3, 3] and all(0 <= r["identical"] <= 3 for r in quality)
+    assert out.with_suffix(".md").read_text().count("| h2o-25% |") == 3  # a row in each of the three tables
+    assert main(argv) == 0  # a rerun measures nothing again
+    assert len(open(out.with_suffix(".jsonl")).read().splitlines()) == len(recs)
