@@ -170,11 +170,13 @@ const std::vector<float> & Engine::logits_all(llama_seq_id seq) const {
     return it == logits_all_.end() ? empty : it->second;
 }
 
+uint32_t Engine::stream_capacity() const {
+    return params_.kv_unified ? capacity_ : capacity_/params_.n_seq_max;
+}
+
 int32_t Engine::room(llama_seq_id seq) const {
-    if (params_.kv_unified) {
-        return (int32_t) capacity_ - cells_used();
-    }
-    return (int32_t) (capacity_/params_.n_seq_max) - (int32_t) state(seq).positions.size();
+    const int32_t used = params_.kv_unified ? cells_used() : (int32_t) state(seq).positions.size();
+    return (int32_t) stream_capacity() - used;
 }
 
 int32_t Engine::cells_used() const {
@@ -214,8 +216,8 @@ void Engine::set_policy(const std::string & name, int32_t budget, int32_t heavy,
         throw std::invalid_argument("policy '" + name + "' needs attention scores: create the engine with a scoring "
                                     "policy or export_scores=True");
     }
-    const uint32_t n_per_stream = params_.kv_unified ? params_.n_seq_max : 1;
-    if (policy->bounded() && n_per_stream*policy->split().total() >= capacity_/(params_.kv_unified ? 1 : params_.n_seq_max)) {
+    const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
+    if (policy->bounded() && n_seq_stream*policy->split().total() >= stream_capacity()) {
         throw std::invalid_argument("budget " + std::to_string(budget) + " leaves no room in the context's " +
                                     std::to_string(capacity_) + " cells");
     }
