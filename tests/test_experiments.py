@@ -99,3 +99,25 @@ def test_throughput_experiment_end_to_end(tiny_model, tmp_path):
     assert out.with_suffix(".md").read_text().count("| h2o-25% |") == 3  # a row in each of the three tables
     assert main(argv) == 0  # a rerun measures nothing again
     assert len(open(out.with_suffix(".jsonl")).read().splitlines()) == len(recs)
+
+
+def test_mtbench_session_full_stops_where_h2o_goes_on(tmp_path):
+    """The session keeps its cache across turns: the full cache stops at its context, h2o + rolling does not."""
+    from tiny_model import write_tiny_llama
+
+    from h2o_local.experiments.mtbench import main
+
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    model = write_tiny_llama(tmp_path / "chat.gguf", chat_template=chatml)  # trained context 128
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Question {i}?", f"And then {i}?"]}) for i in range(4)))
+    out = tmp_path / "mt"
+    assert main(["--input-path", str(questions), "--model", str(model), "--settings", "full", "h2o-48+roll",
+                 "--max-tokens", "12", "--threads", "1", "--output", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())["results"]
+    full, h2o = res["full"], res["h2o-48+roll"]
+    assert "error" in full[-1] and len(full) < 8  # 8 turns of 40+ tokens do not fit in 128 cells
+    assert len(h2o) == 8 and not any("error" in r for r in h2o)
+    assert all(r["kv_cells"] <= 48 for r in h2o) and h2o[-1]["n_seen"] > 128
+    assert out.with_suffix(".md").is_file()

@@ -36,7 +36,8 @@ def add_hparams(w, n_ctx_train: int, n_embd: int, n_layer: int, n_ff: int, n_hea
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
 
-def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_layer: int = 2) -> Path:
+def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_layer: int = 2,
+                     chat_template: str = "") -> Path:
     import gguf
 
     n_embd, n_head, n_head_kv, n_ff = 64, 4, 2, 128
@@ -57,6 +58,8 @@ def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_lay
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
+    if chat_template:
+        w.add_chat_template(chat_template)
 
     def t(name: str, *shape: int, scale: float = 1.0):
         w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))

@@ -37,7 +37,7 @@ def make(model: str, setting: str, threads) -> Llama:
     return Llama(model, policy=policy, budget=budget, position_rolling=rolling, n_batch=256, n_threads=threads)
 
 
-def session(llm: Llama, turns, max_tokens: int, transcript) -> list:
+def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) -> list:
     records = []
     eog_tail = None
     for k, turn in enumerate(turns):
@@ -72,6 +72,8 @@ def session(llm: Llama, turns, max_tokens: int, transcript) -> list:
             print(f"\n  turn {k}: {rec['error']}", file=sys.stderr)
             break
         records.append(rec)
+        if on_progress is not None and k % 10 == 9:
+            on_progress(records)
         print(f"\r  turn {k + 1}/{len(turns)}: {n} tokens, {rec['decode_tok_s'] or 0:.1f} tok/s, "
               f"{st.n_cells} cells, seen {st.n_seen}   ", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
@@ -98,7 +100,17 @@ def main(argv=None) -> int:
         print(f"{setting}:", file=sys.stderr)
         llm = make(model, setting, args.threads)
         with gzip.open(f"{args.output}-{setting}.txt.gz", "wt") as transcript:
-            results[setting] = session(llm, turns, args.max_tokens, transcript)
+            def progress(records, setting=setting):
+                results[setting] = records
+                write_report(model, turns, args, results)
+
+            results[setting] = session(llm, turns, args.max_tokens, transcript, progress)
+        del llm
+        write_report(model, turns, args, results)  # after each setting, so a stopped run keeps what it did
+    return 0
+
+
+def write_report(model: str, turns, args, results) -> None:
     args.output.with_suffix(".json").write_text(json.dumps({"model": model, "turns": len(turns),
                                                             "max_tokens": args.max_tokens, "results": results}))
     lines = ["| setting | turns completed | tokens seen | stopped by | median decode tok/s | KV MiB | max RSS MiB |",
@@ -136,7 +148,6 @@ def main(argv=None) -> int:
         fig.savefig(args.output.with_suffix(".png"), dpi=110)
     except ImportError:
         pass
-    return 0
 
 
 if __name__ == "__main__":
