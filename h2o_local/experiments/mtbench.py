@@ -11,7 +11,6 @@ Writes OUT.json, OUT.md, OUT.png and the transcripts OUT-<setting>.txt.gz.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from ..llama import Llama
 from ..models import default_model_path
+from . import experiment_parser
 
 
 def rss_bytes() -> int:
@@ -81,10 +81,7 @@ def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m h2o_local.experiments.mtbench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input-path", required=True)
-    ap.add_argument("--model")
+    ap = experiment_parser("h2o_local.experiments.mtbench", __doc__)
     ap.add_argument("--settings", nargs="+", default=["full", "h2o-1024+roll"])
     ap.add_argument("--max-tokens", type=int, default=1000)
     ap.add_argument("--max-turns", type=int, default=160)

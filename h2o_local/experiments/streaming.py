@@ -10,7 +10,6 @@ perplexities), OUT.md (a table) and OUT.png (running perplexity vs tokens seen).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -22,6 +21,7 @@ import numpy as np
 
 from ..llama import Llama
 from ..models import default_model_path
+from . import experiment_parser
 
 
 def stream_tokens(llm: Llama, path: str, n: int) -> List[int]:
@@ -64,10 +64,7 @@ def nll_run(model: str, tokens: List[int], policy: str, budget, rolling: bool, c
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m h2o_local.experiments.streaming", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input-path", required=True)
-    ap.add_argument("--model")
+    ap = experiment_parser("h2o_local.experiments.streaming", __doc__)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--sinks", type=int, default=4)

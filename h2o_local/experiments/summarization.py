@@ -15,7 +15,6 @@ jsonl as they come, and a rerun skips what is there (resume).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..llama import Llama
 from ..models import default_model_path
+from . import experiment_parser
 
 GEN = dict(max_tokens=64, top_p=1.0, top_k=0, min_p=0.0, stop=["###"])
 
@@ -150,11 +150,8 @@ def _cell(groups, policy, budget, decoding, metric) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m h2o_local.experiments.summarization", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input-path", required=True)
+    ap = experiment_parser("h2o_local.experiments.summarization", __doc__)
     ap.add_argument("--output-path", required=True)
-    ap.add_argument("--model")
     ap.add_argument("--budgets", nargs="+", default=["64", "128", "256", "512", "1024", "full"])
     ap.add_argument("--policies", nargs="+", default=["h2o", "local"], choices=["h2o", "local", "sink"])
     ap.add_argument("--sample-num", type=int, default=100)

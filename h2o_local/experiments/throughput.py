@@ -21,7 +21,6 @@ OUT.jsonl (a rerun skips what is there); OUT.md and OUT.png/OUT-memory.png are w
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..capacity import cells_needed, padded_cells
 from ..llama import Llama
 from ..models import default_model_path
+from . import experiment_parser
 
 PREFIX = "###\nArticle: "
 SUFFIX = "\n\nSummarize the above article in 1 sentence.\n"
@@ -141,10 +141,7 @@ def load(path: Path) -> List[Dict[str, Any]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m h2o_local.experiments.throughput", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input-path", required=True)
-    ap.add_argument("--model")
+    ap = experiment_parser("h2o_local.experiments.throughput", __doc__)
     ap.add_argument("--lengths", nargs="+", default=["512:512", "1024:1024"], help="PROMPT:GENERATED tokens")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--policies", nargs="+", default=["full", "h2o-20%", "h2o-128", "h2o-256"])
