@@ -109,30 +109,42 @@ def run(args) -> None:
     print(file=sys.stderr)
 
 
-def summarize(path: Path) -> str:
-    recs = [json.loads(line) for line in open(path)]
-    # only rows that every setting finished: a stopped run must not compare settings over different rows
+def _complete_rows(recs: List[dict]) -> List[dict]:
+    """Only rows that every setting finished: a stopped run must not compare settings over different rows."""
     per_row: Dict[int, int] = {}
     for r in recs:
         per_row[r["row"]] = per_row.get(r["row"], 0) + 1
     full_count = max(per_row.values(), default=0)
-    recs = [r for r in recs if per_row[r["row"]] == full_count]
+    return [r for r in recs if per_row[r["row"]] == full_count]
+
+
+def _full_policy(policy: str) -> str:
+    """The full-cache setting a policy is compared with: its own implementation's (perhead.py writes `hf-full`)."""
+    return "hf-full" if policy.startswith("hf-") else "full"
+
+
+def summarize(*paths: Path) -> str:
+    """Markdown tables (ROUGE-2, ROUGE-1, ROUGE-L) of one or more result files, over the rows all of them finished."""
+    per_file = [_complete_rows([json.loads(line) for line in open(p)]) for p in paths]
+    common = set.intersection(*({r["row"] for r in recs} for recs in per_file))
+    recs = [r for recs in per_file for r in recs if r["row"] in common]
     groups: Dict[Tuple[str, Any, str], List[dict]] = {}
     for r in recs:
         groups.setdefault((r["policy"], r["budget"], r["decoding"]), []).append(r)
     budgets = sorted({r["budget"] for r in recs if r["budget"] is not None})
-    policies = list(dict.fromkeys(r["policy"] for r in recs if r["policy"] != "full"))
-    n_rows = len({r["row"] for r in recs})
-    lines = [f"Rows: {n_rows}. Cells: mean F1 over rows; sampled = mean over seeds ± their standard deviation.", ""]
+    policies = list(dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None))
+    lines = [f"Rows: {len(common)}. Cells: mean F1 over rows; sampled = mean over seeds ± their standard deviation.",
+             ""]
     for metric, title in (("rouge2", "ROUGE-2 (rouge package)"), ("g_rouge2", "ROUGE-2 (rouge-score)"),
                           ("rouge1", "ROUGE-1 (rouge package)"), ("rougeL", "ROUGE-L (rouge package)")):
         lines += [f"### {title}", "", "| policy | decoding | " + " | ".join(map(str, budgets)) + " | full |",
                   "|---|---|" + "---|" * (len(budgets) + 1)]
         for decoding in ("greedy", "sampled"):
             for p in policies:
-                cells = [_cell(groups, p, b, decoding, metric) for b in budgets] + [_cell(groups, "full", None,
-                                                                                          decoding, metric)]
-                lines.append(f"| {p} | {decoding} | " + " | ".join(cells) + " |")
+                cells = [_cell(groups, p, b, decoding, metric) for b in budgets]
+                cells.append(_cell(groups, _full_policy(p), None, decoding, metric))
+                if any(c != "-" for c in cells):
+                    lines.append(f"| {p} | {decoding} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -161,10 +173,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--summary-only", action="store_true")
+    ap.add_argument("--also", nargs="*", default=[],
+                    help="more result files (e.g. perhead.py's) for the same tables, over the rows all finished")
     args = ap.parse_args(argv)
     if not args.summary_only:
         run(args)
-    print(summarize(Path(args.output_path)))
+    print(summarize(Path(args.output_path), *map(Path, args.also)))
     return 0
 
 
