@@ -84,3 +84,22 @@ def test_with_budget_evicts_a_prompt_at_once_and_keeps_the_recent_window():
     small = sim.with_budget(4)  # 2 heavy + 2 recent
     assert torch.nonzero(small.keep[0][0]).flatten().tolist() == [0, 2, 8, 9]
     assert sim.kept() == [10]  # the original is untouched: settings branch from it
+
+
+def test_transformers_model_reads_the_gguf_as_llama_cpp_does(tiny_model):
+    """Same GGUF, two runtimes: with nothing evicted, transformers through PerHeadH2O gives llama.cpp's logits."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from h2o_local import Llama
+    from h2o_local.experiments.perhead import HFModel
+
+    tokens = [1] + list(range(40, 100))
+    hf = HFModel(tiny_model, threads=1)
+    cache, h2o, logits = hf.prefill(tokens, gqa="first")
+    llm = Llama(tiny_model, budget=None, n_ctx=128)
+    llm.eval(tokens)
+    ours = llm.last_logits()
+    assert np.argmax(ours) == int(logits.argmax())
+    np.testing.assert_allclose(logits.numpy(), ours, atol=5e-3 * np.abs(ours).max())  # F16 KV cells in llama.cpp
+    assert h2o.kept() == [2 * len(tokens)] * 2  # full attention in the prompt: every head keeps every token
+    assert h2o.with_budget(16).kept() == [2 * 16] * 2

@@ -77,24 +77,26 @@ class PerHeadH2O:
             keep = torch.ones(n_kv, 0, dtype=torch.bool)
         keep = torch.cat([keep, torch.ones(n_kv, n_tok - keep.shape[1], dtype=torch.bool)], dim=1)
 
-        k = key.repeat_interleave(groups, dim=1)
-        v = value.repeat_interleave(groups, dim=1)
-        w = torch.matmul(query, k.transpose(2, 3)) * scaling
+        # query heads h * groups .. h * groups + groups - 1 share KV head h: attend per KV head, no K/V copies
+        bsz, n_heads, _, dim = query.shape
+        w = torch.matmul(query.reshape(bsz, n_kv, groups * n_new, dim), key.transpose(2, 3)) * scaling
+        w = w.view(bsz, n_kv, groups, n_new, n_tok)
         if attention_mask is not None:
-            w = w + attention_mask[:, :, :, :n_tok]
-        w = w.masked_fill(~keep.repeat_interleave(groups, dim=0)[None, :, None, :], float("-inf"))
+            w = w + attention_mask[:, :, None, :, :n_tok]
+        w = w.masked_fill(~keep[None, :, None, None, :], float("-inf"))
         p = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.matmul(p, v).transpose(1, 2).contiguous()
+        out = torch.matmul(p.view(bsz, n_kv, groups * n_new, n_tok), value)
+        out = out.view(bsz, n_heads, n_new, dim).transpose(1, 2).contiguous()
 
-        col = p[0].sum(dim=1)  # [n_heads, T]: summed over this forward's query rows
-        col = col[::groups] if self.gqa == "first" else col.view(n_kv, groups, n_tok).sum(dim=1)
+        col = p[0].sum(dim=2)  # [n_kv, groups, T]: summed over this forward's query rows
+        col = col[:, 0] if self.gqa == "first" else col.sum(dim=1)
         old = self.scores[layer]
         if old is not None:
             col[:, : old.shape[1]] += old
         self.scores[layer] = col * keep
         self.keep[layer] = keep
         self._evict(layer)
-        return out, p
+        return out, p.view(bsz, n_heads, n_new, n_tok)
 
     def _evict(self, layer: int) -> None:
         import torch
@@ -120,8 +122,9 @@ class HFModel:
     """A GGUF file loaded in transformers with `PerHeadH2O` as its attention, fed llama.cpp's token ids."""
 
     def __init__(self, gguf_path: str, threads: Optional[int] = None):
+        import importlib
+
         import torch
-        import transformers.models.llama.modeling_llama as llama_mod
         from transformers import AutoModelForCausalLM
 
         if threads:
@@ -130,12 +133,14 @@ class HFModel:
         self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                           dtype=torch.float32, attn_implementation="eager")
         self.model.eval()
-        if self.model.config.model_type != "llama":
-            raise SystemExit(f"perhead: only llama-architecture models are wired up, not {self.model.config.model_type}")
+        if self.model.config.model_type not in ("llama", "qwen2"):
+            raise SystemExit(f"perhead: llama and qwen2 models are wired up, not {self.model.config.model_type}")
         cfg = self.model.config
         self.n_layers, self.n_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.h2o: Optional[PerHeadH2O] = None
-        llama_mod.eager_attention_forward = self._attention  # LlamaAttention looks it up at call time
+        # the attention module looks its eager function up in its own module's globals at call time
+        attn_module = importlib.import_module(type(self.model.model.layers[0].self_attn).__module__)
+        attn_module.eager_attention_forward = self._attention
 
     def _attention(self, *args, **kwargs):
         return self.h2o.attend(*args, **kwargs)

@@ -149,6 +149,47 @@ def summarize(*paths: Path) -> str:
     return "\n".join(lines)
 
 
+def plot(paths: List[Path], out_png: Path, title: str) -> None:
+    """ROUGE-1 and ROUGE-2 vs KV budget, one line per policy and decoding, the full cache as a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_file = [_complete_rows([json.loads(line) for line in open(p)]) for p in paths]
+    common = set.intersection(*({r["row"] for r in recs} for recs in per_file))
+    recs = [r for recs in per_file for r in recs if r["row"] in common]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric in zip(axes, ("rouge2", "rouge1")):
+        for i, policy in enumerate(dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)):
+            for decoding, style in (("greedy", "--"), ("sampled", "-")):
+                pts = sorted((b, _mean(recs, policy, b, decoding, metric))
+                             for b in {r["budget"] for r in recs if r["policy"] == policy})
+                pts = [(b, v) for b, v in pts if v is not None]
+                if pts:
+                    ax.plot([b for b, _ in pts], [v for _, v in pts], style, marker="o", color=f"C{i}",
+                            label=f"{policy} {decoding}")
+        for j, full in enumerate(dict.fromkeys(r["policy"] for r in recs if r["budget"] is None)):
+            for decoding, style in (("greedy", ":"), ("sampled", "-.")):
+                v = _mean(recs, full, None, decoding, metric)
+                if v is not None:
+                    ax.axhline(v, color="black" if j == 0 else "grey", linestyle=style, label=f"{full} {decoding}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV budget (tokens)")
+        ax.set_ylabel(f"{metric.upper()} F1 (rouge package)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{title}: {len(common)} rows of XSum 5-shot")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
+def _mean(recs, policy, budget, decoding, metric) -> Optional[float]:
+    """Mean over rows (sampled: over every seed's samples) of one setting, None when it did not run."""
+    vals = [r[metric] for r in recs if r["policy"] == policy and r["budget"] == budget
+            and (r["decoding"] == "greedy") == (decoding == "greedy")]
+    return statistics.mean(vals) if vals else None
+
+
 def _cell(groups, policy, budget, decoding, metric) -> str:
     if decoding == "greedy":
         rs = groups.get((policy, budget, "greedy"))
@@ -175,10 +216,15 @@ def main(argv=None) -> int:
     ap.add_argument("--summary-only", action="store_true")
     ap.add_argument("--also", nargs="*", default=[],
                     help="more result files (e.g. perhead.py's) for the same tables, over the rows all finished")
+    ap.add_argument("--plot", metavar="PNG", help="also draw ROUGE vs budget")
+    ap.add_argument("--title", default="SmolLM2-135M-Instruct", help="the plot's title (the model)")
     args = ap.parse_args(argv)
     if not args.summary_only:
         run(args)
-    print(summarize(Path(args.output_path), *map(Path, args.also)))
+    paths = [Path(args.output_path), *map(Path, args.also)]
+    print(summarize(*paths))
+    if args.plot:
+        plot(paths, Path(args.plot), args.title)
     return 0
 
 
