@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from ..models import default_model_path
 from . import experiment_parser
-from .summarization import GEN, decodings, rouge_scores, summarize
+from .summarization import GEN, decodings, rouge_scores, rows_and_done, summarize
 
 
 class PerHeadH2O:
@@ -180,12 +180,7 @@ def run(args) -> None:
     from .. import _engine
     from ..llama import Llama
 
-    rows = [json.loads(line) for line in open(args.input_path)][: args.sample_num]
-    out_path = Path(args.output_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if out_path.is_file():
-        done = {(r["row"], r["policy"], r["budget"], r["decoding"]) for r in map(json.loads, open(out_path))}
+    rows, out_path, done = rows_and_done(args)
     model_path = args.model or default_model_path()
     vocab = Llama(model_path, budget=None, n_ctx=256)  # llama.cpp's tokenizer and sampler chain
     hf = HFModel(model_path, threads=args.threads)
@@ -195,7 +190,7 @@ def run(args) -> None:
             if b is not None or g == args.gqa[0]]
     decs = decodings(args.seeds, args.greedy)
     greedy_only = set(args.greedy_only_gqa or [])
-    total, t0, n_new = len(rows) * len(todo) * len(decs), time.time(), 0
+    t0, n_new = time.time(), 0
     with open(out_path, "a") as out:
         for i, row in enumerate(rows):
             tokens = vocab.tokenize(row["article"], add_bos=False)

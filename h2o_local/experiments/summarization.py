@@ -59,15 +59,19 @@ def decodings(seeds: List[int], greedy: bool) -> List[Tuple[str, Optional[int]]]
     return ([("greedy", None)] if greedy else []) + [(f"seed{s}", s) for s in seeds]
 
 
-def run(args) -> None:
+def rows_and_done(args) -> Tuple[List[dict], Path, set]:
+    """The first `--sample-num` rows, the output path, and the (row, policy, budget, decoding) it already holds."""
     rows = [json.loads(line) for line in open(args.input_path)][: args.sample_num]
     out_path = Path(args.output_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out_path.is_file():
-        for line in open(out_path):
-            r = json.loads(line)
-            done.add((r["row"], r["policy"], r["budget"], r["decoding"]))
+        done = {(r["row"], r["policy"], r["budget"], r["decoding"]) for r in map(json.loads, open(out_path))}
+    return rows, out_path, done
+
+
+def run(args) -> None:
+    rows, out_path, done = rows_and_done(args)
     model = args.model or default_model_path()
     # one context big enough for the whole prompt: every setting starts from the attended prompt
     llm = Llama(model, budget=args.n_ctx - args.n_batch, n_ctx=args.n_ctx, n_batch=args.n_batch,
