@@ -51,16 +51,29 @@ def test_summarization_settings_and_summary(tmp_path):
     for row in range(2):
         for policy, budget in (("full", None), ("h2o", 64)):
             for dec, r2 in (("greedy", 0.1), ("seed0", 0.2), ("seed1", 0.4)):
+                # greedy h2o writes the full cache's text on row 0 and something else on row 1
+                out = "the keeper wrote" if policy == "full" or row == 0 else "a storm came"
                 recs.append({"row": row, "policy": policy, "budget": budget, "decoding": dec, "rouge2": r2,
-                             "g_rouge2": r2, "rouge1": r2, "rougeL": r2})
+                             "g_rouge2": r2, "rouge1": r2, "rougeL": r2, "output": out})
     # a row that a stopped run left incomplete is left out of every cell
     recs.append({"row": 2, "policy": "h2o", "budget": 64, "decoding": "greedy", "rouge2": 0.9, "g_rouge2": 0.9,
-                 "rouge1": 0.9, "rougeL": 0.9})
+                 "rouge1": 0.9, "rougeL": 0.9, "output": "x"})
     path.write_text("\n".join(json.dumps(r) for r in recs))
     table = summarize(path)
     assert table.startswith("Rows: 2.")
     assert "| h2o | greedy | 0.1000 | 0.1000 |" in table
     assert "| h2o | sampled | 0.3000 ± 0.1414 | 0.3000 ± 0.1414 |" in table
+    assert "| h2o | 0.500 |" in table  # agreement with the full cache: 1 on row 0, 0 on row 1
+
+    # a second implementation's file (perhead.py) that finished row 1 only: the tables keep the common row,
+    # and its policies are compared with its own full cache
+    other = tmp_path / "perhead.jsonl"
+    other.write_text("\n".join(json.dumps({**r, "row": 1, "policy": p, "rouge2": 0.3}) for r in recs[:6]
+                               for p in ["hf-full" if r["policy"] == "full" else "hf-h2o-first"]))
+    table = summarize(path, other)
+    assert table.startswith("Rows: 1.")
+    assert "| hf-h2o-first | greedy | 0.3000 | 0.3000 |" in table
+    assert "| h2o | 0.000 |" in table
 
 
 def test_rouge_scores():
