@@ -63,7 +63,7 @@ def test_summarization_settings_and_summary(tmp_path):
     assert table.startswith("Rows: 2.")
     assert "| h2o | greedy | 0.1000 | 0.1000 |" in table
     assert "| h2o | sampled | 0.3000 ± 0.1414 | 0.3000 ± 0.1414 |" in table
-    assert "| h2o | 0.500 |" in table  # agreement with the full cache: 1 on row 0, 0 on row 1
+    assert "| h2o | 0.500 ± 0.500 |" in table  # agreement with the full cache: 1 on row 0, 0 on row 1
 
     # a second implementation's file (perhead.py) that finished row 1 only: the tables keep the common row,
     # and its policies are compared with its own full cache
@@ -73,7 +73,7 @@ def test_summarization_settings_and_summary(tmp_path):
     table = summarize(path, other)
     assert table.startswith("Rows: 1.")
     assert "| hf-h2o-first | greedy | 0.3000 | 0.3000 |" in table
-    assert "| h2o | 0.000 |" in table
+    assert "| h2o | 0.000 ± 0.000 |" in table
 
 
 def test_rouge_scores():

@@ -152,13 +152,43 @@ def summarize(*paths: Path) -> str:
         lines.append("")
     lines += ["### Agreement with the full cache (greedy)", "",
               "ROUGE-L F1 (rouge-score) of each greedy summary against the same implementation's full-cache greedy "
-              "summary of the row: 1 = the same text. Less noisy than ROUGE against the reference summary.", "",
+              "summary of the row (1 = the same text), mean ± standard error over rows. Less noisy than ROUGE against the "
+              "reference summary.", "",
               "| policy | " + " | ".join(map(str, budgets)) + " |", "|---|" + "---|" * len(budgets)]
     for p in policies:
         cells = [_agreement(groups, p, b) for b in budgets]
         if any(c != "-" for c in cells):
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    pairs = [(a, b) for a, b in (("h2o", "local"), ("hf-h2o-first", "h2o"), ("hf-h2o-sum", "h2o"))
+             if a in policies and b in policies]
+    if pairs:
+        lines += ["", "### Paired differences", "",
+                  "Mean over rows of (A - B) ± its standard error over rows; sampled: each row's mean over seeds "
+                  "first. A difference beyond about two standard errors is unlikely to be row noise.", "",
+                  "| A - B | metric | decoding | " + " | ".join(map(str, budgets)) + " |",
+                  "|---|---|---|" + "---|" * len(budgets)]
+        for a, b in pairs:
+            for metric in ("rouge2", "rouge1"):
+                for decoding in ("greedy", "sampled"):
+                    cells = [_paired(recs, a, b, x, decoding, metric) for x in budgets]
+                    if any(c != "-" for c in cells):
+                        lines.append(f"| {a} - {b} | {metric} | {decoding} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _paired(recs, a: str, b: str, budget: int, decoding: str, metric: str) -> str:
+    def per_row(policy: str) -> Dict[int, float]:
+        vals: Dict[int, List[float]] = {}
+        for r in recs:
+            if r["policy"] == policy and r["budget"] == budget and (r["decoding"] == "greedy") == (decoding == "greedy"):
+                vals.setdefault(r["row"], []).append(r[metric])
+        return {row: statistics.mean(v) for row, v in vals.items()}
+
+    x, y = per_row(a), per_row(b)
+    diffs = [x[r] - y[r] for r in x if r in y]
+    if len(diffs) < 2:
+        return "-"
+    return f"{statistics.mean(diffs):+.4f} ± {statistics.stdev(diffs) / len(diffs) ** 0.5:.4f}"
 
 
 def _agreement(groups, policy: str, budget: int) -> str:
@@ -169,7 +199,9 @@ def _agreement(groups, policy: str, budget: int) -> str:
     if not recs:
         return "-"
     scorer = rouge_scorer.RougeScorer(["rougeL"])
-    return f"{statistics.mean(scorer.score(full[r['row']], r['output'])['rougeL'].fmeasure for r in recs):.3f}"
+    vals = [scorer.score(full[r["row"]], r["output"])["rougeL"].fmeasure for r in recs]
+    se = statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else 0.0
+    return f"{statistics.mean(vals):.3f} ± {se:.3f}"
 
 
 def plot(paths: List[Path], out_png: Path, title: str) -> None:
