@@ -82,6 +82,8 @@ def run(args) -> None:
     n_done, t0 = len(done), time.time()
     with open(out_path, "a") as out:
         for i, row in enumerate(rows):
+            if i < args.first_row:
+                continue
             pending = [(p, b, d, s) for p, b in todo_settings for d, s in todo_dec if (i, p, b, d) not in done]
             if not pending:
                 continue
@@ -263,6 +265,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", nargs="+", default=["64", "128", "256", "512", "1024", "full"])
     ap.add_argument("--policies", nargs="+", default=["h2o", "local"], choices=["h2o", "local", "sink"])
     ap.add_argument("--sample-num", type=int, default=100)
+    ap.add_argument("--first-row", type=int, default=0,
+                    help="start at this row (a second process on another core can take the last rows)")
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--greedy", action="store_true", help="also decode greedily")
     ap.add_argument("--n-ctx", type=int, default=4096, help="KV cells: the longest prompt + 64 must fit")
