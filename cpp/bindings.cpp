@@ -42,12 +42,12 @@ PYBIND11_MODULE(_engine, m) {
 
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string & model_path, const std::string & policy, int32_t budget, int32_t heavy,
-                         int32_t recent, int32_t sinks, bool position_rolling, uint32_t n_ctx, uint32_t n_batch,
+                         int32_t recent, int32_t sinks, bool position_rolling, int32_t roll_interval, uint32_t n_ctx, uint32_t n_batch,
                          uint32_t n_seq_max, bool kv_unified, int32_t n_threads, int32_t n_gpu_layers, bool scores_sum_rows,
                          bool capture_softmax, bool export_scores, bool kv_f32, bool verbose) {
                  EngineParams p;
                  p.policy = policy; p.budget = budget; p.heavy = heavy; p.recent = recent; p.sinks = sinks;
-                 p.position_rolling = position_rolling; p.n_ctx = n_ctx; p.n_batch = n_batch; p.n_seq_max = n_seq_max;
+                 p.position_rolling = position_rolling; p.roll_interval = roll_interval; p.n_ctx = n_ctx; p.n_batch = n_batch; p.n_seq_max = n_seq_max;
                  p.kv_unified = kv_unified;
                  p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers; p.scores_sum_rows = scores_sum_rows;
                  p.capture_softmax = capture_softmax; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.verbose = verbose;
@@ -56,6 +56,7 @@ PYBIND11_MODULE(_engine, m) {
              }),
              py::arg("model_path"), py::kw_only(), py::arg("policy") = "h2o", py::arg("budget") = -1,
              py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1, py::arg("position_rolling") = false,
+             py::arg("roll_interval") = 1,
              py::arg("n_ctx") = 0, py::arg("n_batch") = 512, py::arg("n_seq_max") = 1, py::arg("kv_unified") = true, py::arg("n_threads") = 0,
              py::arg("n_gpu_layers") = 0, py::arg("scores_sum_rows") = false, py::arg("capture_softmax") = false, py::arg("export_scores") = false, py::arg("kv_f32") = false,
              py::arg("verbose") = false)

@@ -124,6 +124,9 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     batch_  = llama_batch_init((int32_t) cp.n_batch, 0, 1);
     n_head_ = llama_model_n_head(model_->get());
 
+    if (params.roll_interval < 1) {
+        throw std::invalid_argument("roll_interval must be >= 1 (tokens), got " + std::to_string(params.roll_interval));
+    }
     if (params.position_rolling && !llama_memory_can_shift(mem_)) {
         throw std::invalid_argument("position_rolling=True needs a KV cache whose positions can be shifted; "
                                     "this model's cannot (M-RoPE, recurrent or sliding-window cache)");
@@ -466,7 +469,8 @@ void Engine::evict(llama_seq_id seq) {
     st.head_scores.swap(head_scores);
     st.n_evicted += (int64_t) (n - keep.size());
 
-    if (params_.position_rolling) {
+    // a K shift rotates every cached key in every layer: deferring it keeps positions below budget + interval
+    if (params_.position_rolling && st.next_pos - (llama_pos) st.positions.size() >= params_.roll_interval) {
         roll_positions(seq);
     }
 }

@@ -25,6 +25,7 @@ struct EngineParams {
     int32_t  recent = -1;
     int32_t  sinks  = -1;
     bool     position_rolling = false;
+    int32_t  roll_interval = 1;      // with rolling: renumber once the kept positions span this many gaps or more
     uint32_t n_ctx     = 0;          // KV cells; 0: budget + n_batch per sequence (bounded) or the trained context (full)
     uint32_t n_batch   = 512;        // tokens per llama_decode
     uint32_t n_seq_max = 1;

@@ -87,7 +87,8 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         budget = cfg["budget"]
         n_ctx = depth + n_dec + 16 if budget is None else 0
         llm = Llama(cfg["model"], policy=cfg["policy"], budget=budget, position_rolling=cfg["rolling"],
-                    n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, _export_scores=cfg["export_scores"])
+                    roll_interval=cfg.get("roll_interval", 1), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                    _export_scores=cfg["export_scores"])
         prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
         t0 = time.perf_counter()
         llm.eval(prompt)
@@ -134,6 +135,8 @@ def settings(budgets: List[int], peer: bool) -> List[Dict[str, Any]]:
         for policy in ("local", "sink", "h2o"):
             out.append({"name": f"{policy}-{b}", "policy": policy, "budget": b, "rolling": False, "export_scores": False})
         out.append({"name": f"h2o-{b}+roll", "policy": "h2o", "budget": b, "rolling": True, "export_scores": False})
+        out.append({"name": f"h2o-{b}+roll64", "policy": "h2o", "budget": b, "rolling": True, "roll_interval": 64,
+                    "export_scores": False})
     if peer:
         out.append({"name": "llama-cpp-python", "runner": "llama_cpp", "policy": "full", "budget": None,
                     "rolling": False, "export_scores": False})
@@ -212,7 +215,8 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
         for b in meta["budgets"]:
             pairs += [(f"decode h2o-{b} / local-{b}", f"h2o-{b}", f"local-{b}", "decode_tok_s"),
                       (f"prefill h2o-{b} / local-{b}", f"h2o-{b}", f"local-{b}", "prefill_tok_s"),
-                      (f"decode h2o-{b}+roll / h2o-{b}", f"h2o-{b}+roll", f"h2o-{b}", "decode_tok_s")]
+                      (f"decode h2o-{b}+roll / h2o-{b}", f"h2o-{b}+roll", f"h2o-{b}", "decode_tok_s"),
+                      (f"decode h2o-{b}+roll64 / h2o-{b}", f"h2o-{b}+roll64", f"h2o-{b}", "decode_tok_s")]
         for label, a, b, metric in pairs:
             va, vb = val(a, metric), val(b, metric)
             if va and vb:

@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recent", type=int)
     ap.add_argument("--sinks", type=int)
     ap.add_argument("--position-rolling", action="store_true")
+    ap.add_argument("--roll-interval", type=int, default=1,
+                    help="with rolling, renumber positions once per this many evicted tokens (default: every eviction)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
@@ -36,6 +38,7 @@ def main(argv=None) -> int:
     budget = args.budget or None
     llm = Llama(model, budget=budget, policy="full" if budget is None else args.policy, heavy=args.heavy,
                 recent=args.recent, sinks=args.sinks, position_rolling=args.position_rolling,
+                roll_interval=args.roll_interval,
                 n_batch=args.n_batch, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, seed=args.seed)
     prompt = args.prompt
     if args.chat:

@@ -49,6 +49,10 @@ class Llama:
             sinks = 0; sink defaults to 4 sinks.
         position_rolling: renumber the kept positions 0..n-1 after each eviction, so that generation can run past
             the model's trained context (needs a model whose cache can shift).
+        roll_interval: with rolling, renumber only once the kept positions have drifted this many tokens past
+            0..n-1 (1: after every eviction). Each renumbering makes llama.cpp rotate every cached key in every
+            layer; a larger interval pays that once per `roll_interval` evicted tokens, and positions stay below
+            budget + roll_interval + n_batch. Which entries are kept is decided the same way either way.
         n_ctx: KV cells to allocate; 0 = budget + n_batch (bounded) or the trained context (full).
         n_batch: tokens per llama_decode; prompts longer than the free cells are fed in chunks with eviction in
             between, so memory stays at about budget + n_batch cells.
@@ -72,6 +76,7 @@ class Llama:
         recent: Optional[int] = None,
         sinks: Optional[int] = None,
         position_rolling: bool = False,
+        roll_interval: int = 1,
         n_ctx: int = 0,
         n_batch: int = 512,
         n_seq_max: int = 1,
@@ -94,11 +99,14 @@ class Llama:
             if policy not in ("h2o", "full"):
                 raise ValueError(f"policy {policy!r} needs a budget (KV entries kept per sequence)")
             policy = "full"
-        for name, value in (("budget", budget), ("n_ctx", n_ctx), ("n_batch", n_batch), ("n_seq_max", n_seq_max)):
+        for name, value in (("budget", budget), ("roll_interval", roll_interval), ("n_ctx", n_ctx), ("n_batch", n_batch),
+                            ("n_seq_max", n_seq_max)):
             if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if budget is not None and budget < 1:
             raise ValueError(f"budget must be >= 1 (KV entries kept per sequence), got {budget}")
+        if roll_interval < 1:
+            raise ValueError(f"roll_interval must be >= 1 (tokens), got {roll_interval}")
         if n_ctx < 0 or n_batch < 1:
             raise ValueError("n_ctx must be >= 0 and n_batch >= 1")
 
@@ -113,6 +121,7 @@ class Llama:
             recent=opt(recent),
             sinks=opt(sinks),
             position_rolling=position_rolling,
+            roll_interval=int(roll_interval),
             n_ctx=int(n_ctx),
             n_batch=int(n_batch),
             n_seq_max=int(n_seq_max),
@@ -128,6 +137,7 @@ class Llama:
         self.policy = policy
         self.budget = budget
         self.position_rolling = position_rolling
+        self.roll_interval = int(roll_interval)
         self.sinks, self.heavy, self.recent = self._engine.split
         self.n_seq_max = int(n_seq_max)
         self.kv_unified = bool(kv_unified)

@@ -127,10 +127,12 @@ def test_mtbench_session_full_stops_where_h2o_goes_on(tmp_path):
     questions.write_text("\n".join(json.dumps({"turns": [f"Question {i}?", f"And then {i}?"]}) for i in range(4)))
     out = tmp_path / "mt"
     assert main(["--input-path", str(questions), "--model", str(model), "--settings", "full", "h2o-48+roll",
-                 "--max-tokens", "12", "--threads", "1", "--output", str(out)]) == 0
+                 "h2o-48+roll8", "--max-tokens", "12", "--threads", "1", "--output", str(out)]) == 0
     res = json.loads(out.with_suffix(".json").read_text())["results"]
     full, h2o = res["full"], res["h2o-48+roll"]
     assert "error" in full[-1] and len(full) < 8  # 8 turns of 40+ tokens do not fit in 128 cells
     assert len(h2o) == 8 and not any("error" in r for r in h2o)
     assert all(r["kv_cells"] <= 48 for r in h2o) and h2o[-1]["n_seen"] > 128
+    lazy = res["h2o-48+roll8"]  # renumbering once per 8 evictions: same bound on the cache
+    assert len(lazy) == 8 and all(r["kv_cells"] <= 48 for r in lazy)
     assert out.with_suffix(".md").is_file()

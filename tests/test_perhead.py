@@ -57,7 +57,7 @@ def test_mask_simulation_equals_physical_drop(gqa, budget):
     values = torch.zeros(1, n_kv, 0, d, dtype=torch.float64)
     pos = 0
     for n_new in [9, 1, 1, 3, 1, 1, 1, 2, 1, 1]:  # a prompt, then decode steps and short chunks
-        q = rng.standard_normal((n_heads := n_kv * groups, n_new, d)) * 2
+        q = rng.standard_normal((n_kv * groups, n_new, d)) * 2
         k = rng.standard_normal((n_kv, n_new, d)) * 2
         v = rng.standard_normal((n_kv, n_new, d))
         keys = torch.cat([keys, torch.from_numpy(k)[None]], dim=2)

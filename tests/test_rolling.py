@@ -1,5 +1,6 @@
 """Position rolling: kept positions renumbered 0..n-1, so generation runs far past the trained context."""
 import numpy as np
+import pytest
 
 from h2o_local import Llama
 
@@ -54,3 +55,40 @@ def test_rolling_a_contiguous_window_keeps_the_logits(tiny_model):
         assert llm.kv_state().positions.max() == (11 if rolling else llm.kv_state().n_seen - 1)
     np.testing.assert_allclose(runs[True], runs[False], rtol=1e-2, atol=1e-2)
     assert not np.allclose(runs[True][1:], runs[True][:-1])  # the steps do differ from each other
+
+
+def test_a_roll_interval_bounds_the_drift_of_positions(tiny_model):
+    """roll_interval=8: positions may drift up to 8 past 0..n-1, then are renumbered at once."""
+    llm = Llama(tiny_model, budget=16, position_rolling=True, roll_interval=8, n_batch=32)
+    llm.eval(llm.tokenize(PROMPT))
+    drifts = []
+    for i in range(60):
+        llm.eval([65 + i % 26])
+        st = llm.kv_state()
+        assert st.n_cells == 16
+        drift = int(st.positions.max()) + 1 - st.n_cells
+        assert 0 <= drift < 8
+        assert llm._engine.seq_pos_range(0) == (int(st.positions.min()), int(st.positions.max()))
+        drifts.append(drift)
+    assert 0 in drifts and 7 in drifts  # it both drifts the whole interval and rolls back to contiguous
+    assert sum(1 for a, b in zip(drifts, drifts[1:]) if b < a) >= 60 // 8 - 1  # a roll every 8 evictions
+
+
+def test_a_roll_interval_longer_than_the_run_never_rolls(tiny_model):
+    """Rolling is only renumbering: if it never triggers, the run is bit-identical to one without rolling."""
+    runs = {}
+    for rolling in (False, True):
+        llm = Llama(tiny_model, budget=16, position_rolling=rolling, roll_interval=10**6, n_batch=32)
+        llm.eval(llm.tokenize(PROMPT))
+        logits = []
+        for i in range(30):
+            llm.eval([65 + i % 26])
+            logits.append(llm.last_logits())
+        runs[rolling] = (np.stack(logits), llm.kv_state().positions.tolist())
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])
+    assert runs[True][1] == runs[False][1] and max(runs[True][1]) > 40
+
+
+def test_a_roll_interval_below_one_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="roll_interval"):
+        Llama(tiny_model, budget=16, position_rolling=True, roll_interval=0)

@@ -1,12 +1,14 @@
 """The MT-Bench "infinite" session: all 160 turns of question.jsonl in one session, the cache kept across turns.
 
     python -m h2o_local.experiments.mtbench --input-path ../shared/data/question.jsonl \\
-        --settings full h2o-1024+roll --output results/mtbench-smollm2
+        --settings full h2o-1024+roll64 --output results/mtbench-smollm2
 
 Each turn is the user message formatted by the model's chat template and appended to the cache; the reply is
 generated greedily (up to --max-tokens) until the end-of-turn token, which is fed back so the next turn follows
 the template. `full` has the model's trained context and stops when a turn no longer fits: where and how is
-recorded. Per turn: tokens generated, decode tokens/s, KV cells in use, KV bytes allocated, resident memory.
+recorded. A setting is `full` or POLICY-BUDGET with an optional `+roll` (position rolling after every eviction)
+or `+rollN` (rolling once per N evicted tokens, `roll_interval=N`). Per turn: tokens generated, decode tokens/s,
+KV cells in use, KV bytes allocated, resident memory.
 Writes OUT.json, OUT.md, OUT.png and the transcripts OUT-<setting>.txt.gz.
 """
 from __future__ import annotations
@@ -32,9 +34,9 @@ def make(model: str, setting: str, threads) -> Llama:
         n_train = Llama(model, n_ctx=256).n_ctx_train()
         return Llama(model, n_ctx=n_train, n_threads=threads)
     policy, rest = setting.split("-", 1)
-    rolling = rest.endswith("+roll")
-    budget = int(rest.replace("+roll", ""))
-    return Llama(model, policy=policy, budget=budget, position_rolling=rolling, n_batch=256, n_threads=threads)
+    budget, rolling, interval = rest.partition("+roll")
+    return Llama(model, policy=policy, budget=int(budget), position_rolling=bool(rolling),
+                 roll_interval=int(interval or 1), n_batch=256, n_threads=threads)
 
 
 def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) -> list:
@@ -82,7 +84,7 @@ def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) ->
 
 def main(argv=None) -> int:
     ap = experiment_parser("h2o_local.experiments.mtbench", __doc__)
-    ap.add_argument("--settings", nargs="+", default=["full", "h2o-1024+roll"])
+    ap.add_argument("--settings", nargs="+", default=["full", "h2o-1024+roll64"])
     ap.add_argument("--max-tokens", type=int, default=1000)
     ap.add_argument("--max-turns", type=int, default=160)
     ap.add_argument("--threads", type=int)
