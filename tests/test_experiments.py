@@ -135,4 +135,8 @@ def test_mtbench_session_full_stops_where_h2o_goes_on(tmp_path):
     assert all(r["kv_cells"] <= 48 for r in h2o) and h2o[-1]["n_seen"] > 128
     lazy = res["h2o-48+roll8"]  # renumbering once per 8 evictions: same bound on the cache
     assert len(lazy) == 8 and all(r["kv_cells"] <= 48 for r in lazy)
-    assert out.with_suffix(".md").is_file()
+    table = out.with_suffix(".md").read_text()
+    assert "| full | " in table and "| h2o-48+roll8 | 8 | " in table
+    out.with_suffix(".md").unlink()
+    assert main(["--input-path", str(questions), "--output", str(out), "--report-only"]) == 0
+    assert out.with_suffix(".md").read_text() == table

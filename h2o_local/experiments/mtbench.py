@@ -89,64 +89,88 @@ def main(argv=None) -> int:
     ap.add_argument("--max-turns", type=int, default=160)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--output", type=Path, required=True)
+    ap.add_argument("--report-only", action="store_true", help="rewrite OUT.md and OUT.png from OUT.json")
     args = ap.parse_args(argv)
 
+    if args.report_only:
+        run = json.loads(args.output.with_suffix(".json").read_text())
+        if "kv_bytes_per_cell" not in run:  # written before the field existed
+            run["kv_bytes_per_cell"] = Llama(args.model or run["model"], n_ctx=256, n_batch=256).kv_bytes_per_cell
+        write_report(run, args.output)
+        return 0
     model = args.model or default_model_path()
     turns = [t for line in open(args.input_path) for t in json.loads(line)["turns"]][: args.max_turns]
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    results = {}
+    run = {"model": model, "turns": len(turns), "max_tokens": args.max_tokens,
+           "kv_bytes_per_cell": Llama(model, n_ctx=256, n_batch=256).kv_bytes_per_cell, "results": {}}
     for setting in args.settings:
         print(f"{setting}:", file=sys.stderr)
         llm = make(model, setting, args.threads)
         with gzip.open(f"{args.output}-{setting}.txt.gz", "wt") as transcript:
             def progress(records, setting=setting):
-                results[setting] = records
-                write_report(model, turns, args, results)
+                run["results"][setting] = records
+                write_report(run, args.output)
 
-            results[setting] = session(llm, turns, args.max_tokens, transcript, progress)
+            run["results"][setting] = session(llm, turns, args.max_tokens, transcript, progress)
         del llm
-        write_report(model, turns, args, results)  # after each setting, so a stopped run keeps what it did
+        write_report(run, args.output)  # after each setting, so a stopped run keeps what it did
     return 0
 
 
-def write_report(model: str, turns, args, results) -> None:
-    args.output.with_suffix(".json").write_text(json.dumps({"model": model, "turns": len(turns),
-                                                            "max_tokens": args.max_tokens, "results": results}))
-    lines = ["| setting | turns completed | tokens seen | stopped by | median decode tok/s | KV MiB | max RSS MiB |",
-             "|---|---|---|---|---|---|---|"]
-    for setting, recs in results.items():
+def write_report(run: dict, output: Path) -> None:
+    """OUT.json (every record), OUT.md (one row per setting) and OUT.png (speed, KV and resident memory per turn)."""
+    output.with_suffix(".json").write_text(json.dumps(run))
+    mib = 2**20
+    per_cell = run["kv_bytes_per_cell"]
+    lines = ["| setting | turns completed | tokens seen | tokens generated | turns cut at max tokens | stopped by | "
+             "median decode tok/s | KV MiB in use (max) | KV MiB allocated | max RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for setting, recs in run["results"].items():
         ok = [r for r in recs if "error" not in r]
         err = next((r["error"] for r in recs if "error" in r), "-")
         speeds = sorted(r["decode_tok_s"] for r in ok if r["decode_tok_s"])
         med = speeds[len(speeds) // 2] if speeds else 0
-        lines.append(f"| {setting} | {len(ok)} | {recs[-1].get('n_seen', 0)} | {err} | {med:.1f} | "
-                     f"{max((r['kv_bytes'] for r in ok), default=0) / 2**20:.1f} | "
-                     f"{max((r['rss'] for r in ok), default=0) / 2**20:.0f} |")
-    args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        lines.append(f"| {setting} | {len(ok)} | {recs[-1].get('n_seen', 0)} | {sum(r['generated'] for r in ok)} | "
+                     f"{sum(r['finish'] == 'length' for r in ok)} | {err} | {med:.1f} | "
+                     f"{max((r['kv_cells'] for r in ok), default=0) * per_cell / mib:.1f} | "
+                     f"{max((r['kv_bytes'] for r in ok), default=0) / mib:.1f} | "
+                     f"{max((r['rss'] for r in ok), default=0) / mib:.0f} |")
+    output.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for setting, recs in results.items():
-            ok = [r for r in recs if "error" not in r]
-            ax1.plot([r["turn"] for r in ok], [r["decode_tok_s"] or 0 for r in ok], label=setting)
-            ax2.plot([r["turn"] for r in ok], [r["kv_cells"] for r in ok], label=setting)
-        ax1.set_title("decode speed per turn")
-        ax1.set_ylabel("tokens/s")
-        ax2.set_title("KV cells in use after each turn")
-        ax2.set_ylabel("cells")
-        for ax in (ax1, ax2):
-            ax.set_xlabel("turn")
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.output.with_suffix(".png"), dpi=110)
     except ImportError:
-        pass
+        return
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for setting, recs in run["results"].items():
+        ok = [r for r in recs if "error" not in r]
+        turn = [r["turn"] + 1 for r in ok]
+        line, = ax1.plot(turn, [r["decode_tok_s"] or float("nan") for r in ok], label=setting, lw=1)
+        ax2.plot(turn, [r["kv_cells"] * per_cell / mib for r in ok], color=line.get_color(), label=f"{setting}: in use")
+        ax2.plot(turn, [r["kv_bytes"] / mib for r in ok], color=line.get_color(), ls="--",
+                 label=f"{setting}: allocated")
+        ax3.plot(turn, [r["rss"] / mib for r in ok], color=line.get_color(), label=setting)
+        stop = next((r for r in recs if "error" in r), None)
+        if stop is not None:
+            for ax in (ax1, ax2, ax3):
+                ax.axvline(stop["turn"] + 1, color=line.get_color(), ls=":", lw=1)
+    ax1.set_title("decode speed per turn")
+    ax1.set_ylabel("tokens/s")
+    ax2.set_title("KV cache after each turn")
+    ax2.set_ylabel("MiB")
+    ax3.set_title("resident memory after each turn")
+    ax3.set_ylabel("MiB")
+    for ax in (ax1, ax2, ax3):
+        ax.set_xlabel("turn (dotted: where a setting stopped)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"MT-Bench session, {Path(run['model']).name}, up to {run['max_tokens']} new tokens per turn")
+    fig.tight_layout()
+    fig.savefig(output.with_suffix(".png"), dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
