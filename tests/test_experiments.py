@@ -13,7 +13,7 @@ def test_bench_measures_one_setting(tiny_model):
     cfg = {"runner": "h2o_local", "model": tiny_model, "policy": "h2o", "budget": 32, "rolling": False,
            "export_scores": False, "depth": 200, "decode_tokens": 8, "n_batch": 64, "threads": 1}
     r = measure(cfg)
-    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_mean_tok_s"] > 0
     assert r["cells_in_use"] == 32 and r["kv_cells"] == 256 and r["kv_bytes"] > 0 and r["peak_rss"] > 0
 
 

@@ -87,7 +87,7 @@ def run(args) -> None:
             pending = [(p, b, d, s) for p, b in todo_settings for d, s in todo_dec if (i, p, b, d) not in done]
             if not pending:
                 continue
-            tokens = llm.tokenize(row["article"], add_bos=False)
+            tokens = llm.tokenize(row["article"], add_bos=args.add_bos)
             if len(tokens) + GEN["max_tokens"] > args.n_ctx:
                 raise SystemExit(f"row {i}: {len(tokens)} prompt tokens do not fit n_ctx={args.n_ctx}")
             llm.set_policy("h2o", args.n_ctx - args.n_batch)
@@ -271,6 +271,9 @@ def main(argv=None) -> int:
     ap.add_argument("--greedy", action="store_true", help="also decode greedily")
     ap.add_argument("--n-ctx", type=int, default=4096, help="KV cells: the longest prompt + 64 must fit")
     ap.add_argument("--n-batch", type=int, default=512)
+    ap.add_argument("--add-bos", action="store_true",
+                    help="prepend BOS to the prompt (the reference's prompts have none; a base model like Gemma 3 "
+                         "needs it)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--summary-only", action="store_true")
     ap.add_argument("--also", nargs="*", default=[],
