@@ -76,6 +76,27 @@ def test_summarization_settings_and_summary(tmp_path):
     assert "| h2o | 0.000 ± 0.000 |" in table
 
 
+def test_summarization_runs_resumes_and_adds_bos_only_when_asked(tiny_model, tmp_path):
+    pytest.importorskip("rouge")
+    from h2o_local.experiments.summarization import main
+
+    data = tmp_path / "xsum.jsonl"
+    data.write_text(json.dumps({"article": "Article: the keeper lit the lamp every night.\nSummary:",
+                                "summary_gt": "the keeper lit the lamp", "temperature": 0.3}) + "\n")
+    prompt_tokens = {}
+    for bos in (False, True):
+        out = tmp_path / f"out-{bos}.jsonl"
+        argv = ["--input-path", str(data), "--output-path", str(out), "--model", tiny_model, "--budgets", "8", "full",
+                "--policies", "h2o", "--sample-num", "1", "--seeds", "--greedy", "--n-ctx", "256", "--n-batch", "64",
+                "--threads", "1"] + (["--add-bos"] if bos else [])
+        assert main(argv) == 0
+        recs = [json.loads(line) for line in open(out)]
+        assert sorted((r["policy"], r["budget"]) for r in recs) == [("full", None), ("h2o", 8)]
+        assert main(argv) == 0 and len(open(out).read().splitlines()) == 2  # a rerun resumes: nothing new
+        prompt_tokens[bos] = recs[0]["prompt_tokens"]
+    assert prompt_tokens[True] == prompt_tokens[False] + 1
+
+
 def test_rouge_scores():
     pytest.importorskip("rouge")
     pytest.importorskip("rouge_score")
