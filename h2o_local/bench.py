@@ -88,7 +88,7 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         n_ctx = depth + n_dec + 16 if budget is None else 0
         llm = Llama(cfg["model"], policy=cfg["policy"], budget=budget, position_rolling=cfg["rolling"],
                     roll_interval=cfg.get("roll_interval", 1), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-                    _export_scores=cfg["export_scores"])
+                    n_gpu_layers=cfg.get("n_gpu_layers", 0), _export_scores=cfg["export_scores"])
         prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
         t0 = time.perf_counter()
         llm.eval(prompt)
@@ -292,6 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
     ap.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
     ap.add_argument("--out", type=Path, default=Path("results/bench"))
     ap.add_argument("--report", type=Path, nargs="+", help="only write the report of these JSON files (merged)")
@@ -326,7 +327,7 @@ def main(argv=None) -> int:
     todo = settings(args.budgets, peer)
     if args.only:
         todo = [s for s in todo if s["name"] in args.only]
-    meta = {"model": model, "machine": machine(), "threads": args.threads, "n_batch": args.n_batch,
+    meta = {"model": model, "machine": machine(), "threads": args.threads, "n_batch": args.n_batch, "n_gpu_layers": args.n_gpu_layers,
             "repeats": args.repeats, "decode_tokens": args.decode_tokens, "budgets": args.budgets,
             "depths": args.depths, "load_before": os.getloadavg()[0], "memory_bandwidth": memory_bandwidth()}
     records: List[Dict[str, Any]] = []
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for s in todo:
                 cfg = {"runner": "h2o_local", **s, "model": model, "depth": depth, "decode_tokens": args.decode_tokens,
-                       "n_batch": args.n_batch, "threads": args.threads}
+                       "n_batch": args.n_batch, "threads": args.threads, "n_gpu_layers": args.n_gpu_layers}
                 r = run_one(cfg)
                 records.append({**s, "depth": depth, "repeat": rep, **r})
                 done += 1

@@ -44,3 +44,17 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip)
+
+
+# H2O_LOCAL_TEST_N_GPU_LAYERS=-1 runs the whole suite with every layer offloaded (a CUDA or Metal build)
+_TEST_GPU_LAYERS = os.environ.get("H2O_LOCAL_TEST_N_GPU_LAYERS")
+if _TEST_GPU_LAYERS:
+    import h2o_local.llama as _llama_module
+
+    _plain_init = _llama_module.Llama.__init__
+
+    def _init_offloaded(self, *args, **kwargs):
+        kwargs.setdefault("n_gpu_layers", int(_TEST_GPU_LAYERS))
+        _plain_init(self, *args, **kwargs)
+
+    _llama_module.Llama.__init__ = _init_offloaded
