@@ -12,11 +12,11 @@ TEXT_B = "Completely different words: quartz, zephyr, jigsaw, vortex, 1234567890
 def run_against_reference(llm: Llama, prompt, steps, seq_id=0):
     ref = H2OReference(heavy=llm.heavy, recent=llm.recent, sinks=llm.sinks)
     llm.eval(prompt, seq_id=seq_id)
-    assert llm.kv_state(seq_id).positions.tolist() == ref.step(*llm._engine.last_scores(seq_id))
+    assert llm.kv_state(seq_id).positions.tolist() == ref.step(*llm.last_scores(seq_id))
     for t in steps:
         llm.eval([t], seq_id=seq_id)
         kept = llm.kv_state(seq_id).positions.tolist()
-        assert kept == ref.step(*llm._engine.last_scores(seq_id))
+        assert kept == ref.step(*llm.last_scores(seq_id))
     return ref
 
 
@@ -85,11 +85,11 @@ def test_two_sequences_in_one_batch_keep_their_own_heavy_hitters(tiny_model):
     refs = {0: H2OReference(llm.heavy, llm.recent), 1: H2OReference(llm.heavy, llm.recent)}
     llm.eval_batch({0: a, 1: b})
     for s in (0, 1):
-        assert llm.kv_state(s).positions.tolist() == refs[s].step(*llm._engine.last_scores(s))
+        assert llm.kv_state(s).positions.tolist() == refs[s].step(*llm.last_scores(s))
     for i in range(12):
         llm.eval_batch({0: [60 + i], 1: [100 + i]})
         for s in (0, 1):
-            pos, sums = llm._engine.last_scores(s)
+            pos, sums = llm.last_scores(s)
             # each sequence's queries attend only to its own cells: every head row sums to n_layer
             np.testing.assert_allclose(sums.sum(axis=0), 2.0, rtol=1e-5)
             assert llm.kv_state(s).positions.tolist() == refs[s].step(pos, sums)

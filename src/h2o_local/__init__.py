@@ -4,8 +4,12 @@
     llm = Llama("model.gguf", budget=128)          # at most 128 KV entries per sequence
     print(llm.generate("The capital of France is", max_tokens=32))
 """
+from . import llama_types, models, policies
 from .llama import KVState, Llama
-from . import models
+from .model_info import ModelInfo
+from .policies import H2O, Full, Local, Policy, Sink
+from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Llama", "KVState", "models", "__version__"]
+__all__ = ["Llama", "KVState", "ModelInfo", "SamplingParams", "Policy", "H2O", "Local", "Sink", "Full", "policies",
+           "llama_types", "models", "__version__"]

@@ -8,7 +8,8 @@ import argparse
 import sys
 import time
 
-from .llama import POLICIES, Llama
+from .llama import Llama
+from .policies import REGISTRY
 from .models import default_model_path
 
 
@@ -18,7 +19,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a message in a bottle.")
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                     help="wrap the prompt with the model's chat template (default: on)")
-    ap.add_argument("--policy", choices=POLICIES, default="h2o")
+    ap.add_argument("--policy", choices=sorted(REGISTRY), default="h2o")
     ap.add_argument("--budget", type=int, default=64, help="KV entries kept (tokens); 0 = full cache")
     ap.add_argument("--heavy", type=int)
     ap.add_argument("--recent", type=int)
@@ -36,14 +37,17 @@ def main(argv=None) -> int:
 
     model = args.model or default_model_path()
     budget = args.budget or None
-    llm = Llama(model, budget=budget, policy="full" if budget is None else args.policy, heavy=args.heavy,
-                recent=args.recent, sinks=args.sinks, position_rolling=args.position_rolling,
-                roll_interval=args.roll_interval,
-                n_batch=args.n_batch, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, seed=args.seed)
+    try:
+        llm = Llama(model, budget=budget, policy="full" if budget is None else args.policy, heavy=args.heavy,
+                    recent=args.recent, sinks=args.sinks, position_rolling=args.position_rolling,
+                    roll_interval=args.roll_interval, n_batch=args.n_batch, n_threads=args.threads,
+                    n_gpu_layers=args.n_gpu_layers, seed=args.seed)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+        ap.error(str(e))
     prompt = args.prompt
     if args.chat:
         prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
-    tokens = llm.tokenize(prompt, add_bos=llm._engine.add_bos, special=True)
+    tokens = llm.tokenize(prompt, add_bos=llm.info.add_bos, special=True)
 
     t0 = time.perf_counter()
     n = 0
@@ -53,7 +57,7 @@ def main(argv=None) -> int:
         n += 1
     dt = time.perf_counter() - t0
     st = llm.kv_state()
-    print(f"\n\n[h2o_local] policy={llm.policy} budget={llm.budget} (sinks={llm.sinks} heavy={llm.heavy} "
+    print(f"\n\n[h2o_local] policy={llm.policy.name} budget={llm.budget} (sinks={llm.sinks} heavy={llm.heavy} "
           f"recent={llm.recent}) prompt={len(tokens)} tokens, seen={st.n_seen}, kept={st.n_cells}, "
           f"evicted={st.n_evicted}, peak={st.peak_cells} entries, KV allocated={st.kv_bytes / 2**20:.2f} MiB "
           f"({st.kv_cells} cells), {dt:.1f} s", file=sys.stderr)

@@ -1,0 +1,167 @@
+#include "model.h"
+
+// llama.cpp internals, for the per-layer K/V widths (not in the public API)
+#include "llama-model.h"
+
+#include <cstdio>
+#include <mutex>
+#include <stdexcept>
+
+namespace h2o {
+
+namespace {
+
+bool        g_verbose = false;
+std::string g_last_error;
+
+void log_callback(ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        g_last_error = text;
+        while (!g_last_error.empty() && (g_last_error.back() == '\n' || g_last_error.back() == ' ')) {
+            g_last_error.pop_back();
+        }
+    }
+    if (g_verbose) {
+        fputs(text, stderr);
+    }
+}
+
+} // namespace
+
+void init_backend(bool verbose) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        llama_log_set(log_callback, nullptr);
+        llama_backend_init();
+    });
+    g_verbose = g_verbose || verbose;
+}
+
+void clear_llama_error() {
+    g_last_error.clear();
+}
+
+std::string llama_error_suffix() {
+    return g_last_error.empty() ? "" : " (llama.cpp: " + g_last_error + ")";
+}
+
+Model::Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only, bool verbose) {
+    init_backend(verbose);
+    clear_llama_error();
+
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = n_gpu_layers;
+    mp.no_alloc     = metadata_only;
+    if (metadata_only) {
+        mp.load_mode = LLAMA_LOAD_MODE_NONE; // llama.cpp's memory-fit pass: no weights read, nothing mapped
+    }
+    model_ = llama_model_load_from_file(path.c_str(), mp);
+    if (model_ == nullptr) {
+        throw std::invalid_argument("cannot load '" + path + "': not a loadable GGUF model" + llama_error_suffix());
+    }
+}
+
+Model::~Model() {
+    llama_model_free(model_);
+}
+
+ModelFacts Model::facts() const {
+    ModelFacts f;
+    char arch[128] = {0};
+    if (llama_model_meta_val_str(model_, "general.architecture", arch, sizeof(arch)) > 0) {
+        f.arch = arch;
+    }
+    f.n_ctx_train = llama_model_n_ctx_train(model_);
+    f.n_vocab     = n_vocab();
+    f.n_layer     = llama_model_n_layer(model_);
+    f.n_head      = llama_model_n_head(model_);
+    f.n_head_kv   = llama_model_n_head_kv(model_);
+    f.n_embd      = llama_model_n_embd(model_);
+    const auto & hp = model_->hparams;
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        if (hp.has_kv(il) && !hp.is_swa(il)) {
+            f.kv_bytes_per_cell += (uint64_t) (hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il)) * sizeof(ggml_fp16_t);
+        }
+    }
+    f.model_bytes = llama_model_size(model_);
+    f.n_params    = llama_model_n_params(model_);
+    f.add_bos     = llama_vocab_get_add_bos(vocab());
+    f.token_bos   = llama_vocab_bos(vocab());
+    f.token_eos   = llama_vocab_eos(vocab());
+    const char * tmpl = llama_model_chat_template(model_, nullptr);
+    f.chat_template = tmpl ? tmpl : "";
+    return f;
+}
+
+void Model::check_token(llama_token token) const {
+    if (token < 0 || token >= n_vocab()) {
+        throw std::invalid_argument("token id " + std::to_string(token) + " out of range [0, " + std::to_string(n_vocab()) + ")");
+    }
+}
+
+std::vector<llama_token> Model::tokenize(const std::string & text, bool add_special, bool parse_special) const {
+    std::vector<llama_token> out(text.size() + 8);
+    int32_t n = llama_tokenize(vocab(), text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, parse_special);
+    if (n < 0) {
+        out.resize(-n);
+        n = llama_tokenize(vocab(), text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, parse_special);
+    }
+    if (n < 0) {
+        throw std::runtime_error("tokenization failed");
+    }
+    out.resize(n);
+    return out;
+}
+
+std::string Model::token_to_piece(llama_token token, bool special) const {
+    check_token(token);
+    char buf[256];
+    int32_t n = llama_token_to_piece(vocab(), token, buf, sizeof(buf), 0, special);
+    if (n < 0) {
+        std::string big(-n, '\0');
+        n = llama_token_to_piece(vocab(), token, big.data(), (int32_t) big.size(), 0, special);
+        return big.substr(0, std::max(n, 0));
+    }
+    return std::string(buf, n);
+}
+
+std::string Model::detokenize(const std::vector<llama_token> & tokens, bool special) const {
+    for (const llama_token t : tokens) {
+        check_token(t);
+    }
+    std::string out(tokens.size()*8 + 16, '\0');
+    int32_t n = llama_detokenize(vocab(), tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(), false, special);
+    if (n < 0) {
+        out.resize(-n);
+        n = llama_detokenize(vocab(), tokens.data(), (int32_t) tokens.size(), out.data(), (int32_t) out.size(), false, special);
+    }
+    out.resize(std::max(n, 0));
+    return out;
+}
+
+std::string Model::apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                       bool add_assistant, const std::string & tmpl) const {
+    const char * t = tmpl.empty() ? llama_model_chat_template(model_, nullptr) : tmpl.c_str();
+    if (t == nullptr) {
+        throw std::invalid_argument("this model has no chat template: use create_completion with your own prompt");
+    }
+    std::vector<llama_chat_message> msgs;
+    size_t len = 1024;
+    for (const auto & m : messages) {
+        msgs.push_back({m.first.c_str(), m.second.c_str()});
+        len += 2*(m.first.size() + m.second.size()) + 64;
+    }
+    std::string out(len, '\0');
+    int32_t n = llama_chat_apply_template(t, msgs.data(), msgs.size(), add_assistant, out.data(), (int32_t) out.size());
+    if (n > (int32_t) out.size()) {
+        out.resize(n);
+        n = llama_chat_apply_template(t, msgs.data(), msgs.size(), add_assistant, out.data(), (int32_t) out.size());
+    }
+    if (n < 0) {
+        throw std::invalid_argument("llama.cpp does not support this model's chat template");
+    }
+    out.resize(n);
+    return out;
+}
+
+} // namespace h2o

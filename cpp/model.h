@@ -1,0 +1,63 @@
+// A GGUF model: its weights (or only its metadata), its facts, its vocabulary and its chat template.
+#pragma once
+
+#include "llama.h"
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace h2o {
+
+// What a model is, readable without a context (and without loading its weights: Model::metadata_only).
+struct ModelFacts {
+    std::string arch;
+    int32_t  n_ctx_train = 0;
+    int32_t  n_vocab     = 0;
+    int32_t  n_layer     = 0;
+    int32_t  n_head      = 0;
+    int32_t  n_head_kv   = 0;
+    int32_t  n_embd      = 0;
+    uint64_t kv_bytes_per_cell = 0; // F16 K and V of every layer with a full-context cache, for one token
+    uint64_t model_bytes = 0;
+    uint64_t n_params    = 0;
+    bool     add_bos     = false;
+    llama_token token_bos = -1;
+    llama_token token_eos = -1;
+    std::string chat_template;      // the GGUF's own (tokenizer.chat_template); empty when it has none
+};
+
+class Model {
+public:
+    // metadata_only: hyperparameters, vocabulary and tensor table, no weights (for facts and tokenizing)
+    Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only, bool verbose);
+    ~Model();
+    Model(const Model &) = delete;
+    Model & operator=(const Model &) = delete;
+
+    llama_model       * get()   const { return model_; }
+    const llama_vocab * vocab() const { return llama_model_get_vocab(model_); }
+    ModelFacts facts() const;
+
+    int32_t n_vocab() const { return llama_vocab_n_tokens(vocab()); }
+    bool    is_eog(llama_token token) const { return llama_vocab_is_eog(vocab(), token); }
+    std::vector<llama_token> tokenize(const std::string & text, bool add_special, bool parse_special) const;
+    std::string token_to_piece(llama_token token, bool special) const;
+    std::string detokenize(const std::vector<llama_token> & tokens, bool special) const;
+    // llama.cpp's built-in rendering of a chat template (the GGUF's own when tmpl is empty)
+    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
+                                    bool add_assistant, const std::string & tmpl) const;
+
+private:
+    void check_token(llama_token token) const;
+
+    llama_model * model_ = nullptr;
+};
+
+// llama.cpp's log goes through here once the backend is initialised: errors are kept for our exception messages
+void init_backend(bool verbose);
+void clear_llama_error();
+std::string llama_error_suffix(); // " (llama.cpp: <last error>)" or ""
+
+} // namespace h2o

@@ -1,0 +1,88 @@
+// Eviction policies: which cached entries of one sequence to keep once it holds more than its budget, and how the
+// attention scores exported after each forward pass become the scores that decision uses.
+//
+// A policy never touches llama.cpp: the engine feeds it observations and applies its decisions. Each policy is one
+// small class in cpp/policies/, registered by name (see docs/policies.md for how to add one).
+#pragma once
+
+#include "llama.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace h2o {
+
+// A policy as asked for: its registered name and the budget split as given (< 0: the policy's default).
+struct PolicyConfig {
+    std::string name = "h2o";
+    int32_t budget = -1; // KV entries kept per sequence; < 0: none (only unbounded policies accept that)
+    int32_t heavy  = -1;
+    int32_t recent = -1;
+    int32_t sinks  = -1;
+};
+
+// Entries kept per sequence: the first `sinks` positions, the `heavy` best-scored older ones, the `recent` newest.
+struct BudgetSplit {
+    int32_t sinks  = 0;
+    int32_t heavy  = 0;
+    int32_t recent = 0;
+
+    int32_t total() const { return sinks + heavy + recent; }
+};
+
+// One sequence's scores, aligned with its kept positions (ascending). The engine appends an entry per fed token and
+// moves entries along when it evicts; what the numbers mean is the policy's business (see Policy::observe).
+struct SeqScores {
+    int32_t n_head = 0;
+    std::vector<float>   total;   // [n]: the score the policy ranks by
+    std::vector<float>   head;    // [n][n_head]: per query head
+    std::vector<int64_t> queries; // [n]: queries that have attended the entry so far (its own included)
+
+    size_t size() const { return total.size(); }
+};
+
+// The scores the patched llama.cpp exported for one sequence in one llama_decode: per kept entry and query head,
+// the softmax probability summed over this decode's queries and over layers.
+struct ScoreUpdate {
+    const float * head_sums = nullptr; // [n][n_head], aligned with SeqScores (new entries already appended)
+    int32_t n      = 0;
+    int32_t n_head = 0;
+    int32_t n_new  = 0;                // the last n_new entries are this decode's tokens, and its queries
+};
+
+class Policy {
+public:
+    virtual ~Policy() = default;
+
+    virtual std::string name() const = 0;
+    virtual bool bounded() const { return true; }
+    virtual bool needs_scores() const { return false; }
+    virtual BudgetSplit split() const = 0;
+
+    // fold one decode's exported scores into the sequence's scores; the default is H2O's accumulation (the raw
+    // probabilities added up, summed over heads in head order, no decay)
+    virtual void observe(SeqScores & scores, const ScoreUpdate & update) const;
+
+    // indices into positions to keep, ascending; only called with more entries than split().total()
+    virtual std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores) const = 0;
+};
+
+using PolicyFactory = std::unique_ptr<Policy> (*)(const PolicyConfig & cfg);
+
+// A policy file registers its factory once: `static const PolicyRegistration reg("name", make_name);`
+struct PolicyRegistration {
+    PolicyRegistration(const char * name, PolicyFactory factory);
+};
+
+// throws std::invalid_argument for an unknown name or an impossible split
+std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg);
+std::vector<std::string> policy_names(); // sorted
+
+// helpers for policy files
+void check_policy(bool ok, const std::string & msg);
+// the first `sinks` and last `recent` indices of n entries, plus `middle` (indices in [sinks, n - recent)), sorted
+std::vector<size_t> sinks_middle_recent(size_t n, size_t sinks, size_t recent, std::vector<size_t> middle);
+
+} // namespace h2o

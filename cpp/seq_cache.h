@@ -1,0 +1,61 @@
+// One sequence's KV cache as the engine sees it: the positions it keeps, their scores and counters, and the three
+// things done to it: evict what the policy does not keep, roll the kept positions back to 0..n-1, and snapshot.
+#pragma once
+
+#include "policy.h"
+
+#include "llama.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace h2o {
+
+struct SeqState {
+    std::vector<llama_pos> positions;   // kept positions, ascending
+    SeqScores scores;                   // aligned with positions
+    llama_pos next_pos   = 0;           // position of the next token fed
+    int64_t   n_seen     = 0;           // tokens fed
+    int64_t   n_evicted  = 0;
+    int32_t   peak_cells = 0;           // most entries held at once (between a decode and its eviction)
+};
+
+// A sequence's cache and its bookkeeping, to branch several continuations from one prefix.
+struct SeqSnapshot {
+    std::vector<uint8_t> kv;     // llama_state_seq_get_data
+    SeqState             state;
+    std::vector<float>   logits; // after the last token
+};
+
+class SeqCache {
+public:
+    SeqCache(llama_context * ctx, llama_seq_id seq, int32_t n_head);
+
+    const SeqState & state() const { return st_; }
+    int32_t size() const { return (int32_t) st_.positions.size(); }
+    llama_pos next_pos() const { return st_.next_pos; }
+
+    // n_new tokens were decoded at next_pos.. : add their entries
+    void append(int32_t n_new);
+    // fold the scores the patch exported in the last decode (checked against the kept positions)
+    void observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new);
+    // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more
+    void evict(const Policy & policy, bool rolling, int32_t roll_interval);
+    // drop the entries at next_pos and above (a decode that failed half-way)
+    void drop_unfinished();
+    void clear();
+
+    std::vector<uint8_t> save_kv() const;
+    // returns false (and leaves the sequence empty) when llama.cpp cannot place the cells
+    bool restore(const std::vector<uint8_t> & kv, const SeqState & state);
+
+private:
+    void roll_positions();
+
+    llama_context * ctx_;
+    llama_memory_t  mem_;
+    llama_seq_id    seq_;
+    SeqState        st_;
+};
+
+} // namespace h2o

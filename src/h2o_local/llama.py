@@ -1,0 +1,558 @@
+"""The user API: `Llama`, in the style of llama-cpp-python, with a KV cache bounded by an eviction policy."""
+from __future__ import annotations
+
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _engine, generation, sampling
+from ._text import TextAssembler
+from .capacity import cells_needed, largest_batch
+from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
+from .model_info import ModelInfo
+from .policies import Policy, check_int, resolve
+from .sampling import SamplingParams
+
+Prompt = Union[str, bytes, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class KVState:
+    """What the KV cache of one sequence holds (see `Llama.kv_state`)."""
+
+    positions: np.ndarray    # int32 [n]: kept positions, ascending
+    scores: np.ndarray       # float32 [n]: accumulated attention of each kept position, summed over heads
+    head_scores: np.ndarray  # float32 [n, n_head]: the same per query head
+    queries: np.ndarray      # int64 [n]: queries that have attended each kept position (its own included)
+    n_evicted: int           # tokens evicted so far
+    n_seen: int              # tokens fed so far
+    peak_cells: int          # most entries held at once (right after a decode, before its eviction)
+    kv_bytes: int            # bytes allocated for the whole context's KV cache
+    kv_cells: int            # KV cells allocated (n_ctx)
+
+    @property
+    def n_cells(self) -> int:
+        """Entries held now."""
+        return int(self.positions.shape[0])
+
+
+class Llama:
+    """A GGUF model on a patched llama.cpp whose KV cache never holds more than `budget` entries per sequence.
+
+    Args:
+        model_path: the GGUF file.
+        budget: KV entries (tokens) kept per sequence; None keeps everything (the full cache).
+        policy: a policy value (`h2o_local.policies.H2O(...)`, `Sink(...)`, ...) or a registered name: "h2o"
+            (heavy hitters by accumulated attention + a recent window), "local" (recent window), "sink" (first
+            `sinks` tokens + recent window, StreamingLLM) or "full".
+        heavy / recent / sinks: with a policy name, the split of the budget; h2o defaults to heavy = budget // 2,
+            recent = the rest, sinks = 0; sink defaults to 4 sinks.
+        position_rolling: renumber the kept positions 0..n-1 after each eviction, so that generation can run past
+            the model's trained context (needs a model whose cache can shift).
+        roll_interval: with rolling, renumber only once the kept positions have drifted this many tokens past
+            0..n-1 (1: after every eviction). Each renumbering makes llama.cpp rotate every cached key in every
+            layer; a larger interval pays that once per `roll_interval` evicted tokens, and positions stay below
+            budget + roll_interval + n_batch. Which entries are kept is decided the same way either way.
+        n_ctx: KV cells to allocate; 0 = budget + n_batch (bounded) or the trained context (full).
+        n_batch: tokens per llama_decode; prompts longer than the free cells are fed in chunks with eviction in
+            between, so memory stays at about budget + n_batch cells.
+        n_seq_max: sequences the context can hold at once (each with its own budget).
+        kv_unified: one cell space shared by all sequences (n_ctx = their budgets + one batch); False gives each
+            sequence its own stream of n_ctx / n_seq_max cells (default: a budget + one batch each), so that a
+            sequence attends only its own cells, as in llama.cpp's parallel server slots.
+        n_threads: CPU threads (None: llama.cpp's default).
+        n_gpu_layers: layers offloaded to the GPU (-1: all).
+        seed: seed of the sampling RNG; each call without its own seed draws from it.
+        kv_f32: store K/V in F32 instead of F16 (twice the bytes; exact position rolling).
+        export_scores: export attention scores even when the policy does not rank by them, so that `kv_state()`
+            and `last_scores()` show what H2O would see (costs a few percent of speed).
+    """
+
+    def __init__(
+        self,
+        model_path: Union[str, os.PathLike],
+        *,
+        budget: Optional[int] = None,
+        policy: Union[str, Policy] = "h2o",
+        heavy: Optional[int] = None,
+        recent: Optional[int] = None,
+        sinks: Optional[int] = None,
+        position_rolling: bool = False,
+        roll_interval: int = 1,
+        n_ctx: int = 0,
+        n_batch: int = 512,
+        n_seq_max: int = 1,
+        kv_unified: bool = True,
+        n_threads: Optional[int] = None,
+        n_gpu_layers: int = 0,
+        seed: int = 0,
+        kv_f32: bool = False,
+        export_scores: bool = False,
+        verbose: bool = False,
+        _scores_sum_rows: bool = False,
+    ):
+        self.model_path = os.fspath(model_path)
+        if not os.path.isfile(self.model_path):
+            raise FileNotFoundError(f"model file not found: {self.model_path}")
+        for name, value, minimum in (("roll_interval", roll_interval, 1), ("n_ctx", n_ctx, 0), ("n_batch", n_batch, 1),
+                                     ("n_seq_max", n_seq_max, 1), ("n_threads", n_threads, 0),
+                                     ("n_gpu_layers", n_gpu_layers, None), ("seed", seed, None)):
+            check_int(name, value, minimum)
+        for name, value in (("position_rolling", position_rolling), ("kv_unified", kv_unified), ("kv_f32", kv_f32),
+                            ("export_scores", export_scores), ("verbose", verbose)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
+
+        self._engine = _engine.Engine(
+            self.model_path,
+            **self.policy.engine_args(),
+            position_rolling=bool(position_rolling),
+            roll_interval=int(roll_interval),
+            n_ctx=int(n_ctx),
+            n_batch=int(n_batch),
+            n_seq_max=int(n_seq_max),
+            kv_unified=bool(kv_unified),
+            n_threads=int(n_threads or 0),
+            n_gpu_layers=int(n_gpu_layers),
+            scores_sum_rows=bool(_scores_sum_rows),
+            export_scores=bool(export_scores),
+            kv_f32=bool(kv_f32),
+            verbose=bool(verbose),
+        )
+        self.info = ModelInfo.from_facts(self.model_path, self._engine.facts())
+        self.position_rolling = bool(position_rolling)
+        self.roll_interval = int(roll_interval)
+        self.n_seq_max = int(n_seq_max)
+        self.kv_unified = bool(kv_unified)
+        self._rng = random.Random(seed)
+        self.last_eog_token: Optional[int] = None  # the end-of-generation token the last generation sampled
+        self.finish_reasons: List[Optional[str]] = []  # of the last generate_batch, per prompt
+        self._eog: Optional[List[int]] = None
+
+    @classmethod
+    def for_kv_limit(
+        cls,
+        model_path: Union[str, os.PathLike],
+        kv_limit_bytes: int,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        budget: Optional[int] = None,
+        n_batch: int = 128,
+        kv_unified: bool = True,
+        **kwargs: Any,
+    ) -> "Llama":
+        """The memory-capped mode: a Llama that runs the most sequences at once within `kv_limit_bytes` of KV.
+
+        The full cache (`budget=None`) needs `prompt_tokens + max_tokens` cells per sequence, a bounded policy
+        `budget` per sequence plus `n_batch` (shared in a unified cache, per sequence otherwise; see
+        `h2o_local.capacity`). The returned object has `n_seq_max` set to that largest batch and its cache
+        allocated within the limit (checked, in bytes, after llama.cpp's rounding). Other keyword arguments go to
+        `Llama(...)`. Raises ValueError when not even one sequence fits.
+        """
+        if kv_limit_bytes < 1 or prompt_tokens < 1 or max_tokens < 0:
+            raise ValueError("kv_limit_bytes and prompt_tokens must be >= 1 and max_tokens >= 0")
+        per_cell = ModelInfo.load(model_path).kv_bytes_per_cell * (2 if kwargs.get("kv_f32") else 1)
+        n_seq = largest_batch(kv_limit_bytes, bytes_per_cell=max(per_cell, 1), prompt_tokens=prompt_tokens,
+                              max_tokens=max_tokens, budget=budget, n_batch=n_batch, kv_unified=kv_unified)
+        while n_seq > 0:
+            n_ctx = cells_needed(n_seq, prompt_tokens=prompt_tokens, max_tokens=max_tokens, budget=budget,
+                                 n_batch=n_batch, kv_unified=kv_unified)
+            llm = cls(model_path, budget=budget, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq, kv_unified=kv_unified,
+                      **kwargs)
+            if llm._engine.kv_bytes <= kv_limit_bytes:
+                return llm
+            n_seq -= 1  # a cache that is not all cells (sliding-window layers) can come out larger than estimated
+        raise ValueError(f"not even one sequence of {prompt_tokens} + {max_tokens} tokens fits in {kv_limit_bytes} "
+                         f"bytes of KV cache" + ("" if budget is None else f" with budget {budget}"))
+
+    # ------------------------------------------------------------------ the policy's split, for short
+    @property
+    def budget(self) -> Optional[int]:
+        """KV entries kept per sequence (None: the full cache)."""
+        return self.policy.budget
+
+    @property
+    def sinks(self) -> int:
+        return self.policy.split[0]
+
+    @property
+    def heavy(self) -> int:
+        return self.policy.split[1]
+
+    @property
+    def recent(self) -> int:
+        return self.policy.split[2]
+
+    # ------------------------------------------------------------------ model and context facts
+    def n_ctx(self) -> int:
+        """KV cells (tokens, all sequences together) the cache fills at most: `n_ctx` as given, or its default.
+
+        llama.cpp allocates this rounded up to a multiple of 256 (`kv_state().kv_cells`); the extra cells stay unused.
+        """
+        return self._engine.capacity
+
+    @property
+    def n_batch(self) -> int:
+        """Tokens per llama_decode."""
+        return self._engine.n_batch
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """Bytes of one allocated KV cell: one token's K and V in every layer (models with sliding-window layers add
+        a fixed part on top, so for them this is an average over the allocated cells)."""
+        return self._engine.kv_bytes // self._engine.n_ctx
+
+    def n_vocab(self) -> int:
+        return self.info.n_vocab
+
+    def n_ctx_train(self) -> int:
+        """The context length the model was trained with (tokens)."""
+        return self.info.n_ctx_train
+
+    def token_bos(self) -> int:
+        return self.info.token_bos
+
+    def token_eos(self) -> int:
+        return self.info.token_eos
+
+    def is_eog(self, token: int) -> bool:
+        """True for an end-of-generation token (EOS, EOT, ...)."""
+        return bool(self._engine.is_eog(int(token)))
+
+    def eog_tokens(self) -> List[int]:
+        """Every end-of-generation token of the vocabulary."""
+        if self._eog is None:
+            self._eog = [t for t in range(self.n_vocab()) if self._engine.is_eog(t)]
+        return list(self._eog)
+
+    # ------------------------------------------------------------------ tokens
+    def tokenize(self, text: Union[str, bytes], add_bos: bool = True, special: bool = False) -> List[int]:
+        """Token ids of `text`; `add_bos` adds the model's BOS if it uses one; `special` parses special tokens."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
+        return list(self._engine.tokenize(text, bool(add_bos), bool(special)))
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        """The bytes of `tokens` (bytes, like llama-cpp-python: a token may hold part of a UTF-8 character)."""
+        return self._engine.detokenize(_token_list(tokens), special)
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token."""
+        return self._engine.token_to_piece(int(token), special)
+
+    # ------------------------------------------------------------------ low level
+    def eval(self, tokens: Sequence[int], *, seq_id: int = 0, logits_all: bool = False) -> Optional[np.ndarray]:
+        """Feed tokens to a sequence, evicting as the policy says; the last token's logits are then in
+        `last_logits`. With `logits_all=True`, returns every fed token's logits (float32 [n, n_vocab])."""
+        seq_id = self._check_seq(seq_id)
+        self._engine.eval({seq_id: _token_list(tokens)}, bool(logits_all))
+        return self._engine.logits_all(seq_id) if logits_all else None
+
+    def eval_batch(self, tokens: Dict[int, Sequence[int]]) -> None:
+        """Feed several sequences in one batch: {seq_id: tokens}. Each keeps its own budget and scores."""
+        self._engine.eval({self._check_seq(s): _token_list(toks) for s, toks in tokens.items()}, False)
+
+    def last_logits(self, seq_id: int = 0) -> np.ndarray:
+        """float32 [n_vocab]: the logits after the last token fed to `seq_id`."""
+        return self._engine.last_logits(self._check_seq(seq_id))
+
+    def last_scores(self, seq_id: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+        """What the last llama_decode exported for `seq_id`: (positions int32 [n], column sums float32
+        [n, n_head]), the attention each cached position received from that decode's queries, summed over layers.
+        Empty when scores are not exported (a policy that does not need them, without `export_scores=True`)."""
+        return self._engine.last_scores(self._check_seq(seq_id))
+
+    def reset(self, seq_id: Optional[int] = None) -> None:
+        """Forget a sequence (or all, with None): its KV entries, scores and counters."""
+        if seq_id is None:
+            self._engine.reset()
+        else:
+            self._engine.reset_seq(self._check_seq(seq_id))
+
+    def kv_state(self, seq_id: int = 0) -> KVState:
+        """The kept positions of `seq_id`, their scores, and the cache counters."""
+        st = self._engine.state(self._check_seq(seq_id))
+        return KVState(positions=st["positions"], scores=st["scores"], head_scores=st["head_scores"],
+                       queries=st["queries"], n_evicted=st["n_evicted"], n_seen=st["n_seen"],
+                       peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx)
+
+    def set_policy(self, policy: Union[str, Policy], budget: Optional[int] = None, *, heavy: Optional[int] = None,
+                   recent: Optional[int] = None, sinks: Optional[int] = None) -> None:
+        """Switch the eviction policy for what follows; `compress()` applies it to the cache now.
+
+        A policy that needs scores (h2o) needs a `Llama` created with one (or `export_scores=True`), so that scores
+        were accumulated.
+        """
+        value = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
+        args = value.engine_args()
+        self._engine.set_policy(args.pop("policy"), **args)
+        self.policy = value
+
+    def compress(self, seq_id: int = 0) -> None:
+        """Evict now what the current policy does not keep."""
+        self._engine.compress(self._check_seq(seq_id))
+
+    def save_state(self, seq_id: int = 0):
+        """A snapshot of one sequence: its KV cells, positions, scores, counters and last logits (in memory)."""
+        return self._engine.snapshot(self._check_seq(seq_id))
+
+    def load_state(self, state, seq_id: int = 0) -> None:
+        """Put a `save_state` snapshot back into `seq_id` (replacing what it holds), to branch from a prefix."""
+        self._engine.restore(self._check_seq(seq_id), state)
+
+    def _check_seq(self, seq_id: int) -> int:
+        check_int("seq_id", seq_id)
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
+        return int(seq_id)
+
+    # ------------------------------------------------------------------ generation
+    def _prompt_tokens(self, prompt: Prompt, add_bos: Optional[bool]) -> List[int]:
+        if isinstance(prompt, (str, bytes)):
+            return self.tokenize(prompt, add_bos=self.info.add_bos if add_bos is None else add_bos)
+        return _token_list(prompt)
+
+    def _params(self, defaults: SamplingParams, sampling_: Optional[SamplingParams], kwargs: Dict[str, Any]) -> SamplingParams:
+        base = defaults if sampling_ is None else sampling_
+        if not isinstance(base, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {base!r}")
+        return base.replace(**kwargs) if kwargs else base
+
+    def _sampler(self, params: SamplingParams, seed: Optional[int] = None):
+        if seed is None:
+            seed = self._rng.getrandbits(32) if params.seed is None else params.seed
+        return params.sampler(self.n_vocab(), seed, self.eog_tokens() if params.ignore_eos else ())
+
+    def _generate_one(self, prompt_tokens: List[int], params: SamplingParams, *, reset: bool,
+                      want_logits: bool = False, prompt_logits: bool = False) -> Iterator[generation.Event]:
+        """One sequence (seq 0): feed the prompt, then the generation loop as a batch of one."""
+        if not prompt_tokens and reset:
+            raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
+        sampler = self._sampler(params)
+        if reset:
+            self._engine.reset()
+        if prompt_tokens:
+            self._engine.eval({0: prompt_tokens}, prompt_logits)
+        run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), params.max_tokens)
+        self.last_eog_token = None
+        yield from generation.run(self._engine, [run], unbounded=not self.policy.bounded, want_logits=want_logits)
+        self.last_eog_token = run.eog_token  # sampled, not fed: a session that goes on feeds it first
+
+    def generate(self, prompt: Prompt, *, stream: bool = False, reset: bool = True, add_bos: Optional[bool] = None,
+                 sampling: Optional[SamplingParams] = None, **params: Any) -> Union[str, Iterator[str]]:
+        """Generate text after `prompt` (str, bytes or token ids).
+
+        Sampling keywords (`max_tokens=128`, `temperature=0.8` (<= 0: greedy), `top_p`, `top_k`, `min_p`, `stop`,
+        `seed`, `ignore_eos`; see `SamplingParams`) apply on top of `sampling` or these defaults. Returns the text,
+        or with `stream=True` an iterator of text pieces. `reset=False` continues the session: the prompt is
+        appended to what the cache already holds (an empty prompt continues from the last token fed).
+        """
+        p = self._params(_GENERATE, sampling, params)
+        events = self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset)
+        if stream:
+            return (e.text for e in events if e.text)
+        return "".join(e.text for e in events)
+
+    def create_completion(self, prompt: Prompt, *, stream: bool = False, echo: bool = False,
+                          logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
+                          **params: Any) -> Union[Completion, Iterator[CompletionChunk]]:
+        """An OpenAI-style text completion, as llama-cpp-python returns it (`choices[0]["text"]`, `finish_reason`,
+        `usage`; `logprobs=k` adds the k most likely tokens per position; `echo` prepends the prompt). Sampling
+        keywords as in `generate` (default `max_tokens=16`)."""
+        if logprobs is not None:
+            check_int("logprobs", logprobs, minimum=0)
+        p = self._params(_COMPLETION, sampling, params)
+        prompt_tokens = self._prompt_tokens(prompt, None)
+        events = self._generate_one(prompt_tokens, p, reset=True, want_logits=logprobs is not None,
+                                    prompt_logits=echo and logprobs is not None)
+        meta = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_path}
+        if stream:
+            return self._completion_chunks(events, meta, prompt_tokens, echo, logprobs)
+        return self._completion(events, meta, prompt_tokens, echo, logprobs)
+
+    __call__ = create_completion
+
+    def _completion(self, events, meta, prompt_tokens, echo, logprobs) -> Completion:
+        pieces, tokens, gen_logits = [], [], []
+        finish = None
+        for e in events:
+            pieces.append(e.text)
+            if e.token is None:
+                finish = e.finish_reason
+                continue
+            tokens.append(e.token)
+            if logprobs is not None:
+                gen_logits.append(e.logits)
+        text = "".join(pieces)
+        lp_out = None
+        if logprobs is not None:
+            lp_out = self._logprobs(prompt_tokens if echo else [], tokens, gen_logits, logprobs)
+        if echo:
+            text = self.detokenize(prompt_tokens).decode("utf-8", errors="replace") + text
+        return {**meta, "choices": [{"text": text, "index": 0, "logprobs": lp_out, "finish_reason": finish}],
+                "usage": _usage(len(prompt_tokens), len(tokens))}
+
+    def _completion_chunks(self, events, meta, prompt_tokens, echo, logprobs) -> Iterator[CompletionChunk]:
+        if echo:
+            yield {**meta, "choices": [{"text": self.detokenize(prompt_tokens).decode("utf-8", errors="replace"),
+                                        "index": 0, "logprobs": None, "finish_reason": None}]}
+        for e in events:
+            lp = None
+            if e.token is not None and logprobs is not None:
+                lp = self._logprob_block([e.token], [None], [e.logits], logprobs)
+            yield {**meta, "choices": [{"text": e.text, "index": 0, "logprobs": lp, "finish_reason": e.finish_reason}]}
+
+    def _piece_text(self, token: int) -> str:
+        return self._engine.token_to_piece(int(token), False).decode("utf-8", errors="replace")
+
+    def _logprob_block(self, tokens: List[int], offsets: List[Optional[int]], logits: List[Optional[np.ndarray]],
+                       k: int) -> CompletionLogprobs:
+        """llama-cpp-python's logprobs block for `tokens`, each drawn from its row of `logits` (None: no logprob)."""
+        out: CompletionLogprobs = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+        for tok, offset, row in zip(tokens, offsets, logits):
+            out["tokens"].append(self._piece_text(tok))
+            if offset is not None:
+                out["text_offset"].append(offset)
+            if row is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            lp = _log_softmax(row)
+            top = np.argsort(-lp)[:k]
+            out["token_logprobs"].append(float(lp[tok]))
+            out["top_logprobs"].append({self._piece_text(int(t)): float(lp[t]) for t in top})
+        if not out["text_offset"]:
+            del out["text_offset"]
+        return out
+
+    def _logprobs(self, echoed: List[int], generated: List[int], gen_logits: List[np.ndarray], k: int) -> CompletionLogprobs:
+        """Echoed prompt tokens (logits of the prompt pass, none for the first), then the generated ones."""
+        rows = self._engine.logits_all(0) if echoed else np.zeros((0, self.n_vocab()), np.float32)
+        tokens = list(echoed) + list(generated)
+        logits: List[Optional[np.ndarray]] = [None if i == 0 else rows[i - 1] for i in range(len(echoed))]
+        logits += list(gen_logits)
+        offsets, offset = [], 0
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(self._piece_text(tok))
+        return self._logprob_block(tokens, offsets, logits, k)
+
+    # ------------------------------------------------------------------ batched generation
+    def generate_batch(self, prompts: Sequence[Prompt], *, stream: bool = False, add_bos: Optional[bool] = None,
+                       sampling: Optional[SamplingParams] = None,
+                       **params: Any) -> Union[List[str], Iterator[Tuple[int, Optional[str]]]]:
+        """Generate for several prompts decoded together: one llama_decode per step for all live sequences.
+
+        Each sequence has its own KV budget, scores and sampler (seeded `seed + i`, so sequence i samples what
+        `generate(prompts[i], seed=seed + i)` would, up to batching round-off); finished sequences leave the
+        batch. At most `n_seq_max` prompts run at once; more are processed in waves. Returns the texts, or with
+        `stream=True` an iterator of (index, text piece) pairs, and (index, None) when sequence `index` ends;
+        `finish_reasons` then holds each prompt's. Sampling keywords as in `generate`.
+        """
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("prompts must be a list of prompts (str, bytes or token lists), not one string")
+        p = self._params(_GENERATE, sampling, params)
+        token_lists = [self._prompt_tokens(q, add_bos) for q in prompts]
+        if any(not t for t in token_lists):
+            raise ValueError("a prompt is empty: pass at least one token per prompt")
+        base_seed = self._rng.getrandbits(32) if p.seed is None else int(p.seed)
+        it = self._batch_events(token_lists, p, base_seed)
+        if stream:
+            return it
+        texts = [""] * len(prompts)
+        for i, piece in it:
+            if piece:
+                texts[i] += piece
+        return texts
+
+    def _batch_events(self, token_lists: List[List[int]], p: SamplingParams, base_seed: int) -> Iterator[Tuple[int, Optional[str]]]:
+        self.finish_reasons = [None] * len(token_lists)
+        for wave in range(0, len(token_lists), self.n_seq_max):
+            idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
+            self._engine.reset()
+            self._engine.eval({s: token_lists[i] for s, i in enumerate(idx)}, False)
+            runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i), TextAssembler(p.stop), p.max_tokens)
+                    for s, i in enumerate(idx)]
+            for e in generation.run(self._engine, runs, unbounded=not self.policy.bounded, free_finished=True):
+                if e.text:
+                    yield e.index, e.text
+                if e.token is None:
+                    self.finish_reasons[e.index] = e.finish_reason
+                    yield e.index, None
+
+    # ------------------------------------------------------------------ chat
+    def create_chat_completion(self, messages: Sequence[Dict[str, Any]], *, stream: bool = False,
+                               sampling: Optional[SamplingParams] = None,
+                               **params: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
+        """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
+        as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`)."""
+        p = self._params(_CHAT, sampling, params)
+        tokens = self.tokenize(self.apply_chat_template(messages), add_bos=self.info.add_bos, special=True)
+        events = self._generate_one(tokens, p, reset=True)
+        meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": self.model_path}
+        if stream:
+            return self._chat_chunks(events, meta)
+        text, n, finish = [], 0, None
+        for e in events:
+            text.append(e.text)
+            if e.token is None:
+                finish = e.finish_reason
+            else:
+                n += 1
+        return {**meta, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                             "logprobs": None, "finish_reason": finish}],
+                "usage": _usage(len(tokens), n)}
+
+    def _chat_chunks(self, events, meta) -> Iterator[ChatCompletionChunk]:
+        base = {**meta, "object": "chat.completion.chunk"}
+        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]}
+        for e in events:
+            if e.text:
+                yield {**base, "choices": [{"index": 0, "delta": {"content": e.text}, "logprobs": None,
+                                            "finish_reason": None}]}
+            if e.token is None:
+                yield {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": e.finish_reason}]}
+
+    def apply_chat_template(self, messages: Sequence[Dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template makes of `messages` ([{"role": ..., "content": ...}])."""
+        pairs = []
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError("each message needs a 'role' and a 'content'")
+            pairs.append((str(m["role"]), str(m["content"])))
+        return self._engine.apply_chat_template(pairs, add_generation_prompt)
+
+
+_GENERATE, _COMPLETION, _CHAT = sampling.GENERATE, sampling.COMPLETION, sampling.CHAT
+
+
+def _token_list(tokens: Sequence[int]) -> List[int]:
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError("expected token ids (a list of ints), got text: tokenize it first")
+    out = []
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"token ids must be ints, got {t!r}")
+        out.append(int(t))
+    return out
+
+
+def _usage(n_prompt: int, n_completion: int) -> Dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())

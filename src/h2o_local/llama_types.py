@@ -1,0 +1,94 @@
+"""OpenAI-shaped responses, as llama-cpp-python's `llama_types` has them (TypedDicts: plain dicts at run time)."""
+from __future__ import annotations
+
+import sys
+from typing import Dict, List, Literal, Optional, Union
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # pragma: no cover
+    from typing_extensions import NotRequired, TypedDict
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionLogprobs(TypedDict):
+    text_offset: List[int]
+    token_logprobs: List[Optional[float]]
+    tokens: List[str]
+    top_logprobs: List[Optional[Dict[str, float]]]
+
+
+class CompletionChoice(TypedDict):
+    text: str
+    index: int
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Optional[FinishReason]
+
+
+class CompletionUsage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Completion(TypedDict):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: List[CompletionChoice]
+    usage: NotRequired[CompletionUsage]
+
+
+CompletionChunk = Completion  # a streamed piece has the same shape, without usage
+
+
+class ChatCompletionRequestMessage(TypedDict):
+    role: str
+    content: Optional[str]
+    name: NotRequired[str]
+
+
+class ChatCompletionResponseMessage(TypedDict):
+    role: Literal["assistant"]
+    content: Optional[str]
+
+
+class ChatCompletionResponseChoice(TypedDict):
+    index: int
+    message: ChatCompletionResponseMessage
+    logprobs: None
+    finish_reason: Optional[FinishReason]
+
+
+class ChatCompletion(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: List[ChatCompletionResponseChoice]
+    usage: CompletionUsage
+
+
+class ChatCompletionChunkDelta(TypedDict, total=False):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionChunkChoice(TypedDict):
+    index: int
+    delta: ChatCompletionChunkDelta
+    logprobs: None
+    finish_reason: Optional[FinishReason]
+
+
+class ChatCompletionChunk(TypedDict):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: List[ChatCompletionChunkChoice]
+
+
+Response = Union[Completion, ChatCompletion]

@@ -1,0 +1,44 @@
+"""What a GGUF model is, read from its header without loading its weights or creating a context."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Union
+
+from . import _engine
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts of one GGUF model. `ModelInfo.load(path)` reads them in milliseconds (metadata only).
+
+    kv_bytes_per_cell: bytes one token takes in an F16 KV cache (K and V of every layer with a full-context cache);
+    layers with a sliding window (iSWA models) are not counted, their cache has a fixed size.
+    """
+
+    path: str
+    arch: str
+    n_ctx_train: int       # tokens the model was trained with
+    n_vocab: int
+    n_layer: int
+    n_head: int            # query heads
+    n_head_kv: int
+    n_embd: int
+    kv_bytes_per_cell: int
+    model_bytes: int
+    n_params: int
+    add_bos: bool          # the tokenizer adds BOS to a prompt
+    token_bos: int
+    token_eos: int
+    chat_template: Optional[str]  # the GGUF's Jinja chat template; None when it has none
+
+    @classmethod
+    def load(cls, model_path: Union[str, os.PathLike]) -> "ModelInfo":
+        path = os.fspath(model_path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model file not found: {path}")
+        return cls.from_facts(path, _engine.Model(path).facts())
+
+    @classmethod
+    def from_facts(cls, path: str, facts: Dict[str, Any]) -> "ModelInfo":
+        return cls(path=path, **facts)

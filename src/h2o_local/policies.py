@@ -1,0 +1,185 @@
+"""Eviction policies as values: what a sequence's KV cache keeps once it holds more than its budget.
+
+    from h2o_local import Llama
+    from h2o_local.policies import H2O, Sink
+
+    Llama(path, budget=128)                                # short form: H2O(budget=128)
+    Llama(path, policy="sink", budget=64)                  # short form: Sink(budget=64)
+    Llama(path, policy=H2O(heavy=32, recent=96, sinks=4))  # long form: budget = 4 + 32 + 96
+
+Each class is the Python face of one C++ policy (cpp/policies/); validation, defaults and the budget split are
+the C++ policy's own, so a value shows its resolved split (`H2O(budget=128).heavy == 64`). A `budget` is always
+in KV entries (tokens) per sequence. How to add a policy: docs/policies.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Optional, Tuple, Type, Union
+
+import numpy as np
+
+from . import _engine
+
+REGISTRY: Dict[str, Type["Policy"]] = {}
+
+
+def check_int(name: str, value: Any, minimum: Optional[int] = None) -> None:
+    """`value` must be None or an int (not a bool, not a float) of at least `minimum`."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _engine_int(value: Optional[int]) -> int:
+    return -1 if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base of the policy values; subclasses declare their fields and their registered `name`."""
+
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            REGISTRY[cls.name] = cls
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_int(f.name, getattr(self, f.name), minimum=0)
+        resolved = _engine.describe_policy(self.name, *map(_engine_int, self._request()))
+        for key in ("sinks", "heavy", "recent"):
+            if key in self._field_names():
+                object.__setattr__(self, key, resolved[key])
+        object.__setattr__(self, "_resolved", resolved)
+
+    @classmethod
+    def _field_names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def _request(self) -> Tuple[Optional[int], Optional[int], Optional[int], Optional[int]]:
+        """(budget, heavy, recent, sinks) as given; None where the policy has no such field or it was left out."""
+        return tuple(getattr(self, k, None) for k in ("budget", "heavy", "recent", "sinks"))  # type: ignore[return-value]
+
+    def engine_args(self) -> Dict[str, Any]:
+        """The keyword arguments of the C++ engine for this policy (resolved split, -1 for none)."""
+        budget, heavy, recent, sinks = map(_engine_int, self._request())
+        return {"policy": self.name, "budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks}
+
+    @property
+    def bounded(self) -> bool:
+        """True when the cache holds at most `budget` entries per sequence."""
+        return bool(self._resolved["bounded"])  # type: ignore[attr-defined]
+
+    @property
+    def needs_scores(self) -> bool:
+        """True when the policy ranks entries by attention scores (the engine then exports them)."""
+        return bool(self._resolved["needs_scores"])  # type: ignore[attr-defined]
+
+    @property
+    def split(self) -> Tuple[int, int, int]:
+        """(sinks, heavy, recent): entries kept per sequence by each rule."""
+        r = self._resolved  # type: ignore[attr-defined]
+        return int(r["sinks"]), int(r["heavy"]), int(r["recent"])
+
+    @property
+    def label(self) -> str:
+        """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4"."""
+        if not self.bounded:
+            return self.name
+        sinks = getattr(self, "sinks", 0)
+        extra = f"+s{sinks}" if self.name == "h2o" and sinks else ""
+        return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Full(Policy):
+    """The whole cache: never evicts. A prompt that does not fit raises ValueError; generation stops at the end of
+    the context."""
+
+    name: ClassVar[str] = "full"
+    budget: ClassVar[Optional[int]] = None
+
+
+@dataclass(frozen=True)
+class Local(Policy):
+    """The last `budget` tokens (a sliding window)."""
+
+    name: ClassVar[str] = "local"
+    budget: int
+
+
+@dataclass(frozen=True)
+class Sink(Policy):
+    """StreamingLLM: the first `sinks` tokens (attention sinks, default 4) and the last `budget - sinks`."""
+
+    name: ClassVar[str] = "sink"
+    budget: int
+    sinks: Optional[int] = None
+    recent: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    """Heavy-Hitter Oracle as published: the `heavy` entries with the most accumulated attention, the `recent`
+    newest, and optionally the first `sinks`. Defaults: heavy = (budget - sinks) // 2, recent = the rest, sinks = 0.
+    `budget` may be left out when heavy and recent are given (budget = sinks + heavy + recent)."""
+
+    name: ClassVar[str] = "h2o"
+    budget: Optional[int] = None
+    heavy: Optional[int] = None
+    recent: Optional[int] = None
+    sinks: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            if self.heavy is None or self.recent is None:
+                raise ValueError("policy 'h2o' needs a budget (KV entries kept per sequence), or heavy and recent")
+            check_int("heavy", self.heavy, 0)
+            check_int("recent", self.recent, 0)
+            check_int("sinks", self.sinks, 0)
+            object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
+        super().__post_init__()
+
+
+def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,
+            recent: Optional[int] = None, sinks: Optional[int] = None) -> Policy:
+    """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split.
+
+    `policy="h2o"` with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
+    """
+    if isinstance(policy, Policy):
+        if any(v is not None for v in (budget, heavy, recent, sinks)):
+            raise ValueError("give budget, heavy, recent and sinks inside the policy value, not beside it")
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a name or a policy value (h2o_local.policies), got {policy!r}")
+    if policy not in REGISTRY:
+        raise ValueError(f"unknown policy {policy!r} (expected one of: {', '.join(sorted(REGISTRY))})")
+    for key, value in (("budget", budget), ("heavy", heavy), ("recent", recent), ("sinks", sinks)):
+        check_int(key, value, minimum=1 if key == "budget" else 0)
+    if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks:
+        return Full()
+    # the C++ policy validates every combination (with its own messages) before the value keeps its own fields
+    _engine.describe_policy(policy, *map(_engine_int, (budget, heavy, recent, sinks)))
+    cls = REGISTRY[policy]
+    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks}
+    return cls(**{k: v for k, v in given.items() if k in cls._field_names() and v is not None})
+
+
+def parse(text: str) -> Policy:
+    """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks)."""
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"not a policy label: {text!r}")
+    if text == "full":
+        return Full()
+    name, _, rest = text.partition("-")
+    budget_text, _, sinks_text = rest.partition("+s")
+    if not budget_text.isdigit() or (sinks_text and not sinks_text.isdigit()):
+        raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET, for example h2o-128 or h2o-128+s4)")
+    return resolve(name, int(budget_text), sinks=int(sinks_text) if sinks_text else None)
