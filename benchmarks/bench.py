@@ -2,7 +2,7 @@
 decode roofline, side by side with llama-cpp-python on the same model, threads and batch size.
 
     pip install ".[bench]"
-    python -m h2o_local.bench --depths 512 2048 8192 --budgets 128 256 512 1024 --repeats 3 --out results/bench
+    python -m benchmarks.bench --depths 512 2048 8192 --budgets 128 256 512 1024 --repeats 3 --out results/bench
 
 Every setting runs in its own subprocess (peak resident memory is per process) and the settings of one depth run
 interleaved, repeat after repeat, so that machine noise spreads over all of them; medians are reported.
@@ -23,7 +23,10 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum_0shot_dev.jsonl"
+from experiments.common import parse_setting, save_figure
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_TEXT = REPO_ROOT.parent / "shared" / "data" / "xsum_0shot_dev.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------- one measurement
@@ -82,13 +85,12 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         cells = llm.n_tokens
         model_bytes = llama_cpp.llama_model_size(m)
     else:
-        from .llama import Llama
+        from h2o_local import Llama
 
-        budget = cfg["budget"]
-        n_ctx = depth + n_dec + 16 if budget is None else 0
-        llm = Llama(cfg["model"], policy=cfg["policy"], budget=budget, position_rolling=cfg["rolling"],
-                    roll_interval=cfg.get("roll_interval", 1), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-                    n_gpu_layers=cfg.get("n_gpu_layers", 0), _export_scores=cfg["export_scores"])
+        setting = parse_setting(cfg["name"])
+        n_ctx = depth + n_dec + 16 if setting.budget is None else 0
+        llm = Llama(cfg["model"], **setting.llama_kwargs(), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                    n_gpu_layers=cfg.get("n_gpu_layers", 0))
         prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
         t0 = time.perf_counter()
         llm.eval(prompt)
@@ -103,7 +105,7 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         kv_bytes = st.kv_bytes
         kv_cells = st.kv_cells
         cells = st.n_cells
-        model_bytes = llm._engine.model_bytes
+        model_bytes = llm.info.model_bytes
     return {
         "prefill_tok_s": depth / t_prefill,
         "decode_tok_s": 1.0 / statistics.median(steps),
@@ -130,14 +132,15 @@ def memory_bandwidth(size_mib: int = 512, repeats: int = 5) -> float:
 
 
 def settings(budgets: List[int], peer: bool) -> List[Dict[str, Any]]:
-    out = [{"name": "full", "policy": "full", "budget": None, "rolling": False, "export_scores": False},
-           {"name": "full+scores", "policy": "full", "budget": None, "rolling": False, "export_scores": True}]
+    """Every setting by its label (experiments.common.parse_setting), and llama-cpp-python as the peer."""
+    labels = ["full", "full+scores"]
     for b in budgets:
-        for policy in ("local", "sink", "h2o"):
-            out.append({"name": f"{policy}-{b}", "policy": policy, "budget": b, "rolling": False, "export_scores": False})
-        out.append({"name": f"h2o-{b}+roll", "policy": "h2o", "budget": b, "rolling": True, "export_scores": False})
-        out.append({"name": f"h2o-{b}+roll64", "policy": "h2o", "budget": b, "rolling": True, "roll_interval": 64,
-                    "export_scores": False})
+        labels += [f"local-{b}", f"sink-{b}", f"h2o-{b}", f"h2o-{b}+roll", f"h2o-{b}+roll64"]
+    out: List[Dict[str, Any]] = []
+    for label in labels:
+        s = parse_setting(label)
+        out.append({"name": label, "policy": s.policy, "budget": s.budget, "rolling": s.rolling,
+                    "export_scores": s.export_scores})
     if peer:
         out.append({"name": "llama-cpp-python", "runner": "llama_cpp", "policy": "full", "budget": None,
                     "rolling": False, "export_scores": False})
@@ -145,8 +148,8 @@ def settings(budgets: List[int], peer: bool) -> List[Dict[str, Any]]:
 
 
 def run_one(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "h2o_local.bench", "--one", json.dumps(cfg)],
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--one", json.dumps(cfg)],
+                          capture_output=True, text=True, cwd=REPO_ROOT)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -277,12 +280,11 @@ def _plot(path: Path, summary, names, depths) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m h2o_local.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--depths", type=int, nargs="+", default=[512, 2048, 8192])
@@ -313,7 +315,7 @@ def main(argv=None) -> int:
         print(args.out.with_suffix(".md").read_text())
         return 0
 
-    from .models import default_model_path
+    from h2o_local.models import default_model_path
 
     model = args.model or default_model_path()
     peer = not args.no_peer

@@ -1,6 +1,6 @@
 """The MT-Bench "infinite" session: all 160 turns of question.jsonl in one session, the cache kept across turns.
 
-    python -m h2o_local.experiments.mtbench --input-path ../shared/data/question.jsonl \\
+    python -m experiments.mtbench --input-path ../shared/data/question.jsonl \\
         --settings full h2o-1024+roll64 --output results/mtbench-smollm2
 
 Each turn is the user message formatted by the model's chat template and appended to the cache; the reply is
@@ -19,9 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..llama import Llama
-from ..models import default_model_path
-from . import experiment_parser
+from h2o_local import Llama
+from h2o_local.models import default_model_path
+from h2o_local import ModelInfo
+from .common import experiment_parser, parse_setting, save_figure
 
 
 def rss_bytes() -> int:
@@ -30,13 +31,10 @@ def rss_bytes() -> int:
 
 
 def make(model: str, setting: str, threads) -> Llama:
-    if setting == "full":
-        n_train = Llama(model, n_ctx=256).n_ctx_train()
-        return Llama(model, n_ctx=n_train, n_threads=threads)
-    policy, rest = setting.split("-", 1)
-    budget, rolling, interval = rest.partition("+roll")
-    return Llama(model, policy=policy, budget=int(budget), position_rolling=bool(rolling),
-                 roll_interval=int(interval or 1), n_batch=256, n_threads=threads)
+    s = parse_setting(setting)
+    if s.policy == "full":
+        return Llama(model, n_ctx=ModelInfo.load(model).n_ctx_train, n_threads=threads)
+    return Llama(model, **s.llama_kwargs(), n_batch=256, n_threads=threads)
 
 
 def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) -> list:
@@ -52,13 +50,12 @@ def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) ->
             t_prompt = time.perf_counter() - t0
             n, reason, text = 0, "length", []
             t1 = time.perf_counter()
-            for token, piece, extra in llm._stream_tokens([], max_tokens, llm._sampler(0, 1, 0, 0, 0), [], False):
-                if token is None:
-                    reason = extra
-                    text.append(piece)
-                    break
-                n += 1
-                text.append(piece)
+            for e in llm.generate_events([], reset=False, max_tokens=max_tokens, temperature=0):
+                text.append(e.text)
+                if e.token is None:
+                    reason = e.finish_reason
+                else:
+                    n += 1
             t_gen = time.perf_counter() - t1
             # the stream samples an end-of-turn token without feeding it: the next turn feeds it first
             eog_tail = llm.last_eog_token if reason == "stop" else None
@@ -83,7 +80,7 @@ def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) ->
 
 
 def main(argv=None) -> int:
-    ap = experiment_parser("h2o_local.experiments.mtbench", __doc__)
+    ap = experiment_parser("experiments.mtbench", __doc__)
     ap.add_argument("--settings", nargs="+", default=["full", "h2o-1024+roll64"])
     ap.add_argument("--max-tokens", type=int, default=1000)
     ap.add_argument("--max-turns", type=int, default=160)
@@ -95,14 +92,14 @@ def main(argv=None) -> int:
     if args.report_only:
         run = json.loads(args.output.with_suffix(".json").read_text())
         if "kv_bytes_per_cell" not in run:  # written before the field existed
-            run["kv_bytes_per_cell"] = Llama(args.model or run["model"], n_ctx=256, n_batch=256).kv_bytes_per_cell
+            run["kv_bytes_per_cell"] = ModelInfo.load(args.model or run["model"]).kv_bytes_per_cell
         write_report(run, args.output)
         return 0
     model = args.model or default_model_path()
     turns = [t for line in open(args.input_path) for t in json.loads(line)["turns"]][: args.max_turns]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     run = {"model": model, "turns": len(turns), "max_tokens": args.max_tokens,
-           "kv_bytes_per_cell": Llama(model, n_ctx=256, n_batch=256).kv_bytes_per_cell, "results": {}}
+           "kv_bytes_per_cell": ModelInfo.load(model).kv_bytes_per_cell, "results": {}}
     for setting in args.settings:
         print(f"{setting}:", file=sys.stderr)
         llm = make(model, setting, args.threads)
@@ -168,9 +165,7 @@ def write_report(run: dict, output: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"MT-Bench session, {Path(run['model']).name}, up to {run['max_tokens']} new tokens per turn")
-    fig.tight_layout()
-    fig.savefig(output.with_suffix(".png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, output.with_suffix(".png"))
 
 
 if __name__ == "__main__":

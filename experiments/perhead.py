@@ -1,7 +1,7 @@
 """The published per-head H2O rule in Hugging Face transformers, as the reference for our per-token eviction.
 
     pip install ".[experiments]"     # transformers, accelerate and torch==2.13.0 (CPU)
-    python -m h2o_local.experiments.perhead --input-path ../shared/data/xsum.jsonl \\
+    python -m experiments.perhead --input-path ../shared/data/xsum.jsonl \\
         --output-path results/xsum-smollm2-perhead.jsonl --budgets 64 128 256 512 1024 full --sample-num 20 \\
         --seeds 0 1 2 --greedy
 
@@ -21,7 +21,7 @@ Everything else is section 1's setting (summarization.py): prompt without BOS, p
 same llama.cpp tokenizer. The prompt is run once per row with full attention and every setting branches from it
 (the prompt's scores do not depend on the budget: prefill attention is full in the reference too). The output
 jsonl has summarization.py's schema (policies `hf-full`, `hf-h2o-first`, `hf-h2o-sum`), so the two tables can be
-put side by side: `python -m h2o_local.experiments.summarization --summary-only --output-path A.jsonl --also B.jsonl`.
+put side by side: `python -m experiments.summarization --summary-only --output-path A.jsonl --also B.jsonl`.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..models import default_model_path
-from . import experiment_parser
+from h2o_local.models import default_model_path
+from .common import experiment_parser
 from .summarization import GEN, decodings, rouge_scores, rows_and_done, summarize
 
 
@@ -159,7 +159,7 @@ class HFModel:
     def decode(self, cache, h2o: PerHeadH2O, logits, sampler, eog, piece, max_tokens: int, stop: List[str]) -> str:
         """Sample up to `max_tokens` tokens from `logits` on, feeding each back; text cut at the first stop string."""
         import torch
-        from .._text import TextAssembler
+        from h2o_local.text import TextAssembler
 
         self.h2o = h2o
         text = TextAssembler(stop)
@@ -177,8 +177,7 @@ class HFModel:
 
 
 def run(args) -> None:
-    from .. import _engine
-    from ..llama import Llama
+    from h2o_local import Llama, SamplingParams
 
     rows, out_path, done = rows_and_done(args)
     model_path = args.model or default_model_path()
@@ -204,9 +203,11 @@ def run(args) -> None:
                     h2o = h2o0.with_budget(budget)
                     kept = h2o.kept()
                     temperature = 0.0 if seed is None else float(row.get("temperature", 0.3))
-                    sampler = _engine.Sampler(temperature, GEN["top_p"], GEN["top_k"], GEN["min_p"], seed or 0)
-                    text = hf.decode(copy.deepcopy(cache0), h2o, logits0.clone(), sampler, vocab._engine.is_eog,
-                                     lambda t: vocab._engine.token_to_piece(t, False), GEN["max_tokens"],
+                    params = SamplingParams(temperature=temperature, top_p=GEN["top_p"], top_k=GEN["top_k"],
+                                            min_p=GEN["min_p"])
+                    sampler = params.sampler(vocab.n_vocab(), seed or 0)
+                    text = hf.decode(copy.deepcopy(cache0), h2o, logits0.clone(), sampler, vocab.is_eog,
+                                     vocab.token_to_piece, GEN["max_tokens"],
                                      row.get("stop", GEN["stop"]))
                     rec = {"row": i, "policy": policy, "budget": budget, "decoding": dec,
                            "prompt_tokens": len(tokens), "output": text, "summary_gt": row["summary_gt"],
@@ -245,7 +246,7 @@ def _common_prefix(x: List[str], y: List[str]) -> List[str]:
 
 
 def main(argv=None) -> int:
-    ap = experiment_parser("h2o_local.experiments.perhead", __doc__)
+    ap = experiment_parser("experiments.perhead", __doc__)
     ap.add_argument("--output-path", required=True)
     ap.add_argument("--budgets", nargs="+", default=["64", "128", "256", "512", "1024", "full"])
     ap.add_argument("--gqa", nargs="+", default=["first", "sum"], choices=["first", "sum"],

@@ -1,6 +1,6 @@
 """Streaming past the trained context: perplexity over one long text for full, local, sink, h2o and h2o + rolling.
 
-    python -m h2o_local.experiments.streaming --input-path ../shared/data/xsum_0shot_dev.jsonl \\
+    python -m experiments.streaming --input-path ../shared/data/xsum_0shot_dev.jsonl \\
         --tokens 32768 --budgets 256 1024 --output results/streaming-smollm2
 
 The articles are concatenated into one stream and fed in chunks of `--chunk` tokens (one forward pass each, then
@@ -19,9 +19,10 @@ from typing import Dict, List
 
 import numpy as np
 
-from ..llama import Llama
-from ..models import default_model_path
-from . import experiment_parser
+from h2o_local import Llama
+from h2o_local.models import default_model_path
+from h2o_local import ModelInfo
+from .common import experiment_parser, parse_setting, save_figure
 
 
 def stream_tokens(llm: Llama, path: str, n: int) -> List[int]:
@@ -35,8 +36,7 @@ def stream_tokens(llm: Llama, path: str, n: int) -> List[int]:
 def nll_run(model: str, tokens: List[int], policy: str, budget, rolling: bool, chunk: int, threads) -> np.ndarray:
     """NLL (nats) of tokens[1:], NaN where the setting could not go on."""
     if policy == "full":
-        probe = Llama(model, n_ctx=256)
-        llm = Llama(model, n_ctx=probe.n_ctx_train(), n_batch=chunk, n_threads=threads)
+        llm = Llama(model, n_ctx=ModelInfo.load(model).n_ctx_train, n_batch=chunk, n_threads=threads)
     else:
         llm = Llama(model, policy=policy, budget=budget, position_rolling=rolling, n_batch=chunk, n_threads=threads)
     nll = np.full(len(tokens) - 1, np.nan)
@@ -46,8 +46,7 @@ def nll_run(model: str, tokens: List[int], policy: str, budget, rolling: bool, c
         piece = tokens[start: min(start + chunk, len(tokens) - 1)]
         if policy == "full" and llm.kv_state().n_cells + len(piece) > llm.n_ctx():
             break
-        llm._engine.eval({0: piece}, True)
-        rows = llm._engine.logits_all(0)
+        rows = llm.eval(piece, logits_all=True)
         logits = rows if prev is None else np.vstack([prev[None, :], rows])
         targets = tokens[start + (0 if prev is not None else 1): start + len(piece) + 1]
         logits = logits[: len(targets)]
@@ -64,7 +63,7 @@ def nll_run(model: str, tokens: List[int], policy: str, budget, rolling: bool, c
 
 
 def main(argv=None) -> int:
-    ap = experiment_parser("h2o_local.experiments.streaming", __doc__)
+    ap = experiment_parser("experiments.streaming", __doc__)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--sinks", type=int, default=4)
@@ -76,16 +75,14 @@ def main(argv=None) -> int:
 
     model = args.model or default_model_path()
     tokens = stream_tokens(Llama(model, n_ctx=256), args.input_path, args.tokens)
-    runs = [("full", None, False)]
-    for b in args.budgets:
-        runs += [("local", b, False), ("sink", b, False), ("h2o", b, False), ("h2o", b, True)]
+    runs = [parse_setting("full")] + [parse_setting(f"{p}-{b}{extra}") for b in args.budgets
+                                      for p, extra in (("local", ""), ("sink", ""), ("h2o", ""), ("h2o", "+roll"))]
     results: Dict[str, List[float]] = {}
-    for policy, budget, rolling in runs:
-        name = policy if budget is None else f"{policy}-{budget}" + ("+roll" if rolling else "")
-        print(f"{name}:", file=sys.stderr)
-        results[name] = nll_run(model, tokens, policy, budget, rolling, args.chunk, args.threads).tolist()
+    for s in runs:
+        print(f"{s.label}:", file=sys.stderr)
+        results[s.label] = nll_run(model, tokens, s.policy, s.budget, s.rolling, args.chunk, args.threads).tolist()
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    n_train = Llama(model, n_ctx=256).n_ctx_train()
+    n_train = ModelInfo.load(model).n_ctx_train
     windows = list(range(0, args.tokens, args.window))
 
     def ppl(vals):
@@ -123,8 +120,7 @@ def main(argv=None) -> int:
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.output.with_suffix(".png"), dpi=110)
+        save_figure(fig, args.output.with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
     return 0

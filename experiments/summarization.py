@@ -1,6 +1,6 @@
 """XSum summarization quality vs KV budget: H2O vs a local window vs the full cache (the llama-recipes H2O table).
 
-    python -m h2o_local.experiments.summarization --input-path ../shared/data/xsum.jsonl \\
+    python -m experiments.summarization --input-path ../shared/data/xsum.jsonl \\
         --output-path results/xsum-smollm2.jsonl --budgets 64 128 256 512 1024 full --policies h2o local \\
         --sample-num 100 --seeds 0 1 2 --greedy
 
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..llama import Llama
-from ..models import default_model_path
-from . import experiment_parser
+from h2o_local import Llama
+from h2o_local.models import default_model_path
+from .common import experiment_parser, parse_setting, save_figure
 
 GEN = dict(max_tokens=64, top_p=1.0, top_k=0, min_p=0.0, stop=["###"])
 
@@ -45,14 +45,9 @@ def rouge_scores(hyp: str, ref: str) -> Dict[str, float]:
 
 
 def settings(policies: List[str], budgets: List[str]) -> List[Tuple[str, Optional[int]]]:
-    out: List[Tuple[str, Optional[int]]] = []
-    if "full" in budgets:
-        out.append(("full", None))
-    for p in policies:
-        for b in budgets:
-            if b != "full":
-                out.append((p, int(b)))
-    return out
+    """(policy, budget) of every setting: the labels `full` and `POLICY-BUDGET`, as the result records name them."""
+    labels = (["full"] if "full" in budgets else []) + [f"{p}-{b}" for p in policies for b in budgets if b != "full"]
+    return [(s.policy, s.budget) for s in map(parse_setting, labels)]
 
 
 def decodings(seeds: List[int], greedy: bool) -> List[Tuple[str, Optional[int]]]:
@@ -236,8 +231,7 @@ def plot(paths: List[Path], out_png: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{title}: {len(common)} rows of XSum 5-shot")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    save_figure(fig, out_png)
 
 
 def _mean(recs, policy, budget, decoding, metric) -> Optional[float]:
@@ -260,7 +254,7 @@ def _cell(groups, policy, budget, decoding, metric) -> str:
 
 
 def main(argv=None) -> int:
-    ap = experiment_parser("h2o_local.experiments.summarization", __doc__)
+    ap = experiment_parser("experiments.summarization", __doc__)
     ap.add_argument("--output-path", required=True)
     ap.add_argument("--budgets", nargs="+", default=["64", "128", "256", "512", "1024", "full"])
     ap.add_argument("--policies", nargs="+", default=["h2o", "local"], choices=["h2o", "local", "sink"])

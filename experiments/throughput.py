@@ -1,6 +1,6 @@
 """Throughput of batched generation: the full cache vs H2O at the same batch size and at the same KV memory.
 
-    python -m h2o_local.experiments.throughput --input-path ../shared/data/xsum_0shot_dev.jsonl \\
+    python -m experiments.throughput --input-path ../shared/data/xsum_0shot_dev.jsonl \\
         --lengths 512:512 1024:1024 --batch-sizes 1 2 4 8 16 --policies full h2o-20% h2o-128 h2o-256 \\
         --kv-limit-batch 4 --peer --quality 8 --output results/throughput-smollm2
 
@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..capacity import cells_needed, padded_cells
-from ..llama import Llama
-from ..models import default_model_path
-from . import experiment_parser
+from h2o_local.capacity import cells_needed, padded_cells
+from h2o_local import Llama
+from h2o_local.models import default_model_path
+from h2o_local import ModelInfo
+from .common import experiment_parser, parse_setting, save_figure
 
 PREFIX = "###\nArticle: "
 SUFFIX = "\n\nSummarize the above article in 1 sentence.\n"
@@ -60,11 +61,8 @@ def fixed_length_prompts(llm: Llama, path: str, prompt_tokens: int, n: int) -> L
 
 def parse_policy(spec: str, prompt_tokens: int) -> Tuple[str, Optional[int]]:
     """'full' -> (full, None); 'h2o-20%' -> 20% of the prompt; 'h2o-128' -> 128 entries (also local-/sink-)."""
-    if spec == "full":
-        return "full", None
-    name, _, size = spec.partition("-")
-    budget = round(prompt_tokens * float(size[:-1]) / 100) if size.endswith("%") else int(size)
-    return name, budget
+    setting = parse_setting(spec)
+    return setting.policy, setting.budget_for(prompt_tokens)
 
 
 def make_llama(model: str, spec: str, prompt_tokens: int, max_tokens: int, n_seq: int, args) -> Llama:
@@ -141,7 +139,7 @@ def load(path: Path) -> List[Dict[str, Any]]:
 
 
 def main(argv=None) -> int:
-    ap = experiment_parser("h2o_local.experiments.throughput", __doc__)
+    ap = experiment_parser("experiments.throughput", __doc__)
     ap.add_argument("--lengths", nargs="+", default=["512:512", "1024:1024"], help="PROMPT:GENERATED tokens")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--policies", nargs="+", default=["full", "h2o-20%", "h2o-128", "h2o-256"])
@@ -164,8 +162,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {r["key"] for r in load(out)}
     probe = Llama(model, n_ctx=256)
-    per_cell = probe.kv_bytes_per_cell
-    banned = probe._eog_tokens().tolist()
+    per_cell = ModelInfo.load(model).kv_bytes_per_cell
+    banned = probe.eog_tokens()
 
     def record(key: str, **fields) -> None:
         fields.update(key=key, model=os.path.basename(model), threads=args.threads, n_batch=args.n_batch,
@@ -300,8 +298,7 @@ def plot(records: List[Dict[str, Any]], lengths, output: Path) -> None:
         ax.set_title(f"{P} + {G} tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(output.with_suffix(".png"), dpi=110)
+    save_figure(fig, output.with_suffix(".png"))
 
     capped = [(P, G) for P, G in lengths
               if any(r["kind"] == "capped" and r["prompt"] == P and r["gen"] == G for r in records)]
@@ -316,8 +313,7 @@ def plot(records: List[Dict[str, Any]], lengths, output: Path) -> None:
         ax.set_ylabel("generated tokens/s")
         ax.set_title(f"{P} + {G} tokens, KV limit {rs[0].get('kv_limit', 0) / 2**20:.0f} MiB")
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(output.parent / (output.name + "-memory.png"), dpi=110)
+    save_figure(fig, output.parent / (output.name + "-memory.png"))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from h2o_local import KVState, Llama
-from h2o_local._text import TextAssembler
+from h2o_local.text import TextAssembler
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ from h2o_local import Llama
 
 
 def test_bench_measures_one_setting(tiny_model):
-    from h2o_local.bench import measure
+    from benchmarks.bench import measure
 
-    cfg = {"runner": "h2o_local", "model": tiny_model, "policy": "h2o", "budget": 32, "rolling": False,
+    cfg = {"runner": "h2o_local", "name": "h2o-32", "model": tiny_model, "policy": "h2o", "budget": 32, "rolling": False,
            "export_scores": False, "depth": 200, "decode_tokens": 8, "n_batch": 64, "threads": 1}
     r = measure(cfg)
     assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_mean_tok_s"] > 0
@@ -19,20 +19,19 @@ def test_bench_measures_one_setting(tiny_model):
 
 def test_streaming_nll_equals_a_direct_computation(tiny_model, tmp_path):
     """With a budget that never evicts, the chunked NLL equals -log softmax of one full pass."""
-    from h2o_local.experiments.streaming import nll_run
+    from experiments.streaming import nll_run
 
     llm = Llama(tiny_model, n_ctx=512)
     tokens = llm.tokenize("Streaming text for a perplexity check, fed in small chunks. " * 3, add_bos=False)[:150]
     nll = nll_run(tiny_model, tokens, "h2o", 400, False, 16, None)
-    llm._engine.eval({0: tokens[:-1]}, True)
-    rows = llm._engine.logits_all(0).astype(np.float64)
+    rows = llm.eval(tokens[:-1], logits_all=True).astype(np.float64)
     lse = np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1)) + rows.max(1)
     direct = lse - rows[np.arange(len(tokens) - 1), tokens[1:]]
     np.testing.assert_allclose(nll, direct, rtol=1e-4, atol=1e-4)
 
 
 def test_streaming_full_stops_at_its_context(tiny_model):
-    from h2o_local.experiments.streaming import nll_run
+    from experiments.streaming import nll_run
 
     tokens = list(range(3, 259)) * 2  # 512 tokens, trained context 128
     nll = nll_run(tiny_model, tokens, "full", None, False, 32, None)
@@ -42,7 +41,7 @@ def test_streaming_full_stops_at_its_context(tiny_model):
 
 
 def test_summarization_settings_and_summary(tmp_path):
-    from h2o_local.experiments.summarization import decodings, settings, summarize
+    from experiments.summarization import decodings, settings, summarize
 
     assert settings(["h2o", "local"], ["64", "full"]) == [("full", None), ("h2o", 64), ("local", 64)]
     assert decodings([0, 1], True) == [("greedy", None), ("seed0", 0), ("seed1", 1)]
@@ -78,7 +77,7 @@ def test_summarization_settings_and_summary(tmp_path):
 
 def test_summarization_runs_resumes_and_adds_bos_only_when_asked(tiny_model, tmp_path):
     pytest.importorskip("rouge")
-    from h2o_local.experiments.summarization import main
+    from experiments.summarization import main
 
     data = tmp_path / "xsum.jsonl"
     data.write_text(json.dumps({"article": "Article: the keeper lit the lamp every night.\nSummary:",
@@ -100,7 +99,7 @@ def test_summarization_runs_resumes_and_adds_bos_only_when_asked(tiny_model, tmp
 def test_rouge_scores():
     pytest.importorskip("rouge")
     pytest.importorskip("rouge_score")
-    from h2o_local.experiments.summarization import rouge_scores
+    from experiments.summarization import rouge_scores
 
     s = rouge_scores("a cat sat on a mat", "the cat sat on the mat")
     assert s["rouge2"] == pytest.approx(0.4, abs=1e-6) and s["g_rouge2"] == pytest.approx(0.4, abs=1e-6)
@@ -109,7 +108,7 @@ def test_rouge_scores():
 
 def test_throughput_experiment_end_to_end(tiny_model, tmp_path):
     """Fixed-length prompts, every setting recorded once, the capped batches within the limit, a report."""
-    from h2o_local.experiments.throughput import main
+    from experiments.throughput import main
 
     words = "the keeper of the lighthouse wrote a letter to the council about the storm".split()
     rows = [{"article": "###\nArticle: " + " ".join(words[(i * j) % len(words)] for i in range(150)) +
@@ -139,7 +138,7 @@ def test_mtbench_session_full_stops_where_h2o_goes_on(tmp_path):
     """The session keeps its cache across turns: the full cache stops at its context, h2o + rolling does not."""
     from tiny_model import write_tiny_llama
 
-    from h2o_local.experiments.mtbench import main
+    from experiments.mtbench import main
 
     chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from h2o_local.experiments.perhead import PerHeadH2O  # noqa: E402
+from experiments.perhead import PerHeadH2O  # noqa: E402
 
 
 class FakeAttention:
@@ -91,7 +91,7 @@ def test_transformers_model_reads_the_gguf_as_llama_cpp_does(tiny_model):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from h2o_local import Llama
-    from h2o_local.experiments.perhead import HFModel
+    from experiments.perhead import HFModel
 
     tokens = [1] + list(range(40, 100))
     hf = HFModel(tiny_model, threads=1)

@@ -10,7 +10,7 @@ from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
-from ._text import TextAssembler
+from .text import TextAssembler
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _engine, generation, sampling
-from ._text import TextAssembler
+from .text import TextAssembler
 from .capacity import cells_needed, largest_batch
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
 from .model_info import ModelInfo
@@ -361,6 +361,14 @@ class Llama:
         if stream:
             return (e.text for e in events if e.text)
         return "".join(e.text for e in events)
+
+    def generate_events(self, prompt: Prompt, *, reset: bool = True, add_bos: Optional[bool] = None,
+                        sampling: Optional[SamplingParams] = None, **params: Any) -> Iterator[generation.Event]:
+        """Like `generate(..., stream=True)`, one `generation.Event` per generated token (`token`, `text`) and a
+        last one with the `finish_reason` ("stop" or "length"); `last_eog_token` then holds the end-of-generation
+        token sampled, if any (not fed: a session that goes on should feed it first)."""
+        p = self._params(_GENERATE, sampling, params)
+        return self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset)
 
     def create_completion(self, prompt: Prompt, *, stream: bool = False, echo: bool = False,
                           logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,

