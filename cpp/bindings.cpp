@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 namespace py = pybind11;
+using namespace pybind11::literals;
 using namespace h2o;
 
 namespace {
@@ -36,22 +37,11 @@ py::dict describe(const Policy & p) {
 }
 
 py::dict facts_dict(const ModelFacts & f) {
-    py::dict d;
-    d["arch"] = f.arch;
-    d["n_ctx_train"] = f.n_ctx_train;
-    d["n_vocab"] = f.n_vocab;
-    d["n_layer"] = f.n_layer;
-    d["n_head"] = f.n_head;
-    d["n_head_kv"] = f.n_head_kv;
-    d["n_embd"] = f.n_embd;
-    d["kv_bytes_per_cell"] = f.kv_bytes_per_cell;
-    d["model_bytes"] = f.model_bytes;
-    d["n_params"] = f.n_params;
-    d["add_bos"] = f.add_bos;
-    d["token_bos"] = f.token_bos;
-    d["token_eos"] = f.token_eos;
-    d["chat_template"] = f.chat_template.empty() ? py::object(py::none()) : py::object(py::str(f.chat_template));
-    return d;
+    const py::object tmpl = f.chat_template.empty() ? py::object(py::none()) : py::object(py::str(f.chat_template));
+    return py::dict("arch"_a = f.arch, "n_ctx_train"_a = f.n_ctx_train, "n_vocab"_a = f.n_vocab, "n_layer"_a = f.n_layer,
+                    "n_head"_a = f.n_head, "n_head_kv"_a = f.n_head_kv, "n_embd"_a = f.n_embd,
+                    "kv_bytes_per_cell"_a = f.kv_bytes_per_cell, "model_bytes"_a = f.model_bytes, "n_params"_a = f.n_params,
+                    "add_bos"_a = f.add_bos, "token_bos"_a = f.token_bos, "token_eos"_a = f.token_eos, "chat_template"_a = tmpl);
 }
 
 py::dict state_dict(const Engine & e, llama_seq_id seq) {

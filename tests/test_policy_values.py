@@ -1,0 +1,85 @@
+"""Policies as values: one registry in C++ and Python, validation and the budget split by the C++ rules."""
+import pytest
+
+from h2o_local import H2O, Full, Llama, Local, SamplingParams, Sink, _engine, policies
+
+
+def test_python_and_cpp_registries_name_the_same_policies():
+    assert sorted(policies.REGISTRY) == _engine.policy_names() == ["full", "h2o", "local", "sink"]
+
+
+@pytest.mark.parametrize("value,split,bounded,needs_scores", [
+    (H2O(budget=128), (0, 64, 64), True, True),
+    (H2O(budget=7), (0, 3, 4), True, True),
+    (H2O(heavy=32, recent=96, sinks=4), (4, 32, 96), True, True),
+    (H2O(budget=10, recent=3, sinks=2), (2, 5, 3), True, True),
+    (Sink(budget=10), (4, 0, 6), True, False),
+    (Sink(budget=10, sinks=2), (2, 0, 8), True, False),
+    (Local(budget=16), (0, 0, 16), True, False),
+    (Full(), (0, 0, 0), False, False),
+])
+def test_values_show_their_resolved_split(value, split, bounded, needs_scores):
+    assert value.split == split and value.bounded is bounded and value.needs_scores is needs_scores
+    if bounded:
+        assert value.budget == sum(split)
+
+
+def test_long_form_equals_short_form(tiny_model):
+    assert H2O(heavy=64, recent=64) == H2O(budget=128) == policies.resolve("h2o", 128)
+    assert policies.resolve("sink", 64) == Sink(64)
+    assert policies.resolve("h2o") == Full()  # Llama(path) keeps everything
+    short = Llama(tiny_model, policy="sink", budget=12, n_batch=16)
+    long = Llama(tiny_model, policy=Sink(budget=12), n_batch=16)
+    assert short.policy == long.policy and (short.sinks, short.heavy, short.recent) == (4, 0, 8)
+    for llm in (short, long):
+        llm.eval(llm.tokenize("the same prompt for both forms of the same policy"))
+    assert short.kv_state().positions.tolist() == long.kv_state().positions.tolist()
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: H2O(budget=10, heavy=11), ValueError, "heavy"),
+    (lambda: H2O(budget=10, heavy=5, recent=4), ValueError, "equal budget"),
+    (lambda: H2O(), ValueError, "needs a budget"),
+    (lambda: H2O(budget=3.7), TypeError, "budget must be an int"),
+    (lambda: H2O(budget=True), TypeError, "budget must be an int"),
+    (lambda: H2O(budget=10, heavy=-1), ValueError, "heavy must be >= 0"),
+    (lambda: Sink(budget=10, sinks=10), ValueError, "newest token"),
+    (lambda: Local(budget=0), ValueError, "budget"),
+    (lambda: policies.resolve("fancy", 10), ValueError, "unknown policy"),
+    (lambda: policies.resolve(H2O(budget=8), 16), ValueError, "inside the policy value"),
+    (lambda: policies.resolve(42), TypeError, "policy must be"),
+])
+def test_bad_policies_are_refused_clearly(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_labels_round_trip():
+    for label in ("full", "local-256", "sink-64", "h2o-128", "h2o-128+s4"):
+        assert policies.parse(label).label == label
+    with pytest.raises(ValueError, match="not a policy label"):
+        policies.parse("h2o-lots")
+
+
+def test_a_llama_takes_a_policy_value_and_switches_to_another(tiny_model):
+    llm = Llama(tiny_model, policy=H2O(heavy=4, recent=8), n_batch=32)
+    assert llm.budget == 12 and isinstance(llm.policy, H2O)
+    llm.eval(llm.tokenize("a prompt long enough to be cut down to the budget of twelve"))
+    llm.set_policy(Local(budget=6))
+    llm.compress()
+    st = llm.kv_state()
+    assert st.n_cells == 6 and st.positions.tolist() == list(range(st.n_seen - 6, st.n_seen))
+
+
+def test_sampling_params_are_one_value_for_every_entry_point(tiny_model):
+    llm = Llama(tiny_model, budget=24, n_batch=32)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+    text = llm.generate("Once upon a time", sampling=params)
+    assert text == llm.generate("Once upon a time", max_tokens=12, temperature=0.9, seed=5)
+    out = llm.create_completion("Once upon a time", sampling=params)
+    assert out["choices"][0]["text"] == text
+    assert llm.generate_batch(["Once upon a time"], sampling=params) == [text]
+    with pytest.raises(TypeError, match="unknown sampling parameter"):
+        llm.generate("x", temprature=0.5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
