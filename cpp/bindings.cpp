@@ -89,6 +89,8 @@ PYBIND11_MODULE(_engine, m) {
     m.doc() = "h2o_local engine: a patched llama.cpp context with per-sequence KV eviction";
 
     m.def("policy_names", &policy_names, "The registered eviction policies, sorted.");
+    m.def("bounded_cells", &bounded_cells, py::arg("n_seq"), py::arg("budget"), py::arg("n_batch"), py::arg("kv_unified"),
+          "KV cells a bounded cache needs: budgets + one batch (unified), or a budget + one batch per stream.");
     m.def("describe_policy", [](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
         return describe(*make_policy(policy_config(name, budget, heavy, recent, sinks)));
     }, py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1,
@@ -115,12 +117,11 @@ PYBIND11_MODULE(_engine, m) {
                  py::gil_scoped_release release;
                  return new Engine(model_path, p);
              }),
-             py::arg("model_path"), py::kw_only(), py::arg("policy") = "h2o", py::arg("budget") = -1,
-             py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1, py::arg("position_rolling") = false,
-             py::arg("roll_interval") = 1, py::arg("n_ctx") = 0, py::arg("n_batch") = 512, py::arg("n_seq_max") = 1,
-             py::arg("kv_unified") = true, py::arg("n_threads") = 0, py::arg("n_gpu_layers") = 0,
-             py::arg("scores_sum_rows") = false, py::arg("export_scores") = false, py::arg("kv_f32") = false,
-             py::arg("verbose") = false)
+             // every argument is required: the defaults live in EngineParams (C++) and in Llama (Python)
+             py::arg("model_path"), py::kw_only(), py::arg("policy"), py::arg("budget"), py::arg("heavy"),
+             py::arg("recent"), py::arg("sinks"), py::arg("position_rolling"), py::arg("roll_interval"), py::arg("n_ctx"),
+             py::arg("n_batch"), py::arg("n_seq_max"), py::arg("kv_unified"), py::arg("n_threads"), py::arg("n_gpu_layers"),
+             py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("verbose"))
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
              py::call_guard<py::gil_scoped_release>(),
              "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says.")

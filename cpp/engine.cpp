@@ -8,6 +8,10 @@
 
 namespace h2o {
 
+uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool kv_unified) {
+    return kv_unified ? n_seq*budget + n_batch : n_seq*(budget + n_batch);
+}
+
 Engine::Engine(const std::string & model_path, const EngineParams & params) : params_(params) {
     policy_ = make_policy(params.policy);
     if (params.n_seq_max < 1 || params.n_seq_max > 256) {
@@ -28,7 +32,8 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     uint32_t n_ctx = params.n_ctx;
     if (n_ctx == 0) {
         const uint32_t n_ctx_train = (uint32_t) std::max(llama_model_n_ctx_train(model_->get()), 1);
-        n_ctx = n_stream*(policy_->bounded() ? n_keep_max + params.n_batch : n_ctx_train);
+        n_ctx = policy_->bounded() ? bounded_cells(params.n_seq_max, policy_->split().total(), params.n_batch, params.kv_unified)
+                                   : n_stream*n_ctx_train;
     }
     if (policy_->bounded() && n_ctx/n_stream <= n_keep_max) {
         throw std::invalid_argument("n_ctx=" + std::to_string(n_ctx) + " leaves no room beside the budget (" +

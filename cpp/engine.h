@@ -36,6 +36,10 @@ struct EngineParams {
     bool     verbose = false;
 };
 
+// KV cells a bounded cache needs: the budgets of all sequences + one batch of fresh tokens in one cell space
+// (kv_unified), or a budget + one batch per sequence's stream. The one sizing rule (Python's capacity.py asks it).
+uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool kv_unified);
+
 class Engine {
 public:
     Engine(const std::string & model_path, const EngineParams & params);

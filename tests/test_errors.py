@@ -103,3 +103,35 @@ def test_chat_without_a_template(tiny_model):
     llm = Llama(tiny_model, budget=16)
     with pytest.raises(ValueError, match="chat template"):
         llm.create_chat_completion([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(budget=3.7), TypeError, "budget must be an int"),
+    (dict(budget=16, heavy=3.7), TypeError, "heavy must be an int"),
+    (dict(budget=16, heavy=-2), ValueError, "heavy must be >= 0"),
+    (dict(budget=16, policy="sink", sinks=-1), ValueError, "sinks must be >= 0"),
+    (dict(budget=16, kv_unified="no"), TypeError, "kv_unified must be True or False"),
+    (dict(budget=16, n_batch="64"), TypeError, "n_batch must be an int"),
+])
+def test_wrong_types_and_negative_splits_are_refused(tiny_model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Llama(tiny_model, **kwargs)
+
+
+def test_sequence_ids_are_checked_everywhere(tiny_model):
+    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    for call in (lambda: llm.kv_state(2), lambda: llm.save_state(2), lambda: llm.last_logits(5),
+                 lambda: llm.reset(-1), lambda: llm.compress(2)):
+        with pytest.raises(ValueError, match="seq_id"):
+            call()
+    llm.eval([5, 6], seq_id=1)
+    assert llm.kv_state(1).n_cells == 2
+
+
+def test_batch_edge_cases(tiny_model):
+    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    with pytest.raises(TypeError, match="list of prompts"):
+        llm.generate_batch("one string")
+    assert llm.generate_batch(["abc", "def"], max_tokens=0) == ["", ""]  # no token at all, as generate does
+    assert llm.finish_reasons == ["length", "length"]
+    assert llm.generate("abc", max_tokens=0) == ""

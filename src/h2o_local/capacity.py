@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from . import _engine
+
 CELL_PAD = 256  # llama.cpp rounds n_ctx (and each stream's share of it) up to a multiple of this
 
 
@@ -37,7 +39,7 @@ def cells_needed(n_seq: int, *, prompt_tokens: int, max_tokens: int, budget: Opt
         return n_seq * (prompt_tokens + max_tokens)
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    return n_seq * budget + n_batch if kv_unified else n_seq * (budget + n_batch)
+    return _engine.bounded_cells(n_seq, budget, n_batch, kv_unified)
 
 
 def largest_batch(kv_limit_bytes: int, *, bytes_per_cell: int, prompt_tokens: int, max_tokens: int,
