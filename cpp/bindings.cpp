@@ -11,6 +11,13 @@ using namespace h2o;
 
 namespace {
 
+// engine calls that may wait for the engine's mutex must not hold the GIL meanwhile (the holder may need it)
+template <typename F>
+auto without_gil(F f) {
+    py::gil_scoped_release release;
+    return f();
+}
+
 template <typename T>
 py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
     py::array_t<T> out(shape);
@@ -45,7 +52,7 @@ py::dict facts_dict(const ModelFacts & f) {
 }
 
 py::dict state_dict(const Engine & e, llama_seq_id seq) {
-    const auto & st = e.state(seq);
+    const SeqState st = without_gil([&] { return e.state(seq); });
     const auto n = (py::ssize_t) st.positions.size();
     py::dict d;
     d["positions"]   = to_numpy(st.positions.data(), {n});
@@ -114,6 +121,12 @@ PYBIND11_MODULE(_engine, m) {
                  p.position_rolling = position_rolling; p.roll_interval = roll_interval; p.n_ctx = n_ctx; p.n_batch = n_batch;
                  p.n_seq_max = n_seq_max; p.kv_unified = kv_unified; p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers;
                  p.scores_sum_rows = scores_sum_rows; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.verbose = verbose;
+                 p.check_interrupt = [] {
+                     py::gil_scoped_acquire gil;
+                     if (PyErr_CheckSignals() != 0) {
+                         throw py::error_already_set(); // KeyboardInterrupt, raised where eval was called
+                     }
+                 };
                  py::gil_scoped_release release;
                  return new Engine(model_path, p);
              }),
@@ -129,28 +142,31 @@ PYBIND11_MODULE(_engine, m) {
              "The next token of seq_id, drawn from its last logits in place.")
         .def("set_policy", [](Engine & e, const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
             e.set_policy(policy_config(name, budget, heavy, recent, sinks));
-        }, py::arg("policy"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1)
-        .def("compress", &Engine::compress, py::arg("seq_id") = 0)
-        .def("snapshot", &Engine::snapshot, py::arg("seq_id") = 0)
-        .def("restore", &Engine::restore, py::arg("seq_id"), py::arg("snapshot"))
-        .def("reset", &Engine::reset)
-        .def("reset_seq", &Engine::reset_seq, py::arg("seq_id"))
+        }, py::arg("policy"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1,
+           py::call_guard<py::gil_scoped_release>())
+        .def("compress", &Engine::compress, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
+        .def("snapshot", &Engine::snapshot, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
+        .def("restore", &Engine::restore, py::arg("seq_id"), py::arg("snapshot"), py::call_guard<py::gil_scoped_release>())
+        .def("reset", &Engine::reset, py::call_guard<py::gil_scoped_release>())
+        .def("reset_seq", &Engine::reset_seq, py::arg("seq_id"), py::call_guard<py::gil_scoped_release>())
         .def("last_logits", [](const Engine & e, llama_seq_id seq) {
-            const auto & v = e.last_logits(seq);
+            const auto v = without_gil([&] { return e.last_logits(seq); });
             return to_numpy(v.data(), {(py::ssize_t) v.size()});
         }, py::arg("seq_id") = 0)
         .def("logits_all", [](const Engine & e, llama_seq_id seq) {
-            const auto & v = e.logits_all(seq);
+            const auto v = without_gil([&] { return e.logits_all(seq); });
             const auto n_vocab = (py::ssize_t) e.model().n_vocab();
             return to_numpy(v.data(), {(py::ssize_t) v.size()/n_vocab, n_vocab});
         }, py::arg("seq_id") = 0)
         .def("last_scores", [](const Engine & e, llama_seq_id seq) {
-            const llama_pos * pos = nullptr;
-            const float * sums = nullptr;
-            const int32_t n = e.last_scores(seq, &pos, &sums);
-            return py::make_tuple(to_numpy(pos, {n}), to_numpy(sums, {n, (py::ssize_t) e.n_head()}));
+            std::vector<llama_pos> pos;
+            std::vector<float> sums;
+            without_gil([&] { e.last_scores(seq, pos, sums); return 0; });
+            const auto n = (py::ssize_t) pos.size();
+            return py::make_tuple(to_numpy(pos.data(), {n}), to_numpy(sums.data(), {n, (py::ssize_t) e.n_head()}));
         }, py::arg("seq_id") = 0, "The raw scores the patch exported for seq_id in the last llama_decode: (positions, [n, n_head]).")
         .def("state", &state_dict, py::arg("seq_id") = 0)
+        .def("next_pos", &Engine::next_pos, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
         .def("seq_pos_range", [](const Engine & e, llama_seq_id seq) {
             llama_memory_t mem = llama_get_memory(e.ctx());
             return py::make_tuple(llama_memory_seq_pos_min(mem, seq), llama_memory_seq_pos_max(mem, seq));
@@ -158,8 +174,8 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("n_ctx", &Engine::n_ctx)
         .def_property_readonly("capacity", &Engine::capacity)
         .def_property_readonly("n_batch", &Engine::n_batch)
-        .def_property_readonly("kv_bytes", &Engine::kv_bytes)
-        .def_property_readonly("cells_used", &Engine::cells_used)
+        .def_property_readonly("kv_bytes", [](const Engine & e) { return without_gil([&] { return e.kv_bytes(); }); })
+        .def_property_readonly("cells_used", [](const Engine & e) { return without_gil([&] { return e.cells_used(); }); })
         .def_property_readonly("scores_sum_rows", &Engine::scores_sum_rows)
         .def_property_readonly("policy", [](const Engine & e) { return describe(e.policy()); });
     def_vocab(engine);

@@ -4,6 +4,7 @@
 #include "llama-ext.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <stdexcept>
 
 namespace h2o {
@@ -45,6 +46,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.n_ctx           = n_ctx;
     cp.n_batch         = std::min(params.n_batch, n_ctx);
     cp.n_ubatch        = cp.n_batch;
+    cp.n_outputs_max   = std::max(cp.n_batch, params.n_seq_max); // a step of n_seq_max sequences has that many outputs
     cp.n_seq_max       = params.n_seq_max;
     cp.kv_unified      = params.kv_unified;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED; // scores need the softmax
@@ -65,6 +67,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     }
     batch_  = llama_batch_init((int32_t) cp.n_batch, 0, 1);
     n_head_ = llama_model_n_head(model_->get());
+    origin_ = origin();
 
     if (params.position_rolling && !llama_memory_can_shift(llama_get_memory(ctx_))) {
         throw std::invalid_argument("position_rolling=True needs a KV cache whose positions can be shifted; "
@@ -96,13 +99,24 @@ SeqCache & Engine::seq_cache(llama_seq_id seq) {
     return it->second;
 }
 
-const SeqState & Engine::state(llama_seq_id seq) const {
-    static const SeqState empty;
+SeqState Engine::state(llama_seq_id seq) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     const auto it = seqs_.find(seq);
-    return it == seqs_.end() ? empty : it->second.state();
+    return it == seqs_.end() ? SeqState() : it->second.state();
 }
 
-const std::vector<float> & Engine::last_logits(llama_seq_id seq) const {
+llama_pos Engine::next_pos(llama_seq_id seq) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const auto it = seqs_.find(seq);
+    return it == seqs_.end() ? 0 : it->second.next_pos();
+}
+
+int32_t Engine::size_of(llama_seq_id seq) const {
+    const auto it = seqs_.find(seq);
+    return it == seqs_.end() ? 0 : it->second.size();
+}
+
+const std::vector<float> & Engine::logits_of(llama_seq_id seq) const {
     const auto it = last_logits_.find(seq);
     if (it == last_logits_.end()) {
         throw std::logic_error("no logits for sequence " + std::to_string(seq) + ": feed it tokens first");
@@ -110,18 +124,29 @@ const std::vector<float> & Engine::last_logits(llama_seq_id seq) const {
     return it->second;
 }
 
-const std::vector<float> & Engine::logits_all(llama_seq_id seq) const {
-    static const std::vector<float> empty;
-    const auto it = logits_all_.find(seq);
-    return it == logits_all_.end() ? empty : it->second;
+std::vector<float> Engine::last_logits(llama_seq_id seq) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return logits_of(seq);
 }
 
-int32_t Engine::last_scores(llama_seq_id seq, const llama_pos ** pos, const float ** sums) const {
-    return scores_path_ < 0 ? 0 : llama_attn_scores_get(ctx_, seq, pos, sums);
+std::vector<float> Engine::logits_all(llama_seq_id seq) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const auto it = logits_all_.find(seq);
+    return it == logits_all_.end() ? std::vector<float>() : it->second;
+}
+
+void Engine::last_scores(llama_seq_id seq, std::vector<llama_pos> & pos, std::vector<float> & sums) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const llama_pos * p = nullptr;
+    const float * s = nullptr;
+    const int32_t n = scores_path_ < 0 ? 0 : llama_attn_scores_get(ctx_, seq, &p, &s);
+    pos.assign(p, p + n);
+    sums.assign(s, s + (size_t) n*n_head_);
 }
 
 llama_token Engine::sample(llama_seq_id seq, Sampler & sampler) const {
-    const auto & logits = last_logits(seq);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const auto & logits = logits_of(seq);
     if (sampler.n_vocab() != (int32_t) logits.size()) {
         throw std::invalid_argument("the sampler was made for another vocabulary size");
     }
@@ -133,11 +158,12 @@ uint32_t Engine::stream_capacity() const {
 }
 
 int32_t Engine::room(llama_seq_id seq) const {
-    const int32_t used = params_.kv_unified ? cells_used() : (int32_t) state(seq).positions.size();
+    const int32_t used = params_.kv_unified ? cells_used() : size_of(seq);
     return (int32_t) stream_capacity() - used;
 }
 
 int32_t Engine::cells_used() const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     int32_t n = 0;
     for (const auto & kv : seqs_) {
         n += kv.second.size();
@@ -146,6 +172,7 @@ int32_t Engine::cells_used() const {
 }
 
 size_t Engine::kv_bytes() const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     size_t total = 0;
     for (const auto & kv : llama_get_memory_breakdown(ctx_)) {
         total += kv.second.context;
@@ -154,6 +181,7 @@ size_t Engine::kv_bytes() const {
 }
 
 void Engine::reset() {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     llama_memory_clear(llama_get_memory(ctx_), true);
     seqs_.clear();
     last_logits_.clear();
@@ -161,6 +189,7 @@ void Engine::reset() {
 }
 
 void Engine::reset_seq(llama_seq_id seq) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     seq_cache(seq).clear();
     seqs_.erase(seq);
     last_logits_.erase(seq);
@@ -168,6 +197,7 @@ void Engine::reset_seq(llama_seq_id seq) {
 }
 
 void Engine::set_policy(const PolicyConfig & cfg) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     auto policy = make_policy(cfg);
     if (policy->needs_scores() && scores_path_ < 0) {
         throw std::invalid_argument("policy '" + cfg.name + "' needs attention scores: create the engine with a scoring "
@@ -182,13 +212,25 @@ void Engine::set_policy(const PolicyConfig & cfg) {
 }
 
 void Engine::compress(llama_seq_id seq) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     seq_cache(seq);
     evict(seq);
 }
 
+std::string Engine::origin() const {
+    const ModelFacts f = model_->facts();
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s, %d layers, %d/%d heads, n_embd %d, vocabulary %d, %llu parameters, %s KV",
+             f.arch.c_str(), f.n_layer, f.n_head, f.n_head_kv, f.n_embd, f.n_vocab, (unsigned long long) f.n_params,
+             params_.kv_f32 ? "F32" : "F16");
+    return buf;
+}
+
 std::shared_ptr<SeqSnapshot> Engine::snapshot(llama_seq_id seq) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     SeqCache & sc = seq_cache(seq);
     auto snap = std::make_shared<SeqSnapshot>();
+    snap->origin = origin_;
     snap->kv    = sc.save_kv();
     snap->state = sc.state();
     const auto it = last_logits_.find(seq);
@@ -199,7 +241,18 @@ std::shared_ptr<SeqSnapshot> Engine::snapshot(llama_seq_id seq) {
 }
 
 void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     SeqCache & sc = seq_cache(seq);
+    if (snap.origin != origin_) {
+        throw std::invalid_argument("this snapshot was taken on another model or cache (" + snap.origin +
+                                    "), not this one (" + origin_ + ")");
+    }
+    const int32_t n_free = room(seq) + sc.size();
+    if ((int64_t) snap.state.positions.size() > n_free) {
+        throw std::invalid_argument("the snapshot holds " + std::to_string(snap.state.positions.size()) +
+                                    " KV entries; only " + std::to_string(n_free) + " cells are free for sequence " +
+                                    std::to_string(seq));
+    }
     logits_all_.erase(seq);
     if (!sc.restore(snap.kv, snap.state)) {
         seqs_.erase(seq);
@@ -214,6 +267,7 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
 }
 
 void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool all_logits) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     const int32_t n_vocab = model_->n_vocab();
     size_t n_total = 0;
     for (const auto & [seq, toks] : tokens) {
@@ -251,6 +305,9 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     std::map<llama_seq_id, size_t> fed;
     size_t n_left = n_total;
     while (n_left > 0) {
+        if (n_left < n_total && params_.check_interrupt) {
+            params_.check_interrupt();
+        }
         size_t take = std::min<size_t>(n_piece, n_left);
         if (!fits && params_.kv_unified) {
             take = std::min<size_t>(take, (size_t) std::max(room(0), 0));

@@ -1,5 +1,8 @@
 // The engine: one llama.cpp context, the sequences in it, and the scheduler that feeds them.
 //
+// Every public method holds the engine's mutex, so calls from several threads are serialized instead of racing
+// inside llama.cpp; what they return is a copy.
+//
 // Every llama_decode is followed, for each sequence of the batch, by the policy's observation of the exported
 // attention scores and, when the sequence holds more than its budget, an eviction (SeqCache). Prompts that do not
 // fit beside the kept entries are fed in pieces with an eviction after each (the bounded prefill).
@@ -13,8 +16,10 @@
 #include "llama.h"
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -34,6 +39,9 @@ struct EngineParams {
     bool     export_scores = false;   // export scores even when the policy does not use them
     bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
     bool     verbose = false;
+    // asked between the chunks of a long prompt; it may throw to stop the feed there (Ctrl-C), leaving the
+    // sequences with what was fed so far
+    std::function<void()> check_interrupt;
 };
 
 // KV cells a bounded cache needs: the budgets of all sequences + one batch of fresh tokens in one cell space
@@ -64,11 +72,12 @@ public:
     std::shared_ptr<SeqSnapshot> snapshot(llama_seq_id seq);
     void restore(llama_seq_id seq, const SeqSnapshot & snap);
 
-    const std::vector<float> & last_logits(llama_seq_id seq) const;
-    const std::vector<float> & logits_all(llama_seq_id seq) const; // [n_fed][n_vocab] of the last eval
-    const SeqState & state(llama_seq_id seq) const;
-    // what the patch exported for seq in the last llama_decode: n positions and [n][n_head] sums
-    int32_t last_scores(llama_seq_id seq, const llama_pos ** pos, const float ** sums) const;
+    std::vector<float> last_logits(llama_seq_id seq) const;
+    std::vector<float> logits_all(llama_seq_id seq) const; // [n_fed][n_vocab] of the last eval
+    SeqState state(llama_seq_id seq) const;
+    llama_pos next_pos(llama_seq_id seq) const; // position of the next token fed to seq
+    // what the patch exported for seq in the last llama_decode: positions and [n][n_head] sums
+    void last_scores(llama_seq_id seq, std::vector<llama_pos> & pos, std::vector<float> & sums) const;
 
     const Model  & model()  const { return *model_; }
     const Policy & policy() const { return *policy_; }
@@ -85,6 +94,9 @@ public:
 
 private:
     SeqCache & seq_cache(llama_seq_id seq); // checks the id, creates the sequence on first use
+    const std::vector<float> & logits_of(llama_seq_id seq) const;
+    int32_t size_of(llama_seq_id seq) const;
+    std::string origin() const; // what a snapshot must match to be restored here
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits);
     void evict(llama_seq_id seq);
 
@@ -96,10 +108,13 @@ private:
     int32_t  n_head_ = 0;
     uint32_t capacity_ = 0;
     int32_t  scores_path_ = -1; // llama_attn_scores_enable: 0 out_prod, 1 sum_rows, -1 off
+    std::string origin_;
 
     std::map<llama_seq_id, SeqCache> seqs_;
     std::map<llama_seq_id, std::vector<float>> last_logits_;
     std::map<llama_seq_id, std::vector<float>> logits_all_;
+
+    mutable std::recursive_mutex mu_;
 };
 
 } // namespace h2o

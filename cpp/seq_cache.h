@@ -7,6 +7,7 @@
 #include "llama.h"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace h2o {
@@ -22,6 +23,7 @@ struct SeqState {
 
 // A sequence's cache and its bookkeeping, to branch several continuations from one prefix.
 struct SeqSnapshot {
+    std::string          origin; // the model and cache layout it was taken from (restored only into the same)
     std::vector<uint8_t> kv;     // llama_state_seq_get_data
     SeqState             state;
     std::vector<float>   logits; // after the last token

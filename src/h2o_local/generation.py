@@ -24,6 +24,7 @@ class SeqRun:
     max_tokens: Optional[int]
     n_generated: int = 0
     eog_token: Optional[int] = None  # the end-of-generation token sampled (not fed)
+    unfed: Optional[int] = None      # the last token shown but not yet fed (fed first when the session goes on)
     finish_reason: Optional[str] = None
     tokens: List[int] = field(default_factory=list)
 
@@ -64,6 +65,7 @@ def run(engine, runs: List[SeqRun], *, unbounded: bool, want_logits: bool = Fals
             else:
                 r.n_generated += 1
                 r.tokens.append(token)
+                r.unfed = token
                 yield Event(r.index, token, r.text.push(engine.token_to_piece(token, False)), None, logits)
                 if r.text.stopped:
                     finish = "stop"
@@ -82,6 +84,8 @@ def run(engine, runs: List[SeqRun], *, unbounded: bool, want_logits: bool = Fals
                 yield from _finish(engine, live.pop(seq_id), "length", free_finished)
             break
         engine.eval(step, False)
+        for seq_id in step:
+            live[seq_id].unfed = None
 
 
 def _finish(engine, r: SeqRun, reason: str, free: bool) -> Iterator[Event]:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -134,6 +136,12 @@ class Llama:
         self.last_eog_token: Optional[int] = None  # the end-of-generation token the last generation sampled
         self.finish_reasons: List[Optional[str]] = []  # of the last generate_batch, per prompt
         self._eog: Optional[List[int]] = None
+        # calls from several threads are serialized; a generation checks at every step that no other call took
+        # the context over since its last step (then it raises RuntimeError instead of going on on a changed cache)
+        self._lock = threading.RLock()
+        self._generation: Optional[object] = None  # the generation that owns the context now
+        self._unfed: List[int] = []                # shown to the user, not yet fed: a continued session feeds it
+        self._warned_past_context = False
 
     @classmethod
     def for_kv_limit(
@@ -254,12 +262,18 @@ class Llama:
         """Feed tokens to a sequence, evicting as the policy says; the last token's logits are then in
         `last_logits`. With `logits_all=True`, returns every fed token's logits (float32 [n, n_vocab])."""
         seq_id = self._check_seq(seq_id)
-        self._engine.eval({seq_id: _token_list(tokens)}, bool(logits_all))
-        return self._engine.logits_all(seq_id) if logits_all else None
+        tokens = _token_list(tokens)
+        with self._lock:
+            self._take_over()
+            self._engine.eval({seq_id: tokens}, bool(logits_all))
+            return self._engine.logits_all(seq_id) if logits_all else None
 
     def eval_batch(self, tokens: Dict[int, Sequence[int]]) -> None:
         """Feed several sequences in one batch: {seq_id: tokens}. Each keeps its own budget and scores."""
-        self._engine.eval({self._check_seq(s): _token_list(toks) for s, toks in tokens.items()}, False)
+        batch = {self._check_seq(s): _token_list(toks) for s, toks in tokens.items()}
+        with self._lock:
+            self._take_over()
+            self._engine.eval(batch, False)
 
     def last_logits(self, seq_id: int = 0) -> np.ndarray:
         """float32 [n_vocab]: the logits after the last token fed to `seq_id`."""
@@ -273,10 +287,13 @@ class Llama:
 
     def reset(self, seq_id: Optional[int] = None) -> None:
         """Forget a sequence (or all, with None): its KV entries, scores and counters."""
-        if seq_id is None:
-            self._engine.reset()
-        else:
-            self._engine.reset_seq(self._check_seq(seq_id))
+        seq = None if seq_id is None else self._check_seq(seq_id)
+        with self._lock:
+            self._take_over()
+            if seq is None:
+                self._engine.reset()
+            else:
+                self._engine.reset_seq(seq)
 
     def kv_state(self, seq_id: int = 0) -> KVState:
         """The kept positions of `seq_id`, their scores, and the cache counters."""
@@ -294,20 +311,49 @@ class Llama:
         """
         value = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
         args = value.engine_args()
-        self._engine.set_policy(args.pop("policy"), **args)
-        self.policy = value
+        with self._lock:
+            self._take_over()
+            self._engine.set_policy(args.pop("policy"), **args)
+            self.policy = value
 
     def compress(self, seq_id: int = 0) -> None:
         """Evict now what the current policy does not keep."""
-        self._engine.compress(self._check_seq(seq_id))
+        seq_id = self._check_seq(seq_id)
+        with self._lock:
+            self._take_over()
+            self._engine.compress(seq_id)
 
     def save_state(self, seq_id: int = 0):
         """A snapshot of one sequence: its KV cells, positions, scores, counters and last logits (in memory)."""
         return self._engine.snapshot(self._check_seq(seq_id))
 
     def load_state(self, state, seq_id: int = 0) -> None:
-        """Put a `save_state` snapshot back into `seq_id` (replacing what it holds), to branch from a prefix."""
-        self._engine.restore(self._check_seq(seq_id), state)
+        """Put a `save_state` snapshot back into `seq_id` (replacing what it holds), to branch from a prefix.
+
+        Refused (ValueError, the sequence unchanged) for a snapshot of another model or cache layout, or one that
+        holds more entries than the sequence has room for."""
+        seq_id = self._check_seq(seq_id)
+        if not isinstance(state, _engine.SeqSnapshot):
+            raise TypeError(f"state must come from save_state(), got {type(state).__name__}")
+        with self._lock:
+            self._take_over()
+            self._engine.restore(seq_id, state)
+
+    def _take_over(self) -> Optional[object]:
+        """A call that changes the cache: a suspended generation may not go on after it. Returns the new owner."""
+        self._generation = owner = object()
+        self._unfed = []
+        return owner
+
+    def _check_context(self, seq_id: int = 0) -> None:
+        """Warn once when positions pass the trained context without position rolling (the output degrades)."""
+        if self.position_rolling or self._warned_past_context:
+            return
+        if self._engine.next_pos(seq_id) > self.info.n_ctx_train:
+            self._warned_past_context = True
+            warnings.warn(f"positions passed the model's trained context ({self.info.n_ctx_train} tokens) without "
+                          "position rolling: the output degrades from here (Llama(..., position_rolling=True) "
+                          "renumbers the kept positions)", RuntimeWarning, stacklevel=3)
 
     def _check_seq(self, seq_id: int) -> int:
         check_int("seq_id", seq_id)
@@ -338,14 +384,40 @@ class Llama:
         if not prompt_tokens and reset:
             raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
         sampler = self._sampler(params)
-        if reset:
-            self._engine.reset()
-        if prompt_tokens:
-            self._engine.eval({0: prompt_tokens}, prompt_logits)
         run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), params.max_tokens)
-        self.last_eog_token = None
-        yield from generation.run(self._engine, [run], unbounded=not self.policy.bounded, want_logits=want_logits)
+        with self._lock:
+            # the token the last generation showed but did not feed goes first when the session goes on
+            feed = prompt_tokens if reset else self._unfed + prompt_tokens
+            owner = self._take_over()
+            if reset:
+                self._engine.reset()
+            if feed:
+                self._engine.eval({0: feed}, prompt_logits)
+            self._check_context()
+            self.last_eog_token = None
+        events = generation.run(self._engine, [run], unbounded=not self.policy.bounded, want_logits=want_logits)
+        try:
+            yield from self._owned_steps(events, owner)
+        finally:
+            events.close()
+            with self._lock:
+                if self._generation is owner:
+                    self._unfed = [run.unfed] if run.unfed is not None else []
         self.last_eog_token = run.eog_token  # sampled, not fed: a session that goes on feeds it first
+
+    def _owned_steps(self, events: Iterator[Any], owner: object) -> Iterator[Any]:
+        """Advance a generation one step at a time under the lock, as long as it still owns the context."""
+        while True:
+            with self._lock:
+                if self._generation is not owner:
+                    raise RuntimeError("this generation was interrupted by another call on the same Llama (a new "
+                                       "generation, eval, reset, load_state, ...): it cannot go on")
+                try:
+                    e = next(events)
+                except StopIteration:
+                    return
+                self._check_context()
+            yield e
 
     def generate(self, prompt: Prompt, *, stream: bool = False, reset: bool = True, add_bos: Optional[bool] = None,
                  sampling: Optional[SamplingParams] = None, **params: Any) -> Union[str, Iterator[str]]:
@@ -360,7 +432,8 @@ class Llama:
         events = self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset)
         if stream:
             return (e.text for e in events if e.text)
-        return "".join(e.text for e in events)
+        with self._lock:  # a whole call: another thread's calls wait instead of interrupting it
+            return "".join(e.text for e in events)
 
     def generate_events(self, prompt: Prompt, *, reset: bool = True, add_bos: Optional[bool] = None,
                         sampling: Optional[SamplingParams] = None, **params: Any) -> Iterator[generation.Event]:
@@ -386,7 +459,8 @@ class Llama:
                 "model": self.model_path}
         if stream:
             return self._completion_chunks(events, meta, prompt_tokens, echo, logprobs)
-        return self._completion(events, meta, prompt_tokens, echo, logprobs)
+        with self._lock:
+            return self._completion(events, meta, prompt_tokens, echo, logprobs)
 
     __call__ = create_completion
 
@@ -478,20 +552,24 @@ class Llama:
         if stream:
             return it
         texts = [""] * len(prompts)
-        for i, piece in it:
-            if piece:
-                texts[i] += piece
+        with self._lock:
+            for i, piece in it:
+                if piece:
+                    texts[i] += piece
         return texts
 
     def _batch_events(self, token_lists: List[List[int]], p: SamplingParams, base_seed: int) -> Iterator[Tuple[int, Optional[str]]]:
         self.finish_reasons = [None] * len(token_lists)
         for wave in range(0, len(token_lists), self.n_seq_max):
             idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
-            self._engine.reset()
-            self._engine.eval({s: token_lists[i] for s, i in enumerate(idx)}, False)
             runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i), TextAssembler(p.stop), p.max_tokens)
                     for s, i in enumerate(idx)]
-            for e in generation.run(self._engine, runs, unbounded=not self.policy.bounded, free_finished=True):
+            with self._lock:
+                owner = self._take_over()
+                self._engine.reset()
+                self._engine.eval({s: token_lists[i] for s, i in enumerate(idx)}, False)
+            events = generation.run(self._engine, runs, unbounded=not self.policy.bounded, free_finished=True)
+            for e in self._owned_steps(events, owner):
                 if e.text:
                     yield e.index, e.text
                 if e.token is None:
@@ -511,12 +589,13 @@ class Llama:
         if stream:
             return self._chat_chunks(events, meta)
         text, n, finish = [], 0, None
-        for e in events:
-            text.append(e.text)
-            if e.token is None:
-                finish = e.finish_reason
-            else:
-                n += 1
+        with self._lock:
+            for e in events:
+                text.append(e.text)
+                if e.token is None:
+                    finish = e.finish_reason
+                else:
+                    n += 1
         return {**meta, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
                              "logprobs": None, "finish_reason": finish}],

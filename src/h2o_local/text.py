@@ -33,10 +33,12 @@ class TextAssembler:
         return out
 
     def flush(self) -> str:
+        """The text held back, at the end of generation; the bytes of a character cut short are dropped."""
         if self.stopped:
             return ""
-        out = self._text + self._decoder.decode(b"", final=True)
+        out = self._text
         self._text = ""
+        self._decoder.reset()
         return out
 
     def _held_suffix(self) -> int:

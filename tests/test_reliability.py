@@ -1,0 +1,127 @@
+"""Never crash, never corrupt a session: misuse that used to crash or go silently wrong (issue 15)."""
+import os
+import signal
+import threading
+import time
+import warnings
+
+import pytest
+
+from h2o_local import Llama
+from h2o_local.text import TextAssembler
+
+
+def test_one_llama_from_two_threads_is_serialized_not_crashed(tiny_model):
+    llm = Llama(tiny_model, budget=16, n_batch=32)
+    outcomes = []
+
+    def work(seed):
+        for _ in range(15):
+            try:
+                outcomes.append(llm.generate("threads share one context", max_tokens=20, temperature=0.9, seed=seed))
+            except RuntimeError as e:  # the other thread's generation took the context over
+                assert "interrupted by another call" in str(e)
+                outcomes.append(None)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 30 and any(isinstance(o, str) for o in outcomes)
+    assert llm.generate("still usable", max_tokens=5, temperature=0) == llm.generate("still usable", max_tokens=5,
+                                                                                    temperature=0)
+
+
+def test_more_sequences_than_a_batch_holds(tiny_model):
+    llm = Llama(tiny_model, budget=8, n_seq_max=40, n_batch=32)  # used to abort in llama.cpp
+    texts = llm.generate_batch([f"prompt {i}" for i in range(40)], max_tokens=3, temperature=0)
+    assert len(texts) == 40 and llm.finish_reasons.count(None) == 0
+
+
+def test_snapshot_of_another_model_is_refused(tiny_model, tmp_path):
+    from tiny_model import write_tiny_llama
+
+    other = Llama(str(write_tiny_llama(tmp_path / "three-layers.gguf", n_layer=3)), budget=64)
+    other.eval(other.tokenize("a snapshot from a model with three layers"))
+    snap = other.save_state()
+    llm = Llama(tiny_model, budget=64)
+    llm.eval(llm.tokenize("what this sequence holds"))
+    before = llm.kv_state().positions.tolist()
+    with pytest.raises(ValueError, match="another model"):
+        llm.load_state(snap)
+    assert llm.kv_state().positions.tolist() == before  # unchanged, and usable
+    assert isinstance(llm.generate("", reset=False, max_tokens=3), str)
+
+
+def test_snapshot_larger_than_the_cache_is_refused(tiny_model):
+    big = Llama(tiny_model, budget=None, n_ctx=512)
+    big.eval(list(range(3, 203)))
+    small = Llama(tiny_model, budget=16, n_batch=32)
+    with pytest.raises(ValueError, match="only 48 cells are free"):
+        small.load_state(big.save_state())
+    assert small.generate("fine", max_tokens=3, temperature=0) is not None
+    with pytest.raises(TypeError, match="save_state"):
+        small.load_state(b"not a snapshot")
+
+
+def test_breaking_out_of_a_stream_then_continuing_feeds_what_was_shown(tiny_model):
+    llm = Llama(tiny_model, budget=None, n_ctx=512)
+    prompt = llm.tokenize("Once upon a time")
+    shown = 0
+    for _ in llm.generate_events(prompt, max_tokens=50, temperature=0):
+        shown += 1
+        if shown == 4:
+            break
+    assert llm.kv_state().n_seen == len(prompt) + 3  # the 4th token was shown, not fed
+    more = llm.tokenize(" and then", add_bos=False)
+    events = list(llm.generate_events(more, reset=False, max_tokens=1, temperature=0))
+    assert llm.kv_state().n_seen == len(prompt) + 4 + len(more)  # fed first, then the new prompt
+    assert events[-1].finish_reason == "length"
+
+
+def test_two_streams_used_alternately_do_not_share_the_context(tiny_model):
+    llm = Llama(tiny_model, budget=32, n_batch=32)
+    a = llm.generate("first story", max_tokens=20, stream=True, temperature=0)
+    b = llm.generate("second story", max_tokens=20, stream=True, temperature=0)
+    next(a)
+    next(b)  # b resets the context for itself
+    with pytest.raises(RuntimeError, match="interrupted"):
+        next(a)
+    assert "".join(b) is not None
+
+
+def test_a_cut_character_is_dropped_not_replaced():
+    text = TextAssembler()
+    assert text.push("né".encode()) == "né"
+    assert text.push("\u20ac".encode()[:2]) == ""  # two of the euro sign's three bytes
+    assert text.flush() == ""                      # no U+FFFD at the end
+
+
+def test_ctrl_c_stops_a_long_prefill_between_chunks(tiny_model):
+    llm = Llama(tiny_model, budget=8, n_batch=8)
+    tokens = list(range(3, 259)) * 200  # 51,200 tokens in 6,400 chunks
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    t0 = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.eval(tokens)
+    timer.join()
+    assert llm.kv_state().n_seen < len(tokens)  # stopped part-way, between chunks
+    assert time.perf_counter() - t0 < 30
+    assert llm.kv_state().n_cells <= 8 + 8
+    llm.reset()
+    assert isinstance(llm.generate("usable again", max_tokens=3), str)
+
+
+def test_generation_past_the_trained_context_warns_once(tiny_model):
+    llm = Llama(tiny_model, budget=16, n_batch=32)
+    with pytest.warns(RuntimeWarning, match="trained context"):
+        llm.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
+    rolling = Llama(tiny_model, budget=16, n_batch=32, position_rolling=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rolling.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
