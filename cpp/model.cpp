@@ -12,10 +12,11 @@ namespace h2o {
 namespace {
 
 bool        g_verbose = false;
-std::string g_last_error;
+std::string g_last_error; // the first error llama.cpp logged since clear_llama_error()
 
 void log_callback(ggml_log_level level, const char * text, void *) {
-    if (level == GGML_LOG_LEVEL_ERROR) {
+    // the first error since clear_llama_error() is the reason; later ones ("failed to load model") are its echo
+    if (level == GGML_LOG_LEVEL_ERROR && g_last_error.empty()) {
         g_last_error = text;
         while (!g_last_error.empty() && (g_last_error.back() == '\n' || g_last_error.back() == ' ')) {
             g_last_error.pop_back();

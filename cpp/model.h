@@ -58,6 +58,6 @@ private:
 // llama.cpp's log goes through here once the backend is initialised: errors are kept for our exception messages
 void init_backend(bool verbose);
 void clear_llama_error();
-std::string llama_error_suffix(); // " (llama.cpp: <last error>)" or ""
+std::string llama_error_suffix(); // " (llama.cpp: <first error since the clear>)" or ""
 
 } // namespace h2o

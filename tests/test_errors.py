@@ -135,3 +135,27 @@ def test_batch_edge_cases(tiny_model):
     assert llm.generate_batch(["abc", "def"], max_tokens=0) == ["", ""]  # no token at all, as generate does
     assert llm.finish_reasons == ["length", "length"]
     assert llm.generate("abc", max_tokens=0) == ""
+
+
+def test_a_bad_gguf_keeps_llama_cpps_reason(tmp_path):
+    import gguf
+    import numpy as np
+
+    from h2o_local import ModelInfo
+
+    path = tmp_path / "no-tokenizer.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("token_embd.weight", np.zeros((10, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for load in (Llama, ModelInfo.load):
+        with pytest.raises(ValueError, match="key not found in model: tokenizer.ggml.model"):
+            load(str(path))
