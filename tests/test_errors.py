@@ -159,3 +159,19 @@ def test_a_bad_gguf_keeps_llama_cpps_reason(tmp_path):
     for load in (Llama, ModelInfo.load):
         with pytest.raises(ValueError, match="key not found in model: tokenizer.ggml.model"):
             load(str(path))
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda llm: llm.generate(123), TypeError, "expected a prompt"),
+    (lambda llm: llm.eval_batch([1, 2]), TypeError, "eval_batch takes"),
+    (lambda llm: llm.eval(["a"]), TypeError, "token ids must be ints"),
+    (lambda llm: llm.tokenize(5), TypeError, "text must be str or bytes"),
+    (lambda llm: llm.kv_state("0"), TypeError, "seq_id must be an int"),
+    (lambda llm: llm.set_policy(3.5), TypeError, "policy must be"),
+    (lambda llm: llm.generate("x", temperature="hot"), TypeError, "temperature must be a number"),
+])
+def test_wrong_types_give_one_line_errors(tiny_model, call, error, match):
+    llm = Llama(tiny_model, budget=16)
+    with pytest.raises(error, match=match):
+        call(llm)
+    assert isinstance(llm.generate("still usable", max_tokens=2), str)

@@ -270,6 +270,8 @@ class Llama:
 
     def eval_batch(self, tokens: Dict[int, Sequence[int]]) -> None:
         """Feed several sequences in one batch: {seq_id: tokens}. Each keeps its own budget and scores."""
+        if not isinstance(tokens, dict):
+            raise TypeError(f"eval_batch takes {{seq_id: [token, ...]}}, got {type(tokens).__name__}")
         batch = {self._check_seq(s): _token_list(toks) for s, toks in tokens.items()}
         with self._lock:
             self._take_over()
@@ -627,6 +629,8 @@ _GENERATE, _COMPLETION, _CHAT = sampling.GENERATE, sampling.COMPLETION, sampling
 def _token_list(tokens: Sequence[int]) -> List[int]:
     if isinstance(tokens, (str, bytes)):
         raise TypeError("expected token ids (a list of ints), got text: tokenize it first")
+    if not hasattr(tokens, "__iter__"):
+        raise TypeError(f"expected a prompt (str, bytes or a list of token ids), got {type(tokens).__name__}")
     out = []
     for t in tokens:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
