@@ -302,7 +302,11 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     // Each sequence is cut into pieces of n_batch tokens from its own start, and a chunk takes whole pieces only, so
     // a sequence is fed (and evicted) at the same boundaries alone or beside others.
     const size_t n_piece = n_batch();
+    // the policy's query window: the last `window` tokens of a prompt go into a decode of their own, whole
+    const size_t window = std::min<size_t>(std::max(policy_->query_window(), 0), n_piece);
+    auto window_start = [&](size_t size) { return window > 0 && size > 1 ? size - std::min(window, size) : size; };
     std::map<llama_seq_id, size_t> fed;
+    std::set<llama_seq_id> windows; // sequences whose window is in the current chunk
     size_t n_left = n_total;
     while (n_left > 0) {
         if (n_left < n_total && params_.check_interrupt) {
@@ -314,14 +318,21 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
         }
 
         std::map<llama_seq_id, std::vector<llama_token>> chunk;
+        windows.clear();
         for (const auto & [seq, toks] : tokens) {
             size_t & off = fed[seq];
             size_t n = std::min(take, toks.size() - off);
             if (!fits && !params_.kv_unified) {
                 n = std::min<size_t>(n, (size_t) std::max(room(seq), 0));
             }
+            const size_t ws = window_start(toks.size());
+            if (off < ws) {
+                n = std::min(n, ws - off);
+            } else if (n < toks.size() - off && !chunk.empty()) {
+                break; // the window goes into the next chunk, whole
+            }
             if (!fits) {
-                const size_t piece = std::min(n_piece - off % n_piece, toks.size() - off);
+                const size_t piece = off < ws ? std::min(n_piece - off % n_piece, ws - off) : toks.size() - off;
                 if (n < piece) {
                     if (!chunk.empty()) {
                         break; // the next piece goes into the next chunk, whole
@@ -333,6 +344,9 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             if (n == 0) {
                 continue;
             }
+            if (off >= ws) {
+                windows.insert(seq);
+            }
             chunk[seq].assign(toks.begin() + off, toks.begin() + off + n);
             off  += n;
             take -= n;
@@ -341,7 +355,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
         if (chunk.empty()) {
             throw std::logic_error("no KV cell is free for the next chunk");
         }
-        decode(chunk, all_logits);
+        decode(chunk, all_logits, windows);
         if (!fits) {
             for (const auto & kv : chunk) {
                 evict(kv.first);
@@ -355,7 +369,8 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     }
 }
 
-void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits) {
+void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits,
+                    const std::set<llama_seq_id> & windows) {
     batch_.n_tokens = 0;
     for (const auto & [seq, toks] : chunk) {
         const llama_pos p0 = seqs_.at(seq).next_pos();
@@ -400,7 +415,7 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             const llama_pos * pos = nullptr;
             const float * sums = nullptr;
             const int32_t n = llama_attn_scores_get(ctx_, seq, &pos, &sums);
-            sc.observe(*policy_, pos, sums, n, n_new);
+            sc.observe(*policy_, pos, sums, n, n_new, windows.count(seq) > 0);
         }
     }
 }

@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -97,7 +98,9 @@ private:
     const std::vector<float> & logits_of(llama_seq_id seq) const;
     int32_t size_of(llama_seq_id seq) const;
     std::string origin() const; // what a snapshot must match to be restored here
-    void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits);
+    // windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
+    void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits,
+                const std::set<llama_seq_id> & windows = {});
     void evict(llama_seq_id seq);
 
     EngineParams params_;

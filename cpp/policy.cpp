@@ -62,6 +62,10 @@ std::vector<size_t> sinks_middle_recent(size_t n, size_t sinks, size_t recent, s
 }
 
 void Policy::observe(SeqScores & scores, const ScoreUpdate & update) const {
+    accumulate_scores(scores, update);
+}
+
+void accumulate_scores(SeqScores & scores, const ScoreUpdate & update) {
     for (int32_t i = 0; i < update.n; ++i) {
         float sum = 0.0f;
         for (int32_t h = 0; h < update.n_head; ++h) {
@@ -71,6 +75,62 @@ void Policy::observe(SeqScores & scores, const ScoreUpdate & update) const {
         }
         scores.total[i] += sum;
     }
+}
+
+void replace_scores(SeqScores & scores, const ScoreUpdate & update) {
+    std::fill(scores.total.begin(), scores.total.end(), 0.0f);
+    std::fill(scores.head.begin(), scores.head.end(), 0.0f);
+    accumulate_scores(scores, update);
+}
+
+std::vector<size_t> RankedPolicy::keep(const std::vector<llama_pos> & positions, const SeqScores & scores) const {
+    const size_t n = positions.size();
+    std::vector<size_t> cand;
+    for (size_t i = split_.sinks; i < n - split_.recent; ++i) {
+        cand.push_back(i);
+    }
+    const size_t n_heavy = std::min<size_t>(split_.heavy, cand.size());
+    const std::vector<float> s = rank(scores);
+    std::partial_sort(cand.begin(), cand.begin() + n_heavy, cand.end(), [&](size_t a, size_t b) {
+        return s[a] > s[b] || (s[a] == s[b] && a < b);
+    });
+    cand.resize(n_heavy);
+    return sinks_middle_recent(n, split_.sinks, split_.recent, std::move(cand));
+}
+
+int32_t half_recent(int32_t rest) {
+    return rest - rest/2;
+}
+
+BudgetSplit ranked_split(const PolicyConfig & cfg, int32_t (*default_recent)(int32_t rest)) {
+    const std::string & name = cfg.name;
+    const int32_t budget = cfg.budget;
+    check_policy(budget >= 1, "policy '" + name + "' needs a budget >= 1 (KV entries kept per sequence), got " + std::to_string(budget));
+    check_policy(cfg.heavy  < 0 || cfg.heavy  <= budget, "heavy=" + std::to_string(cfg.heavy) + " is larger than budget=" + std::to_string(budget));
+    check_policy(cfg.recent < 0 || cfg.recent <= budget, "recent=" + std::to_string(cfg.recent) + " is larger than budget=" + std::to_string(budget));
+
+    BudgetSplit sp;
+    sp.sinks = std::max(cfg.sinks, 0);
+    check_policy(sp.sinks + std::max(cfg.recent, 0) <= budget, "sinks + recent (" + std::to_string(sp.sinks) + " + " +
+                 std::to_string(std::max(cfg.recent, 0)) + ") exceed budget=" + std::to_string(budget));
+    const int32_t rest = budget - sp.sinks;
+    if (cfg.heavy < 0 && cfg.recent < 0) {
+        sp.recent = std::min(std::max(default_recent(rest), 1), rest);
+        sp.heavy  = rest - sp.recent;
+    } else if (cfg.heavy < 0) {
+        sp.recent = cfg.recent;
+        sp.heavy  = rest - cfg.recent;
+    } else if (cfg.recent < 0) {
+        sp.heavy  = cfg.heavy;
+        sp.recent = rest - cfg.heavy;
+    } else {
+        sp.heavy  = cfg.heavy;
+        sp.recent = cfg.recent;
+    }
+    check_policy(sp.heavy >= 0 && sp.total() == budget, "sinks + heavy + recent must equal budget (" + std::to_string(sp.sinks) +
+                 " + " + std::to_string(sp.heavy) + " + " + std::to_string(sp.recent) + " != " + std::to_string(budget) + ")");
+    check_policy(sp.recent >= 1, "the recent window must keep at least the newest token (recent >= 1)");
+    return sp;
 }
 
 } // namespace h2o

@@ -50,6 +50,7 @@ struct ScoreUpdate {
     int32_t n      = 0;
     int32_t n_head = 0;
     int32_t n_new  = 0;                // the last n_new entries are this decode's tokens, and its queries
+    bool    window = false;            // these queries are the last Policy::query_window() tokens of a prompt
 };
 
 class Policy {
@@ -61,6 +62,10 @@ public:
     virtual bool needs_scores() const { return false; }
     virtual BudgetSplit split() const = 0;
 
+    // > 0: the last N tokens of every prompt (an eval of more than one token) are decoded on their own, so observe()
+    // sees their attention alone (ScoreUpdate::window); single tokens (generation) never form a window
+    virtual int32_t query_window() const { return 0; }
+
     // fold one decode's exported scores into the sequence's scores; the default is H2O's accumulation (the raw
     // probabilities added up, summed over heads in head order, no decay)
     virtual void observe(SeqScores & scores, const ScoreUpdate & update) const;
@@ -68,6 +73,38 @@ public:
     // indices into positions to keep, ascending; only called with more entries than split().total()
     virtual std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores) const = 0;
 };
+
+// The shape of every scoring policy: the first `sinks`, the `heavy` best-ranked of the rest, the `recent` newest.
+// A scorer is a subclass that says how entries rank (rank()) and, when its scores do not simply accumulate, how it
+// observes a decode (observe()).
+class RankedPolicy : public Policy {
+public:
+    RankedPolicy(std::string name, BudgetSplit split) : name_(std::move(name)), split_(split) {}
+
+    std::string name() const override { return name_; }
+    bool needs_scores() const override { return true; }
+    BudgetSplit split() const override { return split_; }
+    // ties go to the older position
+    std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores) const override;
+
+protected:
+    // one number per entry, larger = more worth keeping; the default is the accumulated total
+    virtual std::vector<float> rank(const SeqScores & scores) const { return scores.total; }
+
+private:
+    std::string name_;
+    BudgetSplit split_;
+};
+
+// The budget split of a scoring policy from cfg (sinks default 0); when neither heavy nor recent is given, recent is
+// default_recent(budget - sinks) and heavy the rest. Throws std::invalid_argument with the user-facing reason.
+BudgetSplit ranked_split(const PolicyConfig & cfg, int32_t (*default_recent)(int32_t rest));
+// H2O's published split: heavy half of what the sinks leave, recent the rest
+int32_t half_recent(int32_t rest);
+
+// observe() helpers: add this decode's sums to the scores (H2O), or replace the scores with them
+void accumulate_scores(SeqScores & scores, const ScoreUpdate & update);
+void replace_scores(SeqScores & scores, const ScoreUpdate & update);
 
 using PolicyFactory = std::unique_ptr<Policy> (*)(const PolicyConfig & cfg);
 

@@ -29,12 +29,13 @@ void SeqCache::append(int32_t n_new) {
     st_.peak_cells = std::max(st_.peak_cells, size());
 }
 
-void SeqCache::observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new) {
+void SeqCache::observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new,
+                       bool window) {
     if (n != size() || !std::equal(st_.positions.begin(), st_.positions.end(), pos)) {
         throw std::logic_error("attention scores of sequence " + std::to_string(seq_) + " cover " + std::to_string(n) +
                                " positions, the engine tracks " + std::to_string(size()));
     }
-    policy.observe(st_.scores, {head_sums, n, st_.scores.n_head, n_new});
+    policy.observe(st_.scores, {head_sums, n, st_.scores.n_head, n_new, window});
 }
 
 void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval) {

@@ -40,7 +40,8 @@ public:
     // n_new tokens were decoded at next_pos.. : add their entries
     void append(int32_t n_new);
     // fold the scores the patch exported in the last decode (checked against the kept positions)
-    void observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new);
+    void observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new,
+                 bool window);
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more
     void evict(const Policy & policy, bool rolling, int32_t roll_interval);
     // drop the entries at next_pos and above (a decode that failed half-way)

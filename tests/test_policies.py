@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
-from h2o_local import Llama
-from h2o_reference import H2OReference
+from h2o_local import Llama, ModelInfo
+from h2o_local import policies
+from h2o_reference import H2OReference, ScorerReference
 
 TEXT_A = "Heavy hitters are the few tokens that receive most of the attention in a long sequence of text."
 TEXT_B = "Completely different words: quartz, zephyr, jigsaw, vortex, 1234567890, and a final question?"
@@ -104,3 +105,53 @@ def test_two_sequences_in_one_batch_keep_their_own_heavy_hitters(tiny_model):
         solo.eval([60 + i])
     assert solo.kv_state().positions.tolist() == s0.positions.tolist()
     np.testing.assert_allclose(solo.kv_state().scores, s0.scores, rtol=1e-4)
+
+
+SCORERS = ["h2o", "h2o_norm", "h2o_maxhead", "h2o_headnorm", "tova", "snapkv"]
+
+
+def n_layer(path) -> int:
+    return ModelInfo.load(path).n_layer
+
+
+@pytest.mark.parametrize("rule", SCORERS)
+@pytest.mark.parametrize("budget,heavy,recent,sinks", [(16, 8, 8, 0), (12, 7, 3, 2), (9, 8, 1, 0)])
+def test_each_scorer_keeps_what_its_reference_rule_keeps(tiny_model, rule, budget, heavy, recent, sinks):
+    llm = Llama(tiny_model, policy=rule, budget=budget, heavy=heavy, recent=recent, sinks=sinks, n_batch=512)
+    ref = ScorerReference(rule, heavy=heavy, recent=recent, sinks=sinks)
+    prompt = llm.tokenize(TEXT_A + " " + TEXT_B) * 2  # longer than the SnapKV window: two decodes, then compress
+    llm.eval(prompt)
+    pos, sums = llm.last_scores()
+    # the last decode of a prompt is the policy's query window: every head's column sums add up to one per query
+    # and layer, so they count the window's queries (the whole prompt in one decode for the others)
+    window = {"tova": 1, "snapkv": 64}.get(rule, len(prompt))
+    np.testing.assert_allclose(sums.sum(axis=0), window * n_layer(tiny_model), rtol=1e-4)
+    assert llm.kv_state().positions.tolist() == ref.step(pos, sums, n_new=len(prompt), window=True)
+    for t in llm.tokenize(TEXT_B, add_bos=False):
+        llm.eval([t])
+        assert llm.kv_state().positions.tolist() == ref.step(*llm.last_scores(), n_new=1)
+    assert llm.kv_state().n_cells == budget
+
+
+@pytest.mark.parametrize("value,split", [
+    (policies.TOVA(budget=128), (0, 127, 1)),
+    (policies.SnapKV(budget=256), (0, 192, 64)),
+    (policies.SnapKV(budget=64), (0, 32, 32)),
+    (policies.H2ONorm(budget=128, sinks=4), (4, 62, 62)),
+    (policies.H2OMaxHead(heavy=10, recent=6), (0, 10, 6)),
+])
+def test_scorer_default_splits(value, split):
+    assert value.split == split and value.needs_scores and value.bounded
+
+
+@pytest.mark.parametrize("rule", ["tova", "snapkv"])
+def test_a_query_window_survives_the_bounded_prefill(tiny_model, rule):
+    """A prompt longer than the cache is fed in chunks with eviction; its window still comes last, whole."""
+    llm = Llama(tiny_model, policy=rule, budget=80, n_batch=96)
+    prompt = (llm.tokenize(TEXT_A + " " + TEXT_B) * 12)[:700]
+    llm.eval(prompt)
+    pos, sums = llm.last_scores()
+    np.testing.assert_allclose(sums.sum(axis=0), {"tova": 1, "snapkv": 64}[rule] * n_layer(tiny_model), rtol=1e-4)
+    st = llm.kv_state()
+    assert st.n_cells == 80 and st.peak_cells <= 80 + 96 and st.positions[-1] == len(prompt) - 1
+    assert llm.generate(prompt[-3:], max_tokens=3, reset=False) is not None

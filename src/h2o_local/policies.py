@@ -6,6 +6,7 @@
     Llama(path, budget=128)                                # short form: H2O(budget=128)
     Llama(path, policy="sink", budget=64)                  # short form: Sink(budget=64)
     Llama(path, policy=H2O(heavy=32, recent=96, sinks=4))  # long form: budget = 4 + 32 + 96
+    Llama(path, policy=SnapKV(budget=256))                 # another scorer, same split fields
 
 Each class is the Python face of one C++ policy (cpp/policies/); validation, defaults and the budget split are
 the C++ policy's own, so a value shows its resolved split (`H2O(budget=128).heavy == 64`). A `budget` is always
@@ -93,7 +94,7 @@ class Policy:
         if not self.bounded:
             return self.name
         sinks = getattr(self, "sinks", 0)
-        extra = f"+s{sinks}" if self.name == "h2o" and sinks else ""
+        extra = f"+s{sinks}" if isinstance(self, Scored) and sinks else ""
         return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
 
 
@@ -125,12 +126,11 @@ class Sink(Policy):
 
 
 @dataclass(frozen=True)
-class H2O(Policy):
-    """Heavy-Hitter Oracle as published: the `heavy` entries with the most accumulated attention, the `recent`
-    newest, and optionally the first `sinks`. Defaults: heavy = (budget - sinks) // 2, recent = the rest, sinks = 0.
-    `budget` may be left out when heavy and recent are given (budget = sinks + heavy + recent)."""
+class Scored(Policy):
+    """Base of the scoring policies: the first `sinks`, the `heavy` best-ranked older entries, the `recent` newest.
+    `budget` may be left out when heavy and recent are given (budget = sinks + heavy + recent). How entries rank is
+    the subclass's C++ rule."""
 
-    name: ClassVar[str] = "h2o"
     budget: Optional[int] = None
     heavy: Optional[int] = None
     recent: Optional[int] = None
@@ -139,12 +139,61 @@ class H2O(Policy):
     def __post_init__(self) -> None:
         if self.budget is None:
             if self.heavy is None or self.recent is None:
-                raise ValueError("policy 'h2o' needs a budget (KV entries kept per sequence), or heavy and recent")
+                raise ValueError(f"policy {self.name!r} needs a budget (KV entries kept per sequence), or heavy and recent")
             check_int("heavy", self.heavy, 0)
             check_int("recent", self.recent, 0)
             check_int("sinks", self.sinks, 0)
             object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
         super().__post_init__()
+
+
+@dataclass(frozen=True)
+class H2O(Scored):
+    """Heavy-Hitter Oracle as published: the `heavy` entries with the most accumulated attention (summed over heads
+    and queries, no decay), the `recent` newest, and optionally the first `sinks`. Defaults: heavy = (budget -
+    sinks) // 2, recent = the rest, sinks = 0."""
+
+    name: ClassVar[str] = "h2o"
+
+
+@dataclass(frozen=True)
+class H2ONorm(Scored):
+    """H2O ranked by the mean attention per query that could see the entry (accumulated sum / queries): OpenVINO
+    GenAI's default (NORM_SUM). Plain sums favour old tokens. Split as H2O's."""
+
+    name: ClassVar[str] = "h2o_norm"
+
+
+@dataclass(frozen=True)
+class H2OMaxHead(Scored):
+    """H2O ranked by the largest per-head accumulated score instead of the sum over heads. Split as H2O's."""
+
+    name: ClassVar[str] = "h2o_maxhead"
+
+
+@dataclass(frozen=True)
+class H2OHeadNorm(Scored):
+    """H2O with each head's accumulated scores divided by that head's largest before the sum over heads. Split as
+    H2O's."""
+
+    name: ClassVar[str] = "h2o_headnorm"
+
+
+@dataclass(frozen=True)
+class TOVA(Scored):
+    """TOVA (arXiv 2401.06104): ranked by the newest query's attention alone, nothing accumulates; a prompt's last
+    token is decoded on its own so that it ranks the prompt. Default recent = 1 (the newest token)."""
+
+    name: ClassVar[str] = "tova"
+
+
+@dataclass(frozen=True)
+class SnapKV(Scored):
+    """SnapKV (arXiv 2404.14469): a prompt is ranked by the attention of its last 64 tokens (decoded on their own),
+    averaged over 5 neighbouring entries; generation then accumulates on top as H2O does. Default recent =
+    min(64, half of what the sinks leave)."""
+
+    name: ClassVar[str] = "snapkv"
 
 
 def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,

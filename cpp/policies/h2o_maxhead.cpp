@@ -1,0 +1,34 @@
+// h2o_maxhead: H2O ranked by the largest per-head accumulated score instead of the sum over heads, so a token that
+// one head relies on is kept even when the other heads ignore it.
+#include "policy.h"
+
+#include <algorithm>
+
+namespace h2o {
+
+namespace {
+
+class H2OMaxHeadPolicy : public RankedPolicy {
+public:
+    using RankedPolicy::RankedPolicy;
+
+protected:
+    std::vector<float> rank(const SeqScores & s) const override {
+        std::vector<float> out(s.size());
+        for (size_t i = 0; i < out.size(); ++i) {
+            const float * h = s.head.data() + i*s.n_head;
+            out[i] = *std::max_element(h, h + s.n_head);
+        }
+        return out;
+    }
+};
+
+std::unique_ptr<Policy> make_h2o_maxhead(const PolicyConfig & cfg) {
+    return std::make_unique<H2OMaxHeadPolicy>("h2o_maxhead", ranked_split(cfg, half_recent));
+}
+
+const PolicyRegistration reg("h2o_maxhead", make_h2o_maxhead);
+
+} // namespace
+
+} // namespace h2o

@@ -1,0 +1,31 @@
+// h2o_norm: H2O ranked by the mean attention per query that could see the entry (accumulated sum / queries), the
+// default of OpenVINO GenAI's cache eviction (NORM_SUM). Plain sums favour old tokens, which more queries have seen.
+#include "policy.h"
+
+namespace h2o {
+
+namespace {
+
+class H2ONormPolicy : public RankedPolicy {
+public:
+    using RankedPolicy::RankedPolicy;
+
+protected:
+    std::vector<float> rank(const SeqScores & s) const override {
+        std::vector<float> out(s.size());
+        for (size_t i = 0; i < out.size(); ++i) {
+            out[i] = s.total[i] / (float) s.queries[i];
+        }
+        return out;
+    }
+};
+
+std::unique_ptr<Policy> make_h2o_norm(const PolicyConfig & cfg) {
+    return std::make_unique<H2ONormPolicy>("h2o_norm", ranked_split(cfg, half_recent));
+}
+
+const PolicyRegistration reg("h2o_norm", make_h2o_norm);
+
+} // namespace
+
+} // namespace h2o
