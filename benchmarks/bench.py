@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -131,11 +131,13 @@ def memory_bandwidth(size_mib: int = 512, repeats: int = 5) -> float:
     return best
 
 
-def settings(budgets: List[int], peer: bool) -> List[Dict[str, Any]]:
-    """Every setting by its label (experiments.common.parse_setting), and llama-cpp-python as the peer."""
-    labels = ["full", "full+scores"]
-    for b in budgets:
-        labels += [f"local-{b}", f"sink-{b}", f"h2o-{b}", f"h2o-{b}+roll", f"h2o-{b}+roll64"]
+def settings(budgets: List[int], peer: bool, labels: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """Every setting by its label (experiments.common.parse_setting; by default full, local, sink, h2o and h2o with
+    rolling at each budget), and llama-cpp-python as the peer."""
+    if not labels:
+        labels = ["full", "full+scores"]
+        for b in budgets:
+            labels += [f"local-{b}", f"sink-{b}", f"h2o-{b}", f"h2o-{b}+roll", f"h2o-{b}+roll64"]
     out: List[Dict[str, Any]] = []
     for label in labels:
         s = parse_setting(label)
@@ -224,6 +226,12 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
                       (f"decode (mean) h2o-{b}+roll / h2o-{b}", f"h2o-{b}+roll", f"h2o-{b}", "decode_mean_tok_s"),
                       (f"decode (mean) h2o-{b}+roll64 / h2o-{b}", f"h2o-{b}+roll64", f"h2o-{b}",
                        "decode_mean_tok_s")]
+        for name in names:  # every other policy against h2o at its budget (the scorers' cost)
+            if name != "llama-cpp-python" and "+" not in name:
+                st = parse_setting(name)
+                if st.budget and st.policy not in ("h2o", "full", "local"):
+                    pairs += [(f"decode {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "decode_tok_s"),
+                              (f"prefill {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "prefill_tok_s")]
         for label, a, b, metric in pairs:
             va, vb = val(a, metric), val(b, metric)
             if va and vb:
@@ -289,6 +297,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--depths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024])
+    ap.add_argument("--settings", nargs="+", help="setting labels to run instead of the default set (snapkv-256 ...)")
     ap.add_argument("--only", nargs="+", help="run only these setting names (e.g. full h2o-256 llama-cpp-python)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -326,7 +335,7 @@ def main(argv=None) -> int:
             print("llama-cpp-python is not installed: running without the peer (pip install '.[bench]')",
                   file=sys.stderr)
             peer = False
-    todo = settings(args.budgets, peer)
+    todo = settings(args.budgets, peer, args.settings)
     if args.only:
         todo = [s for s in todo if s["name"] in args.only]
     meta = {"model": model, "machine": machine(), "threads": args.threads, "n_batch": args.n_batch, "n_gpu_layers": args.n_gpu_layers,

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On a CUDA machine with no registry, from a tree where vendor/llama.cpp is already prepared (python vendor/prepare.py
+# here, then carry vendor/llama.cpp): build the CUDA extension, run the suite with every layer offloaded, write a
+# random-weight Qwen2.5-1.5B-shaped GGUF and benchmark the given settings on it. Results go to $OUT (or results/gpu).
+#
+# Build requirements the machine lacks come as wheels in .devicepkgs (pip download here, carry it; step deps).
+#
+#   bash scripts/gpu.sh deps build tests bench -- --depths 8192 32768 --settings full h2o-256 snapkv-256
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+steps=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+
+for step in "${steps[@]}"; do
+    case "$step" in
+    deps)
+        python -m pip install -q --no-index --find-links .devicepkgs scikit-build-core pybind11 gguf hypothesis tqdm 2>&1 | tail -3
+        ;;
+    build)
+        start=$(date +%s)
+        CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" \
+            python -m pip install --no-deps --no-build-isolation . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+        echo "build: $(( $(date +%s) - start )) s"
+        ;;
+    tests)
+        H2O_LOCAL_SKIP_SLOW=1 H2O_LOCAL_TEST_N_GPU_LAYERS=-1 python -m pytest -q -p no:cacheprovider tests \
+            --ignore=tests/test_experiments.py > "$OUT/tests.log" 2>&1
+        tail -15 "$OUT/tests.log"
+        ;;
+    bench)
+        model=/tmp/qwen15b-random.gguf
+        [ -f "$model" ] || python benchmarks/random_model.py --shape qwen2.5-1.5b --out "$model"
+        python -m benchmarks.bench --model "$model" --n-gpu-layers -1 --no-peer --out "$OUT/bench" "$@" 2>&1 | tail -60
+        ;;
+    *) echo "unknown step $step (deps, build, tests, bench)"; exit 2 ;;
+    esac
+done
