@@ -160,3 +160,32 @@ def test_mtbench_session_full_stops_where_h2o_goes_on(tmp_path):
     out.with_suffix(".md").unlink()
     assert main(["--input-path", str(questions), "--output", str(out), "--report-only"]) == 0
     assert out.with_suffix(".md").read_text() == table
+
+
+def test_quality_fidelity_of_a_cache_that_never_evicts_is_perfect(tiny_model, tmp_path):
+    """A budget larger than prompt + continuation keeps everything: agreement 1 and KL 0 at every step."""
+    from experiments.quality import full_continuation, teacher_forced
+
+    llm = Llama(tiny_model, budget=400, n_ctx=420)
+    prompt = llm.tokenize("A prompt for the teacher-forced check, long enough to matter. " * 4)
+    tokens, logps = full_continuation(tiny_model, prompt, 12, None)
+    res = teacher_forced(llm, prompt, tokens, logps)
+    assert res["agree"] == [1] * 12 and max(res["kl"]) < 1e-6
+    small = teacher_forced(Llama(tiny_model, policy="local", budget=8, n_ctx=420), prompt, tokens, logps)
+    assert max(small["kl"][1:]) > 1e-3  # an 8-entry window is measurably different
+
+
+def test_quality_passkey_runs_and_resumes(tiny_model, tmp_path):
+    from experiments.quality import main
+
+    data = tmp_path / "articles.jsonl"
+    data.write_text("\n".join(json.dumps({"article": f"###\nArticle: News item {i} about ships and rain.\n"})
+                              for i in range(40)) + "\n")
+    args = ["passkey", "--input-path", str(data), "--model", tiny_model, "--lengths", "400", "--depths", "0.5",
+            "--keys", "1", "--settings", "full", "h2o-32", "--out", str(tmp_path / "pk"), "--no-chat"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "pk.jsonl")]
+    assert {(r["setting"], r["prefill"]) for r in rows} == {("full", "all"), ("h2o-32", "all"), ("h2o-32", "bounded")}
+    assert all(r["prompt_tokens"] == 400 and r["right"] in (0, 1) for r in rows)
+    assert main(args) == 0 and len(open(tmp_path / "pk.jsonl").readlines()) == 3  # resumed: nothing rerun
+    assert (tmp_path / "pk.md").exists() and (tmp_path / "pk.png").exists()
