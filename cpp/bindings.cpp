@@ -40,6 +40,7 @@ py::dict describe(const Policy & p) {
     d["sinks"] = s.sinks;
     d["heavy"] = s.heavy;
     d["recent"] = s.recent;
+    d["query_window"] = p.query_window();
     return d;
 }
 
@@ -101,7 +102,7 @@ PYBIND11_MODULE(_engine, m) {
     m.def("describe_policy", [](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
         return describe(*make_policy(policy_config(name, budget, heavy, recent, sinks)));
     }, py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1,
-       "Validate a policy and return its resolved split: {name, bounded, needs_scores, sinks, heavy, recent}.");
+       "Validate a policy and return its resolved split: {name, bounded, needs_scores, sinks, heavy, recent, query_window}.");
 
     py::class_<Model> model(m, "Model", "The model's metadata and vocabulary, without its weights.");
     model.def(py::init([](const std::string & path) {

@@ -10,7 +10,8 @@ package `rouge` averaged over samples. Also Google's `rouge-score` and greedy de
 not drop the last character when `###` is absent.
 
 Every policy and budget attends the whole prompt first and compresses after it (the reference mode), so the prompt
-is prefilled once per row and every setting branches from a snapshot of it. Per-sample results go to the output
+is prefilled once per row and every setting branches from a snapshot of it (policies that score a prompt by its last
+queries, tova and snapkv, prefill it again under their own rule). Per-sample results go to the output
 jsonl as they come, and a rerun skips what is there (resume).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from h2o_local import Llama
+from h2o_local.policies import resolve
 from h2o_local.models import default_model_path
 from .common import experiment_parser, parse_setting, save_figure
 
@@ -90,9 +92,15 @@ def run(args) -> None:
             llm.eval(tokens)
             snap = llm.save_state()
             for policy, budget, dec, seed in pending:
-                llm.load_state(snap)
-                llm.set_policy(policy, budget)
-                llm.compress()
+                if resolve(policy, budget).query_window:
+                    # a prompt scored by its last queries must be fed under that policy (its window decoded alone)
+                    llm.reset()
+                    llm.set_policy(policy, budget)
+                    llm.eval(tokens)
+                else:
+                    llm.load_state(snap)
+                    llm.set_policy(policy, budget)
+                    llm.compress()
                 temperature = 0.0 if seed is None else float(row.get("temperature", 0.3))
                 text = llm.generate([], max_tokens=GEN["max_tokens"], temperature=temperature, top_p=GEN["top_p"],
                                     top_k=GEN["top_k"], min_p=GEN["min_p"], stop=row.get("stop", GEN["stop"]),

@@ -142,6 +142,7 @@ def test_each_scorer_keeps_what_its_reference_rule_keeps(tiny_model, rule, budge
 ])
 def test_scorer_default_splits(value, split):
     assert value.split == split and value.needs_scores and value.bounded
+    assert value.query_window == {"tova": 1, "snapkv": 64}.get(value.name, 0)
 
 
 @pytest.mark.parametrize("rule", ["tova", "snapkv"])

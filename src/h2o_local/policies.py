@@ -83,6 +83,13 @@ class Policy:
         return bool(self._resolved["needs_scores"])  # type: ignore[attr-defined]
 
     @property
+    def query_window(self) -> int:
+        """Tokens at the end of a prompt that are decoded on their own to score it (0: none; tova 1, snapkv 64).
+        Such a policy ranks a prompt by what it observed while the prompt was fed under it, so switching to it with
+        `set_policy` + `compress` after a prompt was fed under another policy does not give its own ranking."""
+        return int(self._resolved["query_window"])  # type: ignore[attr-defined]
+
+    @property
     def split(self) -> Tuple[int, int, int]:
         """(sinks, heavy, recent): entries kept per sequence by each rule."""
         r = self._resolved  # type: ignore[attr-defined]
