@@ -102,6 +102,12 @@ BudgetSplit ranked_split(const PolicyConfig & cfg, int32_t (*default_recent)(int
 // H2O's published split: heavy half of what the sinks leave, recent the rest
 int32_t half_recent(int32_t rest);
 
+// the factory of a RankedPolicy subclass P whose constructor is RankedPolicy's: `make_ranked<P, half_recent>`
+template <class P, int32_t (*default_recent)(int32_t rest)>
+std::unique_ptr<Policy> make_ranked(const PolicyConfig & cfg) {
+    return std::make_unique<P>(cfg.name, ranked_split(cfg, default_recent));
+}
+
 // observe() helpers: add this decode's sums to the scores (H2O), or replace the scores with them
 void accumulate_scores(SeqScores & scores, const ScoreUpdate & update);
 void replace_scores(SeqScores & scores, const ScoreUpdate & update);

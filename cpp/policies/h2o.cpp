@@ -6,11 +6,7 @@ namespace h2o {
 
 namespace {
 
-std::unique_ptr<Policy> make_h2o(const PolicyConfig & cfg) {
-    return std::make_unique<RankedPolicy>("h2o", ranked_split(cfg, half_recent));
-}
-
-const PolicyRegistration reg("h2o", make_h2o);
+const PolicyRegistration reg("h2o", make_ranked<RankedPolicy, half_recent>);
 
 } // namespace
 

@@ -32,11 +32,7 @@ protected:
     }
 };
 
-std::unique_ptr<Policy> make_h2o_headnorm(const PolicyConfig & cfg) {
-    return std::make_unique<H2OHeadNormPolicy>("h2o_headnorm", ranked_split(cfg, half_recent));
-}
-
-const PolicyRegistration reg("h2o_headnorm", make_h2o_headnorm);
+const PolicyRegistration reg("h2o_headnorm", make_ranked<H2OHeadNormPolicy, half_recent>);
 
 } // namespace
 

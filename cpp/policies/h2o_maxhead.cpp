@@ -23,11 +23,7 @@ protected:
     }
 };
 
-std::unique_ptr<Policy> make_h2o_maxhead(const PolicyConfig & cfg) {
-    return std::make_unique<H2OMaxHeadPolicy>("h2o_maxhead", ranked_split(cfg, half_recent));
-}
-
-const PolicyRegistration reg("h2o_maxhead", make_h2o_maxhead);
+const PolicyRegistration reg("h2o_maxhead", make_ranked<H2OMaxHeadPolicy, half_recent>);
 
 } // namespace
 

@@ -20,11 +20,7 @@ protected:
     }
 };
 
-std::unique_ptr<Policy> make_h2o_norm(const PolicyConfig & cfg) {
-    return std::make_unique<H2ONormPolicy>("h2o_norm", ranked_split(cfg, half_recent));
-}
-
-const PolicyRegistration reg("h2o_norm", make_h2o_norm);
+const PolicyRegistration reg("h2o_norm", make_ranked<H2ONormPolicy, half_recent>);
 
 } // namespace
 

@@ -41,11 +41,7 @@ protected:
 
 int32_t window_recent(int32_t rest) { return std::min(kWindow, rest - rest/2); }
 
-std::unique_ptr<Policy> make_snapkv(const PolicyConfig & cfg) {
-    return std::make_unique<SnapKVPolicy>("snapkv", ranked_split(cfg, window_recent));
-}
-
-const PolicyRegistration reg("snapkv", make_snapkv);
+const PolicyRegistration reg("snapkv", make_ranked<SnapKVPolicy, window_recent>);
 
 } // namespace
 

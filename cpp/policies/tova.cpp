@@ -17,11 +17,7 @@ public:
 
 int32_t newest_only(int32_t) { return 1; }
 
-std::unique_ptr<Policy> make_tova(const PolicyConfig & cfg) {
-    return std::make_unique<TovaPolicy>("tova", ranked_split(cfg, newest_only));
-}
-
-const PolicyRegistration reg("tova", make_tova);
+const PolicyRegistration reg("tova", make_ranked<TovaPolicy, newest_only>);
 
 } // namespace
 
