@@ -119,12 +119,12 @@ def n_layer(path) -> int:
 def test_each_scorer_keeps_what_its_reference_rule_keeps(tiny_model, rule, budget, heavy, recent, sinks):
     llm = Llama(tiny_model, policy=rule, budget=budget, heavy=heavy, recent=recent, sinks=sinks, n_batch=512)
     ref = ScorerReference(rule, heavy=heavy, recent=recent, sinks=sinks)
-    prompt = llm.tokenize(TEXT_A + " " + TEXT_B) * 2  # longer than the SnapKV window: two decodes, then compress
+    prompt = llm.tokenize(TEXT_A + " " + TEXT_B) * 2  # longer than the query windows: two decodes, then compress
     llm.eval(prompt)
     pos, sums = llm.last_scores()
     # the last decode of a prompt is the policy's query window: every head's column sums add up to one per query
     # and layer, so they count the window's queries (the whole prompt in one decode for the others)
-    window = {"tova": 1, "snapkv": 64}.get(rule, len(prompt))
+    window = {"tova": 1, "snapkv": 16}.get(rule, len(prompt))
     np.testing.assert_allclose(sums.sum(axis=0), window * n_layer(tiny_model), rtol=1e-4)
     assert llm.kv_state().positions.tolist() == ref.step(pos, sums, n_new=len(prompt), window=True)
     for t in llm.tokenize(TEXT_B, add_bos=False):
@@ -135,14 +135,14 @@ def test_each_scorer_keeps_what_its_reference_rule_keeps(tiny_model, rule, budge
 
 @pytest.mark.parametrize("value,split", [
     (policies.TOVA(budget=128), (0, 127, 1)),
-    (policies.SnapKV(budget=256), (0, 192, 64)),
-    (policies.SnapKV(budget=64), (0, 32, 32)),
+    (policies.SnapKV(budget=256), (0, 240, 16)),
+    (policies.SnapKV(budget=20), (0, 10, 10)),
     (policies.H2ONorm(budget=128, sinks=4), (4, 62, 62)),
     (policies.H2OMaxHead(heavy=10, recent=6), (0, 10, 6)),
 ])
 def test_scorer_default_splits(value, split):
     assert value.split == split and value.needs_scores and value.bounded
-    assert value.query_window == {"tova": 1, "snapkv": 64}.get(value.name, 0)
+    assert value.query_window == {"tova": 1, "snapkv": 16}.get(value.name, 0)
 
 
 @pytest.mark.parametrize("rule", ["tova", "snapkv"])
@@ -152,7 +152,7 @@ def test_a_query_window_survives_the_bounded_prefill(tiny_model, rule):
     prompt = (llm.tokenize(TEXT_A + " " + TEXT_B) * 12)[:700]
     llm.eval(prompt)
     pos, sums = llm.last_scores()
-    np.testing.assert_allclose(sums.sum(axis=0), {"tova": 1, "snapkv": 64}[rule] * n_layer(tiny_model), rtol=1e-4)
+    np.testing.assert_allclose(sums.sum(axis=0), {"tova": 1, "snapkv": 16}[rule] * n_layer(tiny_model), rtol=1e-4)
     st = llm.kv_state()
     assert st.n_cells == 80 and st.peak_cells <= 80 + 96 and st.positions[-1] == len(prompt) - 1
     assert llm.generate(prompt[-3:], max_tokens=3, reset=False) is not None

@@ -84,7 +84,7 @@ class Policy:
 
     @property
     def query_window(self) -> int:
-        """Tokens at the end of a prompt that are decoded on their own to score it (0: none; tova 1, snapkv 64).
+        """Tokens at the end of a prompt that are decoded on their own to score it (0: none; tova 1, snapkv 16).
         Such a policy ranks a prompt by what it observed while the prompt was fed under it, so switching to it with
         `set_policy` + `compress` after a prompt was fed under another policy does not give its own ranking."""
         return int(self._resolved["query_window"])  # type: ignore[attr-defined]
@@ -196,9 +196,9 @@ class TOVA(Scored):
 
 @dataclass(frozen=True)
 class SnapKV(Scored):
-    """SnapKV (arXiv 2404.14469): a prompt is ranked by the attention of its last 64 tokens (decoded on their own),
-    averaged over 5 neighbouring entries; generation then accumulates on top as H2O does. Default recent =
-    min(64, half of what the sinks leave)."""
+    """SnapKV (arXiv 2404.14469): a prompt is ranked by the attention of its last 16 tokens (decoded on their own;
+    about one question, where kvpress uses 64), averaged over 5 neighbouring entries; generation then accumulates
+    on top as H2O does. Default recent = min(16, half of what the sinks leave)."""
 
     name: ClassVar[str] = "snapkv"
 
