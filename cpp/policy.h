@@ -96,6 +96,16 @@ private:
     BudgetSplit split_;
 };
 
+// A scorer that only ranks differently is one function: `make_ranked<RankedBy<mean_per_query>, half_recent>`
+template <std::vector<float> (*rank_fn)(const SeqScores & scores)>
+class RankedBy : public RankedPolicy {
+public:
+    using RankedPolicy::RankedPolicy;
+
+protected:
+    std::vector<float> rank(const SeqScores & scores) const override { return rank_fn(scores); }
+};
+
 // The budget split of a scoring policy from cfg (sinks default 0); when neither heavy nor recent is given, recent is
 // default_recent(budget - sinks) and heavy the rest. Throws std::invalid_argument with the user-facing reason.
 BudgetSplit ranked_split(const PolicyConfig & cfg, int32_t (*default_recent)(int32_t rest));

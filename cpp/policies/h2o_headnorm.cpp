@@ -9,30 +9,24 @@ namespace h2o {
 
 namespace {
 
-class H2OHeadNormPolicy : public RankedPolicy {
-public:
-    using RankedPolicy::RankedPolicy;
-
-protected:
-    std::vector<float> rank(const SeqScores & s) const override {
-        const size_t n = s.size();
-        std::vector<float> peak(s.n_head, 0.0f);
-        for (size_t i = 0; i < n; ++i) {
-            for (int32_t h = 0; h < s.n_head; ++h) {
-                peak[h] = std::max(peak[h], s.head[i*s.n_head + h]);
-            }
+std::vector<float> heads_over_their_peak(const SeqScores & s) {
+    const size_t n = s.size();
+    std::vector<float> peak(s.n_head, 0.0f);
+    for (size_t i = 0; i < n; ++i) {
+        for (int32_t h = 0; h < s.n_head; ++h) {
+            peak[h] = std::max(peak[h], s.head[i*s.n_head + h]);
         }
-        std::vector<float> out(n, 0.0f);
-        for (size_t i = 0; i < n; ++i) {
-            for (int32_t h = 0; h < s.n_head; ++h) {
-                out[i] += peak[h] > 0.0f ? s.head[i*s.n_head + h] / peak[h] : 0.0f;
-            }
-        }
-        return out;
     }
-};
+    std::vector<float> out(n, 0.0f);
+    for (size_t i = 0; i < n; ++i) {
+        for (int32_t h = 0; h < s.n_head; ++h) {
+            out[i] += peak[h] > 0.0f ? s.head[i*s.n_head + h] / peak[h] : 0.0f;
+        }
+    }
+    return out;
+}
 
-const PolicyRegistration reg("h2o_headnorm", make_ranked<H2OHeadNormPolicy, half_recent>);
+const PolicyRegistration reg("h2o_headnorm", make_ranked<RankedBy<heads_over_their_peak>, half_recent>);
 
 } // namespace
 

@@ -8,22 +8,16 @@ namespace h2o {
 
 namespace {
 
-class H2OMaxHeadPolicy : public RankedPolicy {
-public:
-    using RankedPolicy::RankedPolicy;
-
-protected:
-    std::vector<float> rank(const SeqScores & s) const override {
-        std::vector<float> out(s.size());
-        for (size_t i = 0; i < out.size(); ++i) {
-            const float * h = s.head.data() + i*s.n_head;
-            out[i] = *std::max_element(h, h + s.n_head);
-        }
-        return out;
+std::vector<float> largest_head(const SeqScores & s) {
+    std::vector<float> out(s.size());
+    for (size_t i = 0; i < out.size(); ++i) {
+        const float * h = s.head.data() + i*s.n_head;
+        out[i] = *std::max_element(h, h + s.n_head);
     }
-};
+    return out;
+}
 
-const PolicyRegistration reg("h2o_maxhead", make_ranked<H2OMaxHeadPolicy, half_recent>);
+const PolicyRegistration reg("h2o_maxhead", make_ranked<RankedBy<largest_head>, half_recent>);
 
 } // namespace
 

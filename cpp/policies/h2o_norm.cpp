@@ -6,21 +6,15 @@ namespace h2o {
 
 namespace {
 
-class H2ONormPolicy : public RankedPolicy {
-public:
-    using RankedPolicy::RankedPolicy;
-
-protected:
-    std::vector<float> rank(const SeqScores & s) const override {
-        std::vector<float> out(s.size());
-        for (size_t i = 0; i < out.size(); ++i) {
-            out[i] = s.total[i] / (float) s.queries[i];
-        }
-        return out;
+std::vector<float> mean_per_query(const SeqScores & s) {
+    std::vector<float> out(s.size());
+    for (size_t i = 0; i < out.size(); ++i) {
+        out[i] = s.total[i] / (float) s.queries[i];
     }
-};
+    return out;
+}
 
-const PolicyRegistration reg("h2o_norm", make_ranked<H2ONormPolicy, half_recent>);
+const PolicyRegistration reg("h2o_norm", make_ranked<RankedBy<mean_per_query>, half_recent>);
 
 } // namespace
 
