@@ -64,7 +64,18 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["n_seen"]      = st.n_seen;
     d["n_evicted"]   = st.n_evicted;
     d["peak_cells"]  = st.peak_cells;
+    d["n_keep"]      = st.n_keep;
     return d;
+}
+
+py::bytes snapshot_bytes(const SeqSnapshot & s) {
+    const std::vector<uint8_t> b = snapshot_to_bytes(s);
+    return py::bytes((const char *) b.data(), b.size());
+}
+
+std::shared_ptr<SeqSnapshot> snapshot_of(const py::bytes & b) {
+    const std::string_view v = b;
+    return std::make_shared<SeqSnapshot>(snapshot_from_bytes((const uint8_t *) v.data(), v.size()));
 }
 
 const Model & model_of(const Model & m) { return m; }
@@ -115,12 +126,12 @@ PYBIND11_MODULE(_engine, m) {
     engine
         .def(py::init([](const std::string & model_path, const std::string & policy, int32_t budget, int32_t heavy,
                          int32_t recent, int32_t sinks, bool position_rolling, int32_t roll_interval, uint32_t n_ctx, uint32_t n_batch,
-                         uint32_t n_seq_max, bool kv_unified, int32_t n_threads, int32_t n_gpu_layers, bool scores_sum_rows,
+                         uint32_t n_seq_max, int32_t n_keep, bool kv_unified, int32_t n_threads, int32_t n_gpu_layers, bool scores_sum_rows,
                          bool export_scores, bool kv_f32, bool verbose) {
                  EngineParams p;
                  p.policy = policy_config(policy, budget, heavy, recent, sinks);
                  p.position_rolling = position_rolling; p.roll_interval = roll_interval; p.n_ctx = n_ctx; p.n_batch = n_batch;
-                 p.n_seq_max = n_seq_max; p.kv_unified = kv_unified; p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers;
+                 p.n_seq_max = n_seq_max; p.n_keep = n_keep; p.kv_unified = kv_unified; p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers;
                  p.scores_sum_rows = scores_sum_rows; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.verbose = verbose;
                  p.check_interrupt = [] {
                      py::gil_scoped_acquire gil;
@@ -134,7 +145,7 @@ PYBIND11_MODULE(_engine, m) {
              // every argument is required: the defaults live in EngineParams (C++) and in Llama (Python)
              py::arg("model_path"), py::kw_only(), py::arg("policy"), py::arg("budget"), py::arg("heavy"),
              py::arg("recent"), py::arg("sinks"), py::arg("position_rolling"), py::arg("roll_interval"), py::arg("n_ctx"),
-             py::arg("n_batch"), py::arg("n_seq_max"), py::arg("kv_unified"), py::arg("n_threads"), py::arg("n_gpu_layers"),
+             py::arg("n_batch"), py::arg("n_seq_max"), py::arg("n_keep"), py::arg("kv_unified"), py::arg("n_threads"), py::arg("n_gpu_layers"),
              py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("verbose"))
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
              py::call_guard<py::gil_scoped_release>(),
@@ -145,6 +156,7 @@ PYBIND11_MODULE(_engine, m) {
             e.set_policy(policy_config(name, budget, heavy, recent, sinks));
         }, py::arg("policy"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1,
            py::call_guard<py::gil_scoped_release>())
+        .def("set_keep", &Engine::set_keep, py::arg("seq_id"), py::arg("n_keep"), py::call_guard<py::gil_scoped_release>())
         .def("compress", &Engine::compress, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
         .def("snapshot", &Engine::snapshot, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
         .def("restore", &Engine::restore, py::arg("seq_id"), py::arg("snapshot"), py::call_guard<py::gil_scoped_release>())
@@ -183,7 +195,11 @@ PYBIND11_MODULE(_engine, m) {
 
     py::class_<SeqSnapshot, std::shared_ptr<SeqSnapshot>>(m, "SeqSnapshot")
         .def_property_readonly("nbytes", [](const SeqSnapshot & s) { return s.kv.size(); })
-        .def_property_readonly("n_cells", [](const SeqSnapshot & s) { return s.state.positions.size(); });
+        .def_property_readonly("n_cells", [](const SeqSnapshot & s) { return s.state.positions.size(); })
+        .def_property_readonly("origin", [](const SeqSnapshot & s) { return s.origin; })
+        .def("to_bytes", &snapshot_bytes)
+        .def_static("from_bytes", &snapshot_of, py::arg("data"))
+        .def(py::pickle(&snapshot_bytes, &snapshot_of));
 
     py::class_<Sampler>(m, "Sampler")
         .def(py::init([](int32_t n_vocab, float temperature, float top_p, int32_t top_k, float min_p, uint32_t seed,

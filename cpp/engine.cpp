@@ -29,18 +29,23 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
 
     // cells per stream: the budgets of all sequences + one batch (unified), or a budget + one batch per sequence
     const uint32_t n_stream   = params.kv_unified ? 1 : params.n_seq_max;
-    const uint32_t n_keep_max = policy_->bounded() ? params.n_seq_max/n_stream*policy_->split().total() : 0;
+    const uint32_t kept_per_stream = policy_->bounded() ? params.n_seq_max/n_stream*policy_->split().total() : 0;
     uint32_t n_ctx = params.n_ctx;
     if (n_ctx == 0) {
         const uint32_t n_ctx_train = (uint32_t) std::max(llama_model_n_ctx_train(model_->get()), 1);
         n_ctx = policy_->bounded() ? bounded_cells(params.n_seq_max, policy_->split().total(), params.n_batch, params.kv_unified)
                                    : n_stream*n_ctx_train;
     }
-    if (policy_->bounded() && n_ctx/n_stream <= n_keep_max) {
+    if (policy_->bounded() && n_ctx/n_stream <= kept_per_stream) {
         throw std::invalid_argument("n_ctx=" + std::to_string(n_ctx) + " leaves no room beside the budget (" +
-                                    std::to_string(n_keep_max) + " entries per stream): use n_ctx > budget * n_seq_max, or 0");
+                                    std::to_string(kept_per_stream) + " entries per stream): use n_ctx > budget * n_seq_max, or 0");
     }
     capacity_ = n_ctx;
+    if (policy_->bounded()) {
+        policy_->split().after_prefix(params.n_keep);
+    } else if (params.n_keep < 0) {
+        throw std::invalid_argument("keep must be >= 0 tokens");
+    }
 
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = n_ctx;
@@ -95,6 +100,7 @@ SeqCache & Engine::seq_cache(llama_seq_id seq) {
     auto it = seqs_.find(seq);
     if (it == seqs_.end()) {
         it = seqs_.emplace(seq, SeqCache(ctx_, seq, n_head_)).first;
+        it->second.set_keep(*policy_, params_.n_keep);
     }
     return it->second;
 }
@@ -208,7 +214,19 @@ void Engine::set_policy(const PolicyConfig & cfg) {
         throw std::invalid_argument("budget " + std::to_string(cfg.budget) + " leaves no room in the context's " +
                                     std::to_string(capacity_) + " cells");
     }
+    if (policy->bounded()) {
+        // protected prefixes, of the sequences held and of those to come, must still fit
+        policy->split().after_prefix(params_.n_keep);
+        for (const auto & kv : seqs_) {
+            policy->split().after_prefix(kv.second.state().n_keep);
+        }
+    }
     policy_ = std::move(policy);
+}
+
+void Engine::set_keep(llama_seq_id seq, int32_t n_keep) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    seq_cache(seq).set_keep(*policy_, n_keep);
 }
 
 void Engine::compress(llama_seq_id seq) {
@@ -253,11 +271,26 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
                                     " KV entries; only " + std::to_string(n_free) + " cells are free for sequence " +
                                     std::to_string(seq));
     }
+    if (policy_->bounded()) {
+        policy_->split().after_prefix(snap.state.n_keep); // its protected prefix must fit this budget
+    }
+    if (snap.state.scores.n_head != n_head_ || (!snap.logits.empty() && snap.logits.size() != (size_t) model_->n_vocab())) {
+        throw std::invalid_argument("the snapshot's scores or logits do not match this model");
+    }
     logits_all_.erase(seq);
     if (!sc.restore(snap.kv, snap.state)) {
         seqs_.erase(seq);
         last_logits_.erase(seq);
         throw std::runtime_error("cannot restore the snapshot: not enough free KV cells" + llama_error_suffix());
+    }
+    // what llama.cpp holds now must be what the snapshot's bookkeeping says (a file may have been tampered with)
+    llama_memory_t mem = llama_get_memory(ctx_);
+    const auto & pos = snap.state.positions;
+    const bool empty = llama_memory_seq_pos_max(mem, seq) < 0;
+    if (pos.empty() ? !empty : (empty || llama_memory_seq_pos_min(mem, seq) != pos.front() ||
+                                llama_memory_seq_pos_max(mem, seq) != pos.back())) {
+        reset_seq(seq);
+        throw std::invalid_argument("the snapshot's KV cells do not match its positions");
     }
     if (snap.logits.empty()) {
         last_logits_.erase(seq);

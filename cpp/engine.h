@@ -33,6 +33,7 @@ struct EngineParams {
     uint32_t n_ctx     = 0;          // KV cells; 0: budget + n_batch per sequence (bounded) or the trained context (full)
     uint32_t n_batch   = 512;        // tokens per llama_decode
     uint32_t n_seq_max = 1;
+    int32_t  n_keep    = 0;          // every sequence starts with its first n_keep tokens protected (see set_keep)
     bool     kv_unified = true;      // one cell space for all sequences; false: a stream of n_ctx / n_seq_max cells each
     int32_t  n_threads = 0;          // 0: llama.cpp's default
     int32_t  n_gpu_layers = 0;
@@ -67,6 +68,9 @@ public:
 
     // switch the policy for what follows (the engine keeps exporting scores if the new policy needs them)
     void set_policy(const PolicyConfig & cfg);
+    // never evict the n_keep oldest entries of seq (a system prompt, say; llama.cpp's --keep): they count inside the
+    // budget, and the policy decides over the rest; reset_seq / reset clear it
+    void set_keep(llama_seq_id seq, int32_t n_keep);
     // evict now what the current policy would not keep (after set_policy, say)
     void compress(llama_seq_id seq);
 

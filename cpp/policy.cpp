@@ -83,19 +83,35 @@ void replace_scores(SeqScores & scores, const ScoreUpdate & update) {
     accumulate_scores(scores, update);
 }
 
-std::vector<size_t> RankedPolicy::keep(const std::vector<llama_pos> & positions, const SeqScores & scores) const {
+BudgetSplit BudgetSplit::after_prefix(int32_t n_keep) const {
+    check_policy(n_keep >= 0 && n_keep < total(), "a protected prefix of " + std::to_string(n_keep) +
+                 " tokens does not fit in a budget of " + std::to_string(total()) + " (it must leave room for the newest token)");
+    BudgetSplit sp = *this;
+    int32_t rest = n_keep;
+    const int32_t from_sinks = std::min(sp.sinks, rest);
+    sp.sinks -= from_sinks;
+    rest -= from_sinks;
+    const int32_t from_heavy = std::min(sp.heavy, rest);
+    sp.heavy -= from_heavy;
+    rest -= from_heavy;
+    sp.recent -= rest;
+    return sp;
+}
+
+std::vector<size_t> RankedPolicy::keep(const std::vector<llama_pos> & positions, const SeqScores & scores,
+                                       const BudgetSplit & split) const {
     const size_t n = positions.size();
     std::vector<size_t> cand;
-    for (size_t i = split_.sinks; i < n - split_.recent; ++i) {
+    for (size_t i = split.sinks; i < n - split.recent; ++i) {
         cand.push_back(i);
     }
-    const size_t n_heavy = std::min<size_t>(split_.heavy, cand.size());
+    const size_t n_heavy = std::min<size_t>(split.heavy, cand.size());
     const std::vector<float> s = rank(scores);
     std::partial_sort(cand.begin(), cand.begin() + n_heavy, cand.end(), [&](size_t a, size_t b) {
         return s[a] > s[b] || (s[a] == s[b] && a < b);
     });
     cand.resize(n_heavy);
-    return sinks_middle_recent(n, split_.sinks, split_.recent, std::move(cand));
+    return sinks_middle_recent(n, split.sinks, split.recent, std::move(cand));
 }
 
 int32_t half_recent(int32_t rest) {

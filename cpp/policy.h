@@ -30,6 +30,9 @@ struct BudgetSplit {
     int32_t recent = 0;
 
     int32_t total() const { return sinks + heavy + recent; }
+    // the split of what follows a protected prefix of n_keep entries inside the same total: the prefix stands for
+    // the sinks first, then takes its room from the heavy part, then from the recent window
+    BudgetSplit after_prefix(int32_t n_keep) const;
 };
 
 // One sequence's scores, aligned with its kept positions (ascending). The engine appends an entry per fed token and
@@ -70,8 +73,10 @@ public:
     // probabilities added up, summed over heads in head order, no decay)
     virtual void observe(SeqScores & scores, const ScoreUpdate & update) const;
 
-    // indices into positions to keep, ascending; only called with more entries than split().total()
-    virtual std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores) const = 0;
+    // indices into positions to keep, ascending, following `split` (split(), or what a protected prefix leaves of
+    // it); only called with more entries than split.total()
+    virtual std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores,
+                                     const BudgetSplit & split) const = 0;
 };
 
 // The shape of every scoring policy: the first `sinks`, the `heavy` best-ranked of the rest, the `recent` newest.
@@ -85,7 +90,8 @@ public:
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
     // ties go to the older position
-    std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores) const override;
+    std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores,
+                             const BudgetSplit & split) const override;
 
 protected:
     // one number per entry, larger = more worth keeping; the default is the accumulated total

@@ -1,9 +1,111 @@
 #include "seq_cache.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 namespace h2o {
+
+namespace {
+
+constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '1'};
+
+struct ByteWriter {
+    std::vector<uint8_t> out;
+
+    void raw(const void * p, size_t n) {
+        const auto * b = (const uint8_t *) p;
+        out.insert(out.end(), b, b + n);
+    }
+    template <typename T> void value(T v) { raw(&v, sizeof(v)); }
+    template <typename T> void array(const std::vector<T> & v) {
+        value<uint64_t>(v.size());
+        raw(v.data(), v.size()*sizeof(T));
+    }
+};
+
+struct ByteReader {
+    const uint8_t * p;
+    size_t left;
+
+    void raw(void * dst, size_t n) {
+        if (n > left) {
+            throw std::invalid_argument("not a session snapshot: the data ends early");
+        }
+        memcpy(dst, p, n);
+        p += n;
+        left -= n;
+    }
+    template <typename T> T value() {
+        T v;
+        raw(&v, sizeof(v));
+        return v;
+    }
+    template <typename T> std::vector<T> array() {
+        const uint64_t n = value<uint64_t>();
+        if (n > left/sizeof(T)) {
+            throw std::invalid_argument("not a session snapshot: an array is longer than the data");
+        }
+        std::vector<T> v(n);
+        raw(v.data(), n*sizeof(T));
+        return v;
+    }
+};
+
+} // namespace
+
+std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
+    ByteWriter w;
+    w.raw(kSnapshotMagic, sizeof(kSnapshotMagic));
+    w.array(std::vector<char>(snap.origin.begin(), snap.origin.end()));
+    w.array(snap.kv);
+    const SeqState & st = snap.state;
+    w.array(st.positions);
+    w.value(st.scores.n_head);
+    w.array(st.scores.total);
+    w.array(st.scores.head);
+    w.array(st.scores.queries);
+    w.value(st.next_pos);
+    w.value(st.n_seen);
+    w.value(st.n_evicted);
+    w.value(st.peak_cells);
+    w.value(st.n_keep);
+    w.array(snap.logits);
+    return w.out;
+}
+
+SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
+    ByteReader r {data, size};
+    char magic[sizeof(kSnapshotMagic)] = {};
+    if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), memcmp(magic, kSnapshotMagic, sizeof(magic)) != 0)) {
+        throw std::invalid_argument("not a session snapshot (wrong magic)");
+    }
+    SeqSnapshot snap;
+    const std::vector<char> origin = r.array<char>();
+    snap.origin.assign(origin.begin(), origin.end());
+    snap.kv = r.array<uint8_t>();
+    SeqState & st = snap.state;
+    st.positions      = r.array<llama_pos>();
+    st.scores.n_head  = r.value<int32_t>();
+    st.scores.total   = r.array<float>();
+    st.scores.head    = r.array<float>();
+    st.scores.queries = r.array<int64_t>();
+    st.next_pos   = r.value<llama_pos>();
+    st.n_seen     = r.value<int64_t>();
+    st.n_evicted  = r.value<int64_t>();
+    st.peak_cells = r.value<int32_t>();
+    st.n_keep     = r.value<int32_t>();
+    snap.logits   = r.array<float>();
+    const size_t n = st.positions.size();
+    const bool ascending = std::adjacent_find(st.positions.begin(), st.positions.end(),
+                                              [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();
+    if (r.left != 0 || st.scores.n_head < 0 || st.scores.total.size() != n || st.scores.queries.size() != n ||
+        st.scores.head.size() != n*st.scores.n_head || !ascending || (n > 0 && (st.positions.front() < 0 ||
+        st.positions.back() >= st.next_pos)) || st.n_keep < 0 || st.n_seen < (int64_t) n || st.n_evicted < 0) {
+        throw std::invalid_argument("not a session snapshot: its parts do not agree");
+    }
+    return snap;
+}
 
 SeqCache::SeqCache(llama_context * ctx, llama_seq_id seq, int32_t n_head)
     : ctx_(ctx), mem_(llama_get_memory(ctx)), seq_(seq) {
@@ -44,7 +146,7 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
         return;
     }
 
-    const std::vector<size_t> keep = policy.keep(st_.positions, st_.scores);
+    const std::vector<size_t> keep = kept_indices(policy);
     std::vector<bool> kept(n, false);
     for (const size_t k : keep) {
         kept[k] = true;
@@ -92,6 +194,31 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     }
 }
 
+std::vector<size_t> SeqCache::kept_indices(const Policy & policy) const {
+    const size_t n_keep = std::min<size_t>(st_.n_keep, st_.positions.size());
+    if (n_keep == 0) {
+        return policy.keep(st_.positions, st_.scores, policy.split());
+    }
+    // the policy decides over the entries after the prefix, within what the prefix leaves of the budget
+    const SeqScores & s = st_.scores;
+    const size_t n_head = s.n_head;
+    std::vector<llama_pos> tail(st_.positions.begin() + n_keep, st_.positions.end());
+    SeqScores tail_scores;
+    tail_scores.n_head  = s.n_head;
+    tail_scores.total   .assign(s.total.begin() + n_keep, s.total.end());
+    tail_scores.head    .assign(s.head.begin() + n_keep*n_head, s.head.end());
+    tail_scores.queries .assign(s.queries.begin() + n_keep, s.queries.end());
+
+    std::vector<size_t> keep(n_keep);
+    for (size_t i = 0; i < n_keep; ++i) {
+        keep[i] = i;
+    }
+    for (const size_t k : policy.keep(tail, tail_scores, policy.split().after_prefix((int32_t) n_keep))) {
+        keep.push_back(n_keep + k);
+    }
+    return keep;
+}
+
 void SeqCache::roll_positions() {
     auto & p = st_.positions;
     const size_t n = p.size();
@@ -112,6 +239,14 @@ void SeqCache::roll_positions() {
         p[i] = (llama_pos) i;
     }
     st_.next_pos = (llama_pos) n;
+}
+
+void SeqCache::set_keep(const Policy & policy, int32_t n) {
+    check_policy(n >= 0, "keep must be >= 0 tokens, got " + std::to_string(n));
+    if (policy.bounded()) {
+        policy.split().after_prefix(n); // checks that it fits
+    }
+    st_.n_keep = n;
 }
 
 void SeqCache::drop_unfinished() {

@@ -19,6 +19,7 @@ struct SeqState {
     int64_t   n_seen     = 0;           // tokens fed
     int64_t   n_evicted  = 0;
     int32_t   peak_cells = 0;           // most entries held at once (between a decode and its eviction)
+    int32_t   n_keep     = 0;           // the oldest entries never evicted (a protected prefix, inside the budget)
 };
 
 // A sequence's cache and its bookkeeping, to branch several continuations from one prefix.
@@ -28,6 +29,11 @@ struct SeqSnapshot {
     SeqState             state;
     std::vector<float>   logits; // after the last token
 };
+
+// A snapshot as bytes (to save a session to disk), and back; from_bytes throws std::invalid_argument for anything
+// that is not a well-formed snapshot (restore() then checks that it matches the engine)
+std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap);
+SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size);
 
 class SeqCache {
 public:
@@ -52,7 +58,12 @@ public:
     // returns false (and leaves the sequence empty) when llama.cpp cannot place the cells
     bool restore(const std::vector<uint8_t> & kv, const SeqState & state);
 
+    // protect the n oldest entries from eviction (0: none); throws std::invalid_argument when they leave the
+    // policy no room for the newest token
+    void set_keep(const Policy & policy, int32_t n);
+
 private:
+    std::vector<size_t> kept_indices(const Policy & policy) const;
     void roll_positions();
 
     llama_context * ctx_;

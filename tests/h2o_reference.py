@@ -6,6 +6,8 @@ position and decides on its own what to keep:
   - new tokens start at their own column sum; an evicted token's score is dropped;
   - when more than sinks + heavy + recent positions are cached, keep the first `sinks`, the `recent` newest
     (the newest token included), and the `heavy` best-scored among the rest (ties: the older position).
+  - a protected prefix of `keep` positions (the oldest) is always kept and counts inside the budget: the rule then
+    runs on the positions after it, with the prefix's size taken from the sinks, then heavy, then recent.
 """
 from __future__ import annotations
 
@@ -13,9 +15,19 @@ import numpy as np
 
 
 class H2OReference:
-    def __init__(self, heavy: int, recent: int, sinks: int = 0):
-        self.heavy, self.recent, self.sinks = heavy, recent, sinks
+    def __init__(self, heavy: int, recent: int, sinks: int = 0, keep: int = 0):
+        self.heavy, self.recent, self.sinks, self.keep = heavy, recent, sinks, keep
         self.scores: dict[int, np.float32] = {}
+
+    def tail_split(self) -> tuple[int, int, int]:
+        """(sinks, heavy, recent) for the positions after the protected prefix."""
+        split, left = [self.sinks, self.heavy, self.recent], self.keep
+        for i in range(3):
+            taken = min(split[i], left)
+            split[i] -= taken
+            left -= taken
+        assert split[2] >= 1 and left == 0, "the prefix leaves no room for the newest token"
+        return split[0], split[1], split[2]
 
     def step(self, positions: np.ndarray, head_sums: np.ndarray) -> list[int]:
         """Fold one forward pass (positions cached now, their [n, n_head] column sums); return the kept positions."""
@@ -29,11 +41,13 @@ class H2OReference:
         order = sorted(self.scores)
         if len(order) <= self.sinks + self.heavy + self.recent:
             return order
-        sinks = order[: self.sinks]
-        recent = order[len(order) - self.recent :]
-        middle = order[self.sinks : len(order) - self.recent]
+        protected, order = order[: self.keep], order[self.keep :]
+        n_sinks, n_heavy, n_recent = self.tail_split()
+        sinks = order[:n_sinks]
+        recent = order[len(order) - n_recent :]
+        middle = order[n_sinks : len(order) - n_recent]
         ranked = sorted(middle, key=lambda p: (-float(self.scores[p]), p))
-        keep = sorted(sinks + ranked[: self.heavy] + recent)
+        keep = sorted(protected + sinks + ranked[:n_heavy] + recent)
         self.scores = {p: self.scores[p] for p in keep}
         return keep
 

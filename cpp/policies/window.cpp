@@ -14,8 +14,9 @@ public:
 
     std::string name() const override { return name_; }
     BudgetSplit split() const override { return {sinks_, 0, recent_}; }
-    std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores &) const override {
-        return sinks_middle_recent(positions.size(), sinks_, recent_, {});
+    std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores &,
+                             const BudgetSplit & split) const override {
+        return sinks_middle_recent(positions.size(), split.sinks, split.recent, {});
     }
 
 private:

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _engine, generation, sampling
+from .chat_template import ChatTemplate, Message, normalize_messages
 from .text import TextAssembler
 from .capacity import cells_needed, largest_batch
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
@@ -36,6 +37,7 @@ class KVState:
     peak_cells: int          # most entries held at once (right after a decode, before its eviction)
     kv_bytes: int            # bytes allocated for the whole context's KV cache
     kv_cells: int            # KV cells allocated (n_ctx)
+    n_keep: int = 0          # the oldest entries protected from eviction (`keep`)
 
     @property
     def n_cells(self) -> int:
@@ -73,6 +75,13 @@ class Llama:
         kv_f32: store K/V in F32 instead of F16 (twice the bytes; exact position rolling).
         export_scores: export attention scores even when the policy does not rank by them, so that `kv_state()`
             and `last_scores()` show what H2O would see (costs a few percent of speed).
+        keep: a protected prefix, never evicted whatever the policy decides (llama.cpp's `--keep`): an int keeps the
+            first N tokens of every sequence; "system" keeps the system message(s) a chat starts with (chat calls
+            only). The prefix counts inside the budget: the policy decides over the rest with budget - N entries
+            (taken from the sinks, then the heavy part, then the recent window), so memory stays at `budget`.
+            A prefix that leaves no room for the newest token raises ValueError.
+        chat_template: overrides the GGUF's chat template: Jinja source, or the name of a llama.cpp built-in
+            template ("chatml", "llama3", ...).
     """
 
     def __init__(
@@ -95,6 +104,8 @@ class Llama:
         seed: int = 0,
         kv_f32: bool = False,
         export_scores: bool = False,
+        keep: Union[int, str, None] = None,
+        chat_template: Optional[str] = None,
         verbose: bool = False,
         _scores_sum_rows: bool = False,
     ):
@@ -110,6 +121,11 @@ class Llama:
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
+        if keep is not None and keep != "system":
+            check_int("keep", keep, minimum=0)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a string (Jinja source or a built-in name), got {chat_template!r}")
+        self.keep: Union[int, str, None] = keep
 
         self._engine = _engine.Engine(
             self.model_path,
@@ -119,6 +135,7 @@ class Llama:
             n_ctx=int(n_ctx),
             n_batch=int(n_batch),
             n_seq_max=int(n_seq_max),
+            n_keep=keep if isinstance(keep, int) else 0,
             kv_unified=bool(kv_unified),
             n_threads=int(n_threads or 0),
             n_gpu_layers=int(n_gpu_layers),
@@ -142,6 +159,8 @@ class Llama:
         self._generation: Optional[object] = None  # the generation that owns the context now
         self._unfed: List[int] = []                # shown to the user, not yet fed: a continued session feeds it
         self._warned_past_context = False
+        self._chat_template_source = chat_template
+        self._chat_template: Optional[ChatTemplate] = None
 
     @classmethod
     def for_kv_limit(
@@ -302,7 +321,8 @@ class Llama:
         st = self._engine.state(self._check_seq(seq_id))
         return KVState(positions=st["positions"], scores=st["scores"], head_scores=st["head_scores"],
                        queries=st["queries"], n_evicted=st["n_evicted"], n_seen=st["n_seen"],
-                       peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx)
+                       peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx,
+                       n_keep=st["n_keep"])
 
     def set_policy(self, policy: Union[str, Policy], budget: Optional[int] = None, *, heavy: Optional[int] = None,
                    recent: Optional[int] = None, sinks: Optional[int] = None) -> None:
@@ -326,8 +346,16 @@ class Llama:
             self._engine.compress(seq_id)
 
     def save_state(self, seq_id: int = 0):
-        """A snapshot of one sequence: its KV cells, positions, scores, counters and last logits (in memory)."""
-        return self._engine.snapshot(self._check_seq(seq_id))
+        """A snapshot of one sequence: its KV cells, positions, scores, counters and last logits (in memory;
+        `.to_bytes()` / `SeqSnapshot.from_bytes()` for a file). The last token a generation showed but did not feed
+        is fed first, so the snapshot holds everything shown."""
+        seq_id = self._check_seq(seq_id)
+        with self._lock:
+            if seq_id == 0 and self._unfed:
+                pending = self._unfed
+                self._take_over()
+                self._engine.eval({0: pending}, False)
+            return self._engine.snapshot(seq_id)
 
     def load_state(self, state, seq_id: int = 0) -> None:
         """Put a `save_state` snapshot back into `seq_id` (replacing what it holds), to branch from a prefix.
@@ -346,6 +374,16 @@ class Llama:
         self._generation = owner = object()
         self._unfed = []
         return owner
+
+    def _set_keep(self, seq_id: int, n_keep: int) -> None:
+        if not self.policy.bounded:
+            return
+        try:
+            self._engine.set_keep(seq_id, int(n_keep))
+        except ValueError:
+            raise ValueError(f"the protected prefix ({n_keep} tokens, keep={self.keep!r}) does not fit in the budget "
+                             f"({self.budget} tokens) with room for the newest token: raise the budget, shorten the "
+                             f"system prompt, or use keep=None") from None
 
     def _check_context(self, seq_id: int = 0) -> None:
         """Warn once when positions pass the trained context without position rolling (the output degrades)."""
@@ -381,8 +419,10 @@ class Llama:
         return params.sampler(self.n_vocab(), seed, self.eog_tokens() if params.ignore_eos else ())
 
     def _generate_one(self, prompt_tokens: List[int], params: SamplingParams, *, reset: bool,
-                      want_logits: bool = False, prompt_logits: bool = False) -> Iterator[generation.Event]:
-        """One sequence (seq 0): feed the prompt, then the generation loop as a batch of one."""
+                      want_logits: bool = False, prompt_logits: bool = False,
+                      n_keep: Optional[int] = None) -> Iterator[generation.Event]:
+        """One sequence (seq 0): feed the prompt, then the generation loop as a batch of one. `n_keep`: the
+        protected prefix of a new session (None: the Llama's `keep`)."""
         if not prompt_tokens and reset:
             raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
         sampler = self._sampler(params)
@@ -393,6 +433,8 @@ class Llama:
             owner = self._take_over()
             if reset:
                 self._engine.reset()
+                if n_keep is not None:
+                    self._set_keep(0, n_keep)
             if feed:
                 self._engine.eval({0: feed}, prompt_logits)
             self._check_context()
@@ -438,12 +480,16 @@ class Llama:
             return "".join(e.text for e in events)
 
     def generate_events(self, prompt: Prompt, *, reset: bool = True, add_bos: Optional[bool] = None,
-                        sampling: Optional[SamplingParams] = None, **params: Any) -> Iterator[generation.Event]:
+                        keep: Optional[int] = None, sampling: Optional[SamplingParams] = None,
+                        **params: Any) -> Iterator[generation.Event]:
         """Like `generate(..., stream=True)`, one `generation.Event` per generated token (`token`, `text`) and a
         last one with the `finish_reason` ("stop" or "length"); `last_eog_token` then holds the end-of-generation
-        token sampled, if any (not fed: a session that goes on should feed it first)."""
+        token sampled, if any (not fed: a session that goes on should feed it first). `keep`: with `reset`, the
+        protected prefix of the new session in tokens (default: the Llama's `keep`)."""
         p = self._params(_GENERATE, sampling, params)
-        return self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset)
+        if keep is not None:
+            check_int("keep", keep, minimum=0)
+        return self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset, n_keep=keep)
 
     def create_completion(self, prompt: Prompt, *, stream: bool = False, echo: bool = False,
                           logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
@@ -585,8 +631,8 @@ class Llama:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
         as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`)."""
         p = self._params(_CHAT, sampling, params)
-        tokens = self.tokenize(self.apply_chat_template(messages), add_bos=self.info.add_bos, special=True)
-        events = self._generate_one(tokens, p, reset=True)
+        tokens, n_keep = self.chat_tokens(messages)
+        events = self._generate_one(tokens, p, reset=True, n_keep=n_keep)
         meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": self.model_path}
         if stream:
             return self._chat_chunks(events, meta)
@@ -613,14 +659,45 @@ class Llama:
             if e.token is None:
                 yield {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": e.finish_reason}]}
 
-    def apply_chat_template(self, messages: Sequence[Dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of `messages` ([{"role": ..., "content": ...}])."""
-        pairs = []
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError("each message needs a 'role' and a 'content'")
-            pairs.append((str(m["role"]), str(m["content"])))
-        return self._engine.apply_chat_template(pairs, add_generation_prompt)
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The chat template in use: `chat_template=` as given, else the GGUF's (see `h2o_local.chat_template`)."""
+        if self._chat_template is None:
+            special = lambda t: self._engine.token_to_piece(t, True).decode("utf-8", errors="replace") if t >= 0 else ""
+            self._chat_template = ChatTemplate(
+                self._chat_template_source or self.info.chat_template, bos_token=special(self.info.token_bos),
+                eos_token=special(self.info.token_eos),
+                builtin=lambda pairs, agp, source: self._engine.apply_chat_template(pairs, agp, source))
+        return self._chat_template
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt text the chat template makes of OpenAI-style `messages` ([{"role": ..., "content": ...}];
+        content may be a string, a list of text parts or None)."""
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def chat_tokens(self, messages: Sequence[Message]) -> Tuple[List[int], Optional[int]]:
+        """The prompt tokens of a chat, and its protected prefix with `keep="system"` (the tokens of the leading
+        system messages; None with another `keep`, which then applies as set)."""
+        tokens = self._template_tokens(self.apply_chat_template(messages))
+        if self.keep != "system":
+            return tokens, None
+        msgs = normalize_messages(messages)
+        n_system = 0
+        while n_system < len(msgs) and msgs[n_system]["role"] in ("system", "developer"):
+            n_system += 1
+        if n_system == 0:
+            return tokens, 0
+        prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False))
+        n = 0
+        while n < min(len(prefix), len(tokens)) and prefix[n] == tokens[n]:
+            n += 1
+        return tokens, n
+
+    def _template_tokens(self, text: str) -> List[int]:
+        # a template that writes the BOS itself (llama 3, say) must not get a second one from the tokenizer
+        bos = self.chat_template.bos_token
+        add_bos = self.info.add_bos and not (bos and text.startswith(bos))
+        return self.tokenize(text, add_bos=add_bos, special=True)
 
 
 _GENERATE, _COMPLETION, _CHAT = sampling.GENERATE, sampling.COMPLETION, sampling.CHAT

@@ -1,0 +1,125 @@
+"""Chat templates: the prompt text a model expects for a list of OpenAI-style messages.
+
+The GGUF's own Jinja template (`tokenizer.chat_template`) is rendered with jinja2 in a sandbox, as llama-cpp-python
+and Hugging Face do; when jinja2 cannot render it, llama.cpp's built-in templates (which recognise the common
+families from the template text) are the fallback. A template given by the user is either Jinja source or the name
+of one of llama.cpp's built-in templates ("chatml", "llama3", "gemma", ...).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import jinja2
+import jinja2.sandbox
+
+Message = Dict[str, Any]
+
+
+def normalize_messages(messages: Sequence[Message]) -> List[Message]:
+    """OpenAI message forms as templates expect them: content as one string (a list of text parts is joined, None
+    is empty), role a string, `name` and other fields kept. Raises ValueError / TypeError on a malformed message."""
+    if isinstance(messages, (str, bytes)) or not hasattr(messages, "__iter__"):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"message {i} needs a 'role' (a non-empty string)")
+        if "content" not in m:
+            raise ValueError(f"message {i} needs a 'content' (a string, a list of text parts, or None)")
+        out.append({**m, "content": _content_text(m["content"], i)})
+    return out
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"message {i}: only text content parts are supported, got {kind!r}")
+        return "".join(texts)
+    raise TypeError(f"message {i}: content must be a string, a list of text parts or None, "
+                    f"got {type(content).__name__}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """One model's chat template.
+
+    source: Jinja source, the name of a llama.cpp built-in template, or None (the model has none).
+    builtin: renders with llama.cpp's built-in templates: builtin(pairs, add_generation_prompt, name_or_source).
+    """
+
+    def __init__(self, source: Optional[str], *, bos_token: str = "", eos_token: str = "",
+                 builtin: Optional[Callable[[List[tuple], bool, str], str]] = None):
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._builtin = builtin
+        self._jinja: Optional[jinja2.Template] = None
+        self.jinja_error: Optional[str] = None  # why the Jinja template cannot be used (then the built-in is)
+        if source is not None and _looks_like_jinja(source):
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                               loader=jinja2.BaseLoader())
+            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+            try:
+                self._jinja = env.from_string(source)
+            except jinja2.TemplateError as e:
+                self.jinja_error = f"{type(e).__name__}: {e}"
+
+    @property
+    def is_jinja(self) -> bool:
+        return self._jinja is not None
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` (normalised first), ending with the assistant's turn opened when
+        `add_generation_prompt`. Raises ValueError when there is no template, or neither renderer accepts it."""
+        msgs = normalize_messages(messages)
+        if self.source is None:
+            raise ValueError("this model has no chat template: give one (chat_template='chatml', a built-in name, "
+                             "or Jinja source) or use create_completion with your own prompt")
+        if self._jinja is not None:
+            try:
+                return self._jinja.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                          bos_token=self.bos_token, eos_token=self.eos_token)
+            except jinja2.TemplateError as e:
+                if _is_raised_by_template(e):
+                    raise ValueError(f"the chat template refused these messages: {e}") from None
+                self.jinja_error = f"{type(e).__name__}: {e}"
+            except Exception as e:  # a template's own bug (a filter on None, say): the built-in may still know it
+                self.jinja_error = f"{type(e).__name__}: {e}"
+        if self._builtin is None:
+            raise ValueError(f"cannot render the chat template ({self.jinja_error})")
+        pairs = [(m["role"], m["content"]) for m in msgs]
+        try:
+            return self._builtin(pairs, add_generation_prompt, self.source)
+        except ValueError as e:
+            reason = f" (Jinja: {self.jinja_error})" if self.jinja_error else ""
+            raise ValueError(f"cannot render the chat template: {e}{reason}") from None
+
+
+def _looks_like_jinja(source: str) -> bool:
+    return "{%" in source or "{{" in source
+
+
+def _is_raised_by_template(e: Exception) -> bool:
+    # raise_exception(...) in a template is its way of rejecting input (say, roles that do not alternate)
+    return type(e) is jinja2.exceptions.TemplateError

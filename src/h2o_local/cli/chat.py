@@ -1,0 +1,126 @@
+"""h2o-local chat: chat in the terminal with a bounded KV cache that is kept across turns.
+
+Each turn feeds only the new message (the history stays in the cache, compressed by the policy); the system prompt
+is protected from eviction by default (--keep system). Ctrl-C stops the current answer and keeps the session;
+Ctrl-C at the prompt twice, Ctrl-D or /quit leaves.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..chat_session import ChatSession
+from .common import add_model_args, load_llama
+
+HELP = """commands:
+  /reset        forget the conversation (the system prompt stays)
+  /stats        the cache and the last answer
+  /save FILE    write the conversation and its KV cache to FILE
+  /load FILE    continue a conversation saved with /save (same model and cache settings)
+  /help         this text
+  /quit         leave (also Ctrl-D, or Ctrl-C twice)"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="h2o-local chat", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", help="system prompt (default: the chat template's, if any)")
+    ap.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most (default: 512)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
+    add_model_args(ap, budget=512, keep_default="system")
+    args = ap.parse_args(argv)
+    llm = load_llama(ap, args)
+    try:
+        session = ChatSession(llm, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, ignore_eos=args.ignore_eos)
+        llm.chat_template.render([{"role": "user", "content": "hi"}])  # a model without a template: say so now
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+    _setup_readline()
+    budget = "full cache" if llm.budget is None else f"budget {llm.budget} tokens"
+    print(f"h2o_local chat: {llm.policy.label}, {budget}, keep={args.keep}. /help for commands, Ctrl-D to quit.",
+          file=sys.stderr)
+    interrupted = False
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            if interrupted:
+                print(file=sys.stderr)
+                return 0
+            interrupted = True
+            print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
+            continue
+        interrupted = False
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            if _command(session, text) == "quit":
+                return 0
+            continue
+        _answer(session, line)
+
+
+def _answer(session: ChatSession, line: str) -> None:
+    pieces = session.send(line)
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        note = ""
+    except KeyboardInterrupt:
+        note = " · stopped"
+    except (ValueError, RuntimeError) as e:
+        note = ""
+        print(f"\nerror: {e}", file=sys.stderr)
+    finally:
+        pieces.close()
+    print()
+    s = session.stats()
+    budget = "" if s["budget"] is None else f"/{s['budget']}"
+    print(f"[kv {s['kv_entries']}{budget} · evicted {s['evicted']} · {s['completion_tokens']} tokens, "
+          f"{s['tokens_per_second']} tok/s · prompt {s['prompt_tokens']} fed, {s['reused_tokens']} reused{note}]",
+          file=sys.stderr)
+
+
+def _command(session: ChatSession, text: str) -> str:
+    name, _, arg = text.partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/quit", "/exit", "/bye"):
+            return "quit"
+        if name == "/help":
+            print(HELP, file=sys.stderr)
+        elif name == "/reset":
+            session.reset()
+            print("(conversation forgotten)", file=sys.stderr)
+        elif name == "/stats":
+            for key, value in session.stats().items():
+                print(f"  {key}: {value}", file=sys.stderr)
+        elif name in ("/save", "/load"):
+            if not arg:
+                print(f"usage: {name} FILE", file=sys.stderr)
+            elif name == "/save":
+                print(f"(saved {session.save(arg)} bytes to {arg})", file=sys.stderr)
+            else:
+                session.load(arg)
+                print(f"(loaded {arg}: {len(session.messages)} messages, {session.stats()['kv_entries']} KV entries)",
+                      file=sys.stderr)
+        else:
+            print(f"unknown command {name}: /help lists them", file=sys.stderr)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+    return ""
+
+
+def _setup_readline() -> None:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass

