@@ -186,6 +186,7 @@ PYBIND11_MODULE(_engine, m) {
         }, py::arg("seq_id") = 0, "llama.cpp's own (min, max) position of seq_id; (-1, -1) when empty")
         .def_property_readonly("n_ctx", &Engine::n_ctx)
         .def_property_readonly("capacity", &Engine::capacity)
+        .def_property_readonly("stream_capacity", &Engine::stream_capacity)
         .def_property_readonly("n_batch", &Engine::n_batch)
         .def_property_readonly("kv_bytes", [](const Engine & e) { return without_gil([&] { return e.kv_bytes(); }); })
         .def_property_readonly("cells_used", [](const Engine & e) { return without_gil([&] { return e.cells_used(); }); })
@@ -197,6 +198,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("nbytes", [](const SeqSnapshot & s) { return s.kv.size(); })
         .def_property_readonly("n_cells", [](const SeqSnapshot & s) { return s.state.positions.size(); })
         .def_property_readonly("origin", [](const SeqSnapshot & s) { return s.origin; })
+        .def_readwrite("pending", &SeqSnapshot::pending)
         .def("to_bytes", &snapshot_bytes)
         .def_static("from_bytes", &snapshot_of, py::arg("data"))
         .def(py::pickle(&snapshot_bytes, &snapshot_of));

@@ -71,6 +71,7 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.value(st.peak_cells);
     w.value(st.n_keep);
     w.array(snap.logits);
+    w.array(snap.pending);
     return w.out;
 }
 
@@ -96,6 +97,7 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     st.peak_cells = r.value<int32_t>();
     st.n_keep     = r.value<int32_t>();
     snap.logits   = r.array<float>();
+    snap.pending  = r.array<llama_token>();
     const size_t n = st.positions.size();
     const bool ascending = std::adjacent_find(st.positions.begin(), st.positions.end(),
                                               [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();

@@ -28,6 +28,7 @@ struct SeqSnapshot {
     std::vector<uint8_t> kv;     // llama_state_seq_get_data
     SeqState             state;
     std::vector<float>   logits; // after the last token
+    std::vector<llama_token> pending; // shown to the user but not fed yet (fed first when the session goes on)
 };
 
 // A snapshot as bytes (to save a session to disk), and back; from_bytes throws std::invalid_argument for anything

@@ -40,23 +40,45 @@ class Event:
     logits: Optional[np.ndarray] = None   # the logits the token was drawn from (only when asked)
 
 
-def run(engine, runs: List[SeqRun], *, unbounded: bool, want_logits: bool = False,
-        free_finished: bool = False) -> Iterator[Event]:
-    """Generate for `runs` (their prompts already fed) until each ends; yields Events in step order.
+class Batch:
+    """Sequences generated together. A step is `sample()` (a token, or the end, for every live sequence: the events
+    to show) then `feed()` (the new tokens in one `eval`). Sequences join (`add`, their prompts already fed) and
+    leave (`cancel`) between steps.
 
-    unbounded: the cache never evicts (policy full), so the loop stops every sequence with "length" when the next
-    step would not fit. free_finished: remove a finished sequence's cache at once (batches).
+    unbounded: the cache never evicts (policy full), so a step stops every sequence with "length" when it would
+    not fit. free_finished: remove a finished sequence's cache at once (batches).
     """
-    live: Dict[int, SeqRun] = {}
-    for r in runs:
+
+    def __init__(self, engine, *, unbounded: bool, want_logits: bool = False, free_finished: bool = False):
+        self.engine = engine
+        self.unbounded = unbounded
+        self.want_logits = want_logits
+        self.free_finished = free_finished
+        self.live: Dict[int, SeqRun] = {}
+        self._feed: Dict[int, List[int]] = {}
+        self._finished: List[int] = []  # freed at the next call, after the caller has seen their last event
+
+    def add(self, r: SeqRun) -> List[Event]:
+        """A sequence whose prompt is fed joins; returns its end at once when it may generate nothing."""
         if r.max_tokens == 0:
-            yield from _finish(engine, r, "length", free_finished)
-        else:
-            live[r.seq_id] = r
-    while live:
-        step: Dict[int, List[int]] = {}
-        for seq_id, r in list(live.items()):
-            logits = engine.last_logits(seq_id) if want_logits else None
+            return self._finish(r, "length")
+        self.live[r.seq_id] = r
+        return []
+
+    def cancel(self, seq_id: int) -> None:
+        """The sequence leaves now, with no event (a client that went away)."""
+        r = self.live.pop(seq_id, None)
+        self._feed.pop(seq_id, None)
+        if r is not None and self.free_finished:
+            self.engine.reset_seq(r.seq_id)
+
+    def sample(self) -> List[Event]:
+        """One token for every live sequence (or its end)."""
+        self.release()
+        engine, out = self.engine, []
+        feed = self._feed
+        for seq_id, r in list(self.live.items()):
+            logits = engine.last_logits(seq_id) if self.want_logits else None
             token = engine.sample(seq_id, r.sampler)
             finish = None
             if engine.is_eog(token):
@@ -66,30 +88,55 @@ def run(engine, runs: List[SeqRun], *, unbounded: bool, want_logits: bool = Fals
                 r.n_generated += 1
                 r.tokens.append(token)
                 r.unfed = token
-                yield Event(r.index, token, r.text.push(engine.token_to_piece(token, False)), None, logits)
+                out.append(Event(r.index, token, r.text.push(engine.token_to_piece(token, False)), None, logits))
                 if r.text.stopped:
                     finish = "stop"
                 elif r.max_tokens is not None and r.n_generated >= r.max_tokens:
                     finish = "length"
                 else:
-                    step[seq_id] = [token]
+                    feed[seq_id] = [token]
             if finish is not None:
-                del live[seq_id]
-                yield from _finish(engine, r, finish, free_finished)
-        if not step:
-            continue
-        if unbounded and engine.cells_used + len(step) > engine.capacity:
+                del self.live[seq_id]
+                out += self._finish(r, finish)
+        return out
+
+    def feed(self) -> List[Event]:
+        """Feed the tokens the last `sample()` drew; returns the ends of sequences that no longer fit."""
+        self.release()
+        feed, self._feed, out = self._feed, {}, []
+        if not feed:
+            return out
+        if self.unbounded and self.engine.cells_used + len(feed) > self.engine.capacity:
             # the context is full and never evicts: stop like llama-cpp-python does
-            for seq_id in list(live):
-                yield from _finish(engine, live.pop(seq_id), "length", free_finished)
-            break
-        engine.eval(step, False)
-        for seq_id in step:
-            live[seq_id].unfed = None
+            for seq_id in list(self.live):
+                out += self._finish(self.live.pop(seq_id), "length")
+            return out
+        self.engine.eval(feed, False)
+        for seq_id in feed:
+            self.live[seq_id].unfed = None
+        return out
+
+    def _finish(self, r: SeqRun, reason: str) -> List[Event]:
+        r.finish_reason = reason
+        if self.free_finished:
+            self._finished.append(r.seq_id)
+        return [Event(r.index, None, r.text.flush(), reason)]
+
+    def release(self) -> None:
+        """Free the caches of the sequences that finished (with free_finished)."""
+        for seq_id in self._finished:
+            if seq_id not in self.live:
+                self.engine.reset_seq(seq_id)
+        self._finished = []
 
 
-def _finish(engine, r: SeqRun, reason: str, free: bool) -> Iterator[Event]:
-    r.finish_reason = reason
-    yield Event(r.index, None, r.text.flush(), reason)
-    if free:
-        engine.reset_seq(r.seq_id)
+def run(engine, runs: List[SeqRun], *, unbounded: bool, want_logits: bool = False,
+        free_finished: bool = False) -> Iterator[Event]:
+    """Generate for `runs` (their prompts already fed) until each ends; yields Events in step order."""
+    batch = Batch(engine, unbounded=unbounded, want_logits=want_logits, free_finished=free_finished)
+    for r in runs:
+        yield from batch.add(r)
+    while batch.live:
+        yield from batch.sample()
+        yield from batch.feed()
+    batch.release()

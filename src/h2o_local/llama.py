@@ -347,15 +347,14 @@ class Llama:
 
     def save_state(self, seq_id: int = 0):
         """A snapshot of one sequence: its KV cells, positions, scores, counters and last logits (in memory;
-        `.to_bytes()` / `SeqSnapshot.from_bytes()` for a file). The last token a generation showed but did not feed
-        is fed first, so the snapshot holds everything shown."""
+        `.to_bytes()` / `SeqSnapshot.from_bytes()` for a file), and the token the last generation showed but did
+        not feed (fed first when the restored session goes on)."""
         seq_id = self._check_seq(seq_id)
         with self._lock:
-            if seq_id == 0 and self._unfed:
-                pending = self._unfed
-                self._take_over()
-                self._engine.eval({0: pending}, False)
-            return self._engine.snapshot(seq_id)
+            snap = self._engine.snapshot(seq_id)
+            if seq_id == 0:
+                snap.pending = list(self._unfed)
+            return snap
 
     def load_state(self, state, seq_id: int = 0) -> None:
         """Put a `save_state` snapshot back into `seq_id` (replacing what it holds), to branch from a prefix.
@@ -368,6 +367,8 @@ class Llama:
         with self._lock:
             self._take_over()
             self._engine.restore(seq_id, state)
+            if seq_id == 0:
+                self._unfed = list(state.pending)
 
     def _take_over(self) -> Optional[object]:
         """A call that changes the cache: a suspended generation may not go on after it. Returns the new owner."""

@@ -1,0 +1,262 @@
+"""The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+Every request becomes a `Job` for the `Scheduler`, which decodes all running requests together. Errors are
+OpenAI-shaped JSON ({"error": {"message", "type", "param", "code"}}) with 4xx codes: 400 for a request that is
+malformed or does not fit, 413 for an oversized body, 429 when every slot is busy and the waiting line is full.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Dict, List, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import generation
+from ..llama import Llama
+from ..sampling import CHAT, COMPLETION, SamplingParams
+from .scheduler import Busy, Job, Scheduler
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    stop: Union[str, List[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[Dict[str, Any]] = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, List[str], List[int]]
+    echo: bool = False
+
+
+class ChatCompletionRequest(_Request):
+    messages: List[Dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+           code: Optional[str] = None, headers: Optional[Dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status,
+                        headers=headers)
+
+
+def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int = 16,
+               session_bytes: int = 256 * 2**20, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    """The app serving `llm` (which it owns: one request thread decodes for all). `model_id` is the name
+    /v1/models shows (default: the file name)."""
+    import os
+
+    model_id = model_id or os.path.basename(llm.model_path)
+    scheduler = Scheduler(llm, max_waiting=max_waiting, session_bytes=session_bytes)
+    app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache")
+    app.state.scheduler = scheduler
+    app.state.llm = llm
+
+    @app.on_event("shutdown")
+    def _shutdown() -> None:
+        scheduler.close()
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return _error(413, f"the request body is larger than {max_body_bytes} bytes", code="body_too_large")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), kind="invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError):
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return _error(exc.status, exc.message, exc.kind, exc.param, exc.code, headers)
+
+    @app.get("/health")
+    async def health() -> Dict[str, Any]:
+        return {"status": "ok", **scheduler.stats()}
+
+    @app.get("/v1/models")
+    async def models() -> Dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
+                                            "owned_by": "h2o_local", "policy": llm.policy.label}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (n=1)", param="prompt")
+            prompt = prompt[0]
+        try:
+            if isinstance(prompt, str):
+                tokens, text = llm.tokenize(prompt, add_bos=llm.info.add_bos), prompt
+            else:
+                tokens, text = [int(t) for t in prompt], None
+                if any(not 0 <= t < llm.n_vocab() for t in tokens):
+                    raise ValueError(f"token ids must be in [0, {llm.n_vocab()})")
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="prompt") from None
+        params = _sampling(COMPLETION, body, body.max_tokens)
+        job = await _submit(Job(tokens, params, prompt_text=text))
+        meta = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
+                "model": model_id}
+        echo = text if body.echo and text is not None else ""
+        if body.stream:
+            return EventSourceResponse(_completion_stream(job, meta, echo, _include_usage(body)), ping=15)
+        pieces, n, finish = await _collect(job, request)
+        return {**meta, "choices": [{"text": echo + "".join(pieces), "index": 0, "logprobs": None,
+                                     "finish_reason": finish}], "usage": _usage(job, n)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        try:
+            text = llm.apply_chat_template(body.messages)
+            tokens, n_keep = llm.chat_tokens(body.messages)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="messages") from None
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _sampling(CHAT, body, limit)
+        job = await _submit(Job(tokens, params, prompt_text=text, n_keep=n_keep))
+        meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": model_id}
+        if body.stream:
+            return EventSourceResponse(_chat_stream(job, meta, _include_usage(body)), ping=15)
+        pieces, n, finish = await _collect(job, request)
+        return {**meta, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
+                             "logprobs": None, "finish_reason": finish}], "usage": _usage(job, n)}
+
+    def _sampling(defaults: SamplingParams, body: _Request, max_tokens: Optional[int]) -> SamplingParams:
+        changes = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
+                   if getattr(body, k) is not None}
+        if body.stop is not None:
+            changes["stop"] = body.stop
+        if max_tokens is not None:
+            changes["max_tokens"] = max_tokens
+        elif defaults.max_tokens is None and not llm.policy.bounded:
+            changes["max_tokens"] = None  # the full cache stops at the end of the context
+        try:
+            return defaults.replace(**changes)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e)) from None
+
+    async def _submit(job: Job) -> Job:
+        if not llm.policy.bounded and len(job.prompt_tokens) >= llm._engine.stream_capacity:
+            raise APIError(400, f"the prompt ({len(job.prompt_tokens)} tokens) does not fit in the context "
+                                f"({llm._engine.stream_capacity} tokens per slot)", param="messages",
+                           code="context_length_exceeded")
+        job.loop = asyncio.get_running_loop()
+        job.queue = asyncio.Queue()
+        try:
+            scheduler.submit(job)
+        except Busy as e:
+            raise APIError(429, str(e), kind="rate_limit_error", code="slots_busy") from None
+        first = await job.queue.get()  # the prompt is in (or it failed): only now does the response start
+        if isinstance(first, BaseException):
+            raise APIError(400, str(first)) if isinstance(first, ValueError) else APIError(500, str(first), "server_error")
+        job.reused_tokens = first[1]
+        return job
+
+    async def _events(job: Job) -> AsyncIterator[generation.Event]:
+        try:
+            while True:
+                item = await job.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.token is None:
+                    return
+        finally:
+            scheduler.cancel(job)  # a client that went away frees its slot at the next step
+
+    async def _collect(job: Job, request: Request):
+        pieces, n, finish = [], 0, None
+        events = _events(job)
+        watcher = asyncio.ensure_future(_disconnected(request, job))
+        try:
+            async for e in events:
+                pieces.append(e.text)
+                n += e.token is not None
+                finish = e.finish_reason
+        except RuntimeError as e:
+            raise APIError(500, str(e), "server_error") from None
+        finally:
+            watcher.cancel()
+            await events.aclose()
+        return pieces, n, finish
+
+    async def _disconnected(request: Request, job: Job) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.5)
+        scheduler.cancel(job)
+
+    async def _completion_stream(job: Job, meta: Dict[str, Any], echo: str, usage: bool):
+        n = 0
+        if echo:
+            yield json.dumps({**meta, "choices": [{"text": echo, "index": 0, "logprobs": None, "finish_reason": None}]})
+        async for e in _events(job):
+            n += e.token is not None
+            yield json.dumps({**meta, "choices": [{"text": e.text, "index": 0, "logprobs": None,
+                                                   "finish_reason": e.finish_reason}]})
+        if usage:
+            yield json.dumps({**meta, "choices": [], "usage": _usage(job, n)})
+        yield "[DONE]"
+
+    async def _chat_stream(job: Job, meta: Dict[str, Any], usage: bool):
+        base = {**meta, "object": "chat.completion.chunk"}
+        yield json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]})
+        n = 0
+        async for e in _events(job):
+            n += e.token is not None
+            if e.text:
+                yield json.dumps({**base, "choices": [{"index": 0, "delta": {"content": e.text}, "logprobs": None,
+                                                       "finish_reason": None}]})
+            if e.token is None:
+                yield json.dumps({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                       "finish_reason": e.finish_reason}]})
+        if usage:
+            yield json.dumps({**base, "choices": [], "usage": _usage(job, n)})
+        yield "[DONE]"
+
+    return app
+
+
+def _include_usage(body: _Request) -> bool:
+    return bool(body.stream_options and body.stream_options.get("include_usage"))
+
+
+def _usage(job: Job, n_completion: int) -> Dict[str, Any]:
+    n_prompt = len(job.prompt_tokens)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion,
+            "prompt_tokens_details": {"cached_tokens": job.reused_tokens}}

@@ -1,0 +1,239 @@
+"""Many requests decoded together: a slot (sequence) per request, one `llama_decode` per step for all of them.
+
+One thread owns the `Llama`. Each step it admits waiting requests into free slots (restoring a saved session when
+a request continues one, then feeding the new prompt tokens), draws one token for every live slot, hands the
+events to the requests' asyncio queues, and feeds the new tokens in one batch. Requests join and leave between
+steps; a request whose client went away is cancelled and its slot freed at the next step.
+
+Sessions: when a request ends, its slot's cache is saved (a snapshot in host memory) under the text it holds (the
+prompt and what was generated). A later request whose prompt text starts with that text restores it and feeds
+only the rest: a chat front end that resends the whole history continues its compressed cache. Snapshots live in
+an LRU bounded in bytes.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+from .. import generation
+from ..llama import Llama
+from ..sampling import SamplingParams
+from ..text import TextAssembler
+
+
+class Busy(Exception):
+    """Every slot is taken and the waiting line is full."""
+
+
+@dataclass
+class Job:
+    """One request: its prompt, how to sample, and where its events go."""
+
+    prompt_tokens: List[int]
+    params: SamplingParams
+    prompt_text: Optional[str] = None   # for sessions: the text the prompt tokens are
+    n_keep: Optional[int] = None        # the protected prefix (None: the Llama's keep)
+    loop: Optional[asyncio.AbstractEventLoop] = None
+    queue: Optional["asyncio.Queue[Any]"] = None
+    cancelled: bool = False
+    reused_tokens: int = 0              # prompt tokens found in a saved session
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def put(self, item: Any) -> None:
+        if self.loop is not None and self.queue is not None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Session:
+    text: str        # the text the cache holds
+    snapshot: Any    # SeqSnapshot
+    nbytes: int
+
+
+class SessionCache:
+    """Saved slot caches keyed by the text they hold, least recently used first out, within `limit_bytes`."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = int(limit_bytes)
+        self._items: "collections.OrderedDict[str, _Session]" = collections.OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def put(self, text: str, snapshot: Any) -> None:
+        nbytes = int(snapshot.nbytes)
+        if nbytes > self.limit_bytes or not text:
+            return
+        self.pop(text)
+        self._items[text] = _Session(text, snapshot, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.limit_bytes:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+    def pop(self, text: str) -> Optional[_Session]:
+        s = self._items.pop(text, None)
+        if s is not None:
+            self.nbytes -= s.nbytes
+        return s
+
+    def take_longest_prefix(self, prompt_text: str) -> Optional[_Session]:
+        """The saved session whose text is the longest proper prefix of `prompt_text` (removed from the cache:
+        the slot that continues it will save it again, longer)."""
+        best = None
+        for text in self._items:
+            if len(text) < len(prompt_text) and prompt_text.startswith(text) and (best is None or len(text) > len(best)):
+                best = text
+        if best is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return self.pop(best)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Scheduler:
+    """Runs jobs on `llm` (which it owns from now on) in up to `llm.n_seq_max` slots at once.
+
+    max_waiting: requests that may wait for a slot; more are refused (Busy).
+    session_bytes: memory for saved sessions (0: no session reuse).
+    """
+
+    def __init__(self, llm: Llama, *, max_waiting: int = 16, session_bytes: int = 256 * 2**20):
+        self.llm = llm
+        self.n_slots = llm.n_seq_max
+        self.max_waiting = max_waiting
+        self.sessions = SessionCache(session_bytes)
+        self._waiting: Deque[Job] = collections.deque()
+        self._active: Dict[int, Job] = {}        # slot -> job
+        self._runs: Dict[int, generation.SeqRun] = {}
+        self._batch = generation.Batch(llm._engine, unbounded=not llm.policy.bounded, free_finished=False)
+        self._cv = threading.Condition()
+        self._stop = False
+        self.served = 0
+        self._thread = threading.Thread(target=self._run, name="h2o-local-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ called from the server
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the server is shutting down")
+            if len(self._active) >= self.n_slots and len(self._waiting) >= self.max_waiting:
+                raise Busy(f"all {self.n_slots} slots are busy and {len(self._waiting)} requests wait")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cv:
+            job.cancelled = True
+            self._cv.notify()
+
+    def stats(self) -> Dict[str, Any]:
+        with self._cv:
+            return {"slots_total": self.n_slots, "slots_processing": len(self._active),
+                    "requests_waiting": len(self._waiting), "requests_served": self.served,
+                    "sessions_saved": len(self.sessions), "session_bytes": self.sessions.nbytes,
+                    "session_hits": self.sessions.hits, "session_misses": self.sessions.misses}
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ the decoding thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._stop:
+                    for job in list(self._waiting) + list(self._active.values()):
+                        job.put(RuntimeError("the server is shutting down"))
+                    return
+                admitted = []
+                while self._waiting and len(self._active) < self.n_slots:
+                    job = self._waiting.popleft()
+                    if job.cancelled:
+                        continue
+                    slot = next(s for s in range(self.n_slots) if s not in self._active)
+                    self._active[slot] = job
+                    admitted.append((slot, job))
+                cancelled = [s for s, j in self._active.items() if j.cancelled]
+            with self.llm._lock:
+                self.llm._take_over()  # nothing else may use the context while the server runs
+                for slot in cancelled:
+                    self._batch.cancel(slot)
+                    self._release(slot, save=False)
+                for slot, job in admitted:
+                    self._start(slot, job)
+                try:
+                    events = self._batch.sample()
+                    self._deliver(events)
+                    self._deliver(self._batch.feed())
+                except Exception as e:  # a failed decode: every live request gets the error, the slots are freed
+                    for slot in list(self._batch.live):
+                        self._batch.cancel(slot)
+                        self._active[slot].put(e)
+                        self._release(slot, save=False)
+
+    def _start(self, slot: int, job: Job) -> None:
+        """Fill the slot with the job's prompt (continuing a saved session when one matches) and join the batch."""
+        engine = self.llm._engine
+        engine.reset_seq(slot)
+        feed = job.prompt_tokens
+        try:
+            session = self.sessions.take_longest_prefix(job.prompt_text) if job.prompt_text else None
+            if session is not None:
+                engine.restore(slot, session.snapshot)
+                rest = self.llm.tokenize(job.prompt_text[len(session.text):], add_bos=False, special=True)
+                feed = list(session.snapshot.pending) + rest
+                job.reused_tokens = max(len(job.prompt_tokens) - len(rest), 0)
+            elif job.n_keep is not None:
+                self.llm._set_keep(slot, job.n_keep)
+            if not feed:
+                raise ValueError("the prompt is empty")
+            engine.eval({slot: feed}, False)
+        except Exception as e:
+            job.put(e)
+            self._release(slot, save=False)
+            return
+        run = generation.SeqRun(slot, slot, job.params.sampler(self.llm.n_vocab(), _seed(self.llm, job.params)),
+                                TextAssembler(job.params.stop), job.params.max_tokens)
+        self._runs[slot] = run
+        job.put(("start", job.reused_tokens, time.perf_counter()))
+        self._deliver(self._batch.add(run))
+
+    def _deliver(self, events: List[generation.Event]) -> None:
+        for e in events:
+            job = self._active.get(e.index)
+            if job is None:
+                continue
+            job.put(e)
+            if e.token is None:
+                self._release(e.index, save=job.prompt_text is not None)
+
+    def _release(self, slot: int, *, save: bool) -> None:
+        """Free the slot (its cache saved as a session first, when asked)."""
+        job, run = self._active.get(slot), self._runs.pop(slot, None)
+        if save and job is not None and run is not None and self.sessions.limit_bytes > 0:
+            snap = self.llm._engine.snapshot(slot)
+            snap.pending = [] if run.unfed is None else [run.unfed]
+            generated = self.llm.detokenize(run.tokens).decode("utf-8", errors="replace")
+            self.sessions.put(job.prompt_text + generated, snap)
+        self.llm._engine.reset_seq(slot)
+        with self._cv:
+            if self._active.pop(slot, None) is not None:
+                self.served += 1
+
+
+def _seed(llm: Llama, params: SamplingParams) -> int:
+    return llm._rng.getrandbits(32) if params.seed is None else int(params.seed)
