@@ -7,6 +7,7 @@ malformed or does not fit, 413 for an oversized body, 429 when every slot is bus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -72,13 +73,16 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
 
     model_id = model_id or os.path.basename(llm.model_path)
     scheduler = Scheduler(llm, max_waiting=max_waiting, session_bytes=session_bytes)
-    app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        scheduler.close()
+
+    app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache",
+                  lifespan=lifespan)
     app.state.scheduler = scheduler
     app.state.llm = llm
-
-    @app.on_event("shutdown")
-    def _shutdown() -> None:
-        scheduler.close()
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):

@@ -118,6 +118,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self.served = 0
+        self.peak_batch = 0   # most requests decoded in one step
         self._thread = threading.Thread(target=self._run, name="h2o-local-scheduler", daemon=True)
         self._thread.start()
 
@@ -140,6 +141,7 @@ class Scheduler:
         with self._cv:
             return {"slots_total": self.n_slots, "slots_processing": len(self._active),
                     "requests_waiting": len(self._waiting), "requests_served": self.served,
+                    "peak_batch": self.peak_batch,
                     "sessions_saved": len(self.sessions), "session_bytes": self.sessions.nbytes,
                     "session_hits": self.sessions.hits, "session_misses": self.sessions.misses}
 
@@ -175,6 +177,7 @@ class Scheduler:
                     self._release(slot, save=False)
                 for slot, job in admitted:
                     self._start(slot, job)
+                self.peak_batch = max(self.peak_batch, len(self._batch.live))
                 try:
                     events = self._batch.sample()
                     self._deliver(events)

@@ -1,0 +1,188 @@
+"""`h2o-local serve`: the OpenAI-compatible server, driven with the official `openai` client and raw HTTP."""
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from h2o_local import Llama
+from h2o_local.server import create_app
+from tiny_model import write_tiny_llama
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("srv") / "chat.gguf", chat_template=CHATML, n_ctx_train=4096))
+
+
+@contextlib.contextmanager
+def serving(model, *, slots=3, budget=48, session_bytes=64 * 2**20, max_waiting=8, **llama_kwargs):
+    llm = Llama(model, budget=budget, n_seq_max=slots, kv_unified=False, keep="system", n_threads=1, **llama_kwargs)
+    app = create_app(llm, model_id="tiny", max_waiting=max_waiting, session_bytes=session_bytes,
+                     max_body_bytes=64 * 1024)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    with serving(chat_model) as s:
+        yield s
+
+
+def get(port, path):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", path)
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def post(port, path, body, raw=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", path, body=raw if raw is not None else json.dumps(body), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+
+
+USER = [{"role": "system", "content": "You are tiny."}, {"role": "user", "content": "Say something."}]
+
+
+def test_models_and_health(server):
+    port, client = server
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    status, health = get(port, "/health")
+    assert status == 200 and health["status"] == "ok" and health["slots_total"] == 3
+
+
+def test_completion_and_chat_with_the_openai_client(server):
+    _, client = server
+    c = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert c.choices[0].finish_reason in ("stop", "length") and c.usage.completion_tokens <= 12
+    again = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert again.choices[0].text == c.choices[0].text  # greedy is deterministic
+    chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, temperature=0, seed=1)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 10
+    stopped = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                        stop=[c.choices[0].text[2:4]] if len(c.choices[0].text) > 4 else None)
+    assert len(stopped.choices[0].text) <= len(c.choices[0].text)
+
+
+def test_streaming_chat_gives_the_same_text(server):
+    _, client = server
+    whole = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_concurrent_streams_are_decoded_together_and_equal_one_by_one(chat_model):
+    prompts = [f"Story number {i}:" for i in range(3)]
+    with serving(chat_model, session_bytes=0) as (port, client):
+        alone = [client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0).choices[0].text
+                 for p in prompts]
+        results, barrier = [None] * 3, threading.Barrier(3)
+
+        def stream(i):
+            barrier.wait()
+            out = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=40, temperature=0, stream=True)
+            results[i] = "".join(ch.choices[0].text for ch in out)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == alone  # each slot has its own cache: batching changes nothing but speed
+        _, health = get(port, "/health")
+        assert health["peak_batch"] >= 2 and health["slots_processing"] == 0
+
+
+def test_a_continued_conversation_reuses_its_cache(chat_model):
+    with serving(chat_model, budget=1000) as (port, client):  # a budget that never evicts
+        first = client.chat.completions.create(model="tiny", messages=USER, max_tokens=20, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        history = USER + [{"role": "assistant", "content": first.choices[0].message.content},
+                          {"role": "user", "content": "And then?"}]
+        second = client.chat.completions.create(model="tiny", messages=history, max_tokens=20, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + 1
+        _, health = get(port, "/health")
+        assert health["session_hits"] == 1
+
+    # the reference, on one Llama without slots or snapshots: the first prompt, the tokens generated for it, then
+    # only the text the second request adds (what the restored cache was fed)
+    llm = Llama(chat_model, budget=1000, n_threads=1)
+    events = list(llm.generate_events(llm.chat_tokens(USER)[0], max_tokens=20, temperature=0))
+    generated = [e.token for e in events if e.token is not None]
+    held = llm.apply_chat_template(USER) + llm.detokenize(generated).decode("utf-8", errors="replace")
+    rest = llm.apply_chat_template(history)[len(held):]
+    reference = llm.generate(llm.chat_tokens(USER)[0] + generated + llm.tokenize(rest, add_bos=False, special=True),
+                             max_tokens=20, temperature=0)
+    assert second.choices[0].message.content == reference
+
+
+def test_bad_requests_get_openai_errors(server):
+    port, client = server
+    for body, param in (({"messages": []}, "messages"), ({"messages": USER, "temperature": -1}, "temperature"),
+                        ({"messages": USER, "n": 2}, "n"), ({"messages": [{"content": "x"}]}, "messages"),
+                        ({"messages": USER, "max_tokens": "ten"}, "max_tokens"), ({}, "messages")):
+        status, err = post(port, "/v1/chat/completions", body)
+        assert status == 400 and err["error"]["type"] == "invalid_request_error", (body, err)
+        assert param in (err["error"]["param"] or "") + err["error"]["message"], (body, err)
+    status, err = post(port, "/v1/chat/completions", None, raw=b"{not json")
+    assert status == 400 and "error" in err
+    status, err = post(port, "/v1/completions", {"prompt": [999999]})
+    assert status == 400 and "token ids" in err["error"]["message"]
+    status, err = post(port, "/v1/completions", {"prompt": "x" * 100_000})
+    assert status == 413
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    assert client.completions.create(model="tiny", prompt="still fine", max_tokens=2).choices  # still serving
+
+
+def test_a_prompt_that_does_not_fit_the_full_cache_is_a_400(chat_model):
+    with serving(chat_model, budget=None, slots=1, n_ctx=256) as (port, client):
+        status, err = post(port, "/v1/completions", {"prompt": "word " * 300, "max_tokens": 4})
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+        out = client.completions.create(model="tiny", prompt="short", max_tokens=4)
+        assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_busy_slots_give_429_and_a_client_that_leaves_frees_its_slot(chat_model):
+    with serving(chat_model, slots=1, max_waiting=0, session_bytes=0) as (port, client):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "long", "max_tokens": 100000, "stream": True,
+                                                                "temperature": 1.0}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read1(64)  # streaming
+        status, err = post(port, "/v1/completions", {"prompt": "another", "max_tokens": 2})
+        assert status == 429 and err["error"]["type"] == "rate_limit_error"
+        conn.close()  # the client goes away mid-stream
+        deadline = time.time() + 10
+        while get(port, "/health")[1]["slots_processing"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert get(port, "/health")[1]["slots_processing"] == 0
+        assert client.completions.create(model="tiny", prompt="now", max_tokens=2).choices
