@@ -121,26 +121,33 @@ def test_concurrent_streams_are_decoded_together_and_equal_one_by_one(chat_model
 
 
 def test_a_continued_conversation_reuses_its_cache(chat_model):
+    # the reference, on one Llama without slots or snapshots: the first prompt, the tokens generated for it, then
+    # only the text the second request adds (what the restored cache is fed). A session is saved only when the
+    # client saw exactly what the cache holds: take a first question whose answer does not end inside a character.
+    llm = Llama(chat_model, budget=1000, n_threads=1)
+    for question in ("Say something.", "Tell me more.", "Why?", "Go on.", "What now?", "Hello", "More!", "Next?"):
+        first_messages = [USER[0], {"role": "user", "content": question}]
+        events = list(llm.generate_events(llm.chat_tokens(first_messages)[0], max_tokens=20, temperature=0))
+        generated = [e.token for e in events if e.token is not None]
+        if llm.detokenize(generated).decode("utf-8", errors="replace") == "".join(e.text for e in events):
+            break
+    else:
+        pytest.fail("every first answer ends inside a UTF-8 character")
+
     with serving(chat_model, budget=1000) as (port, client):  # a budget that never evicts
-        first = client.chat.completions.create(model="tiny", messages=USER, max_tokens=20, temperature=0)
+        first = client.chat.completions.create(model="tiny", messages=first_messages, max_tokens=20, temperature=0)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
-        history = USER + [{"role": "assistant", "content": first.choices[0].message.content},
-                          {"role": "user", "content": "And then?"}]
+        history = first_messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                    {"role": "user", "content": "And then?"}]
         second = client.chat.completions.create(model="tiny", messages=history, max_tokens=20, temperature=0)
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + 1
         _, health = get(port, "/health")
         assert health["session_hits"] == 1
 
-    # the reference, on one Llama without slots or snapshots: the first prompt, the tokens generated for it, then
-    # only the text the second request adds (what the restored cache was fed)
-    llm = Llama(chat_model, budget=1000, n_threads=1)
-    events = list(llm.generate_events(llm.chat_tokens(USER)[0], max_tokens=20, temperature=0))
-    generated = [e.token for e in events if e.token is not None]
-    held = llm.apply_chat_template(USER) + llm.detokenize(generated).decode("utf-8", errors="replace")
+    held = llm.apply_chat_template(first_messages) + llm.detokenize(generated).decode("utf-8", errors="replace")
     rest = llm.apply_chat_template(history)[len(held):]
-    reference = llm.generate(llm.chat_tokens(USER)[0] + generated + llm.tokenize(rest, add_bos=False, special=True),
-                             max_tokens=20, temperature=0)
-    assert second.choices[0].message.content == reference
+    prompt = llm.chat_tokens(first_messages)[0] + generated + llm.tokenize(rest, add_bos=False, special=True)
+    assert second.choices[0].message.content == llm.generate(prompt, max_tokens=20, temperature=0)
 
 
 def test_bad_requests_get_openai_errors(server):

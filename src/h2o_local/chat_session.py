@@ -79,6 +79,7 @@ class ChatSession:
         stats = TurnStats(prompt_tokens=len(feed), reused_tokens=max(reused, 0))
         self.last = stats
         answer: List[str] = []
+        generated: List[int] = []
         t0 = time.perf_counter()
         events = self.llm.generate_events(feed, reset=not continuing, keep=None if continuing else n_keep,
                                           sampling=CHAT, **params)
@@ -86,6 +87,7 @@ class ChatSession:
             for e in events:
                 if e.token is not None:
                     stats.completion_tokens += 1
+                    generated.append(e.token)
                 if e.token is None:
                     stats.finish_reason = e.finish_reason
                 if e.text:
@@ -98,9 +100,10 @@ class ChatSession:
             self.messages = messages + [{"role": "assistant", "content": text}]
             if stats.finish_reason is not None or stats.completion_tokens > 0:
                 # the cache holds the prompt and every token shown (a session that goes on feeds the last first);
-                # a stop string's text was fed but is not in the answer, so such a turn is not continued
-                cut = stats.finish_reason == "stop" and self.llm.last_eog_token is None
-                self._fed_text = None if cut else prompt_text + text
+                # when the text shown is not all of it (a stop string, a character cut short), the next turn
+                # starts again from the whole conversation
+                held = self.llm.detokenize(generated).decode("utf-8", errors="replace")
+                self._fed_text = prompt_text + text if held == text else None
 
     # ------------------------------------------------------------------ state on disk
     def save(self, path: Union[str, Path]) -> int:

@@ -16,6 +16,7 @@ class TextAssembler:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = [s for s in stop if s]
         self._text = ""      # decoded text not yet released
+        self.released = ""   # all the text released so far (what the user saw)
         self.stopped = False
 
     def push(self, piece: bytes) -> str:
@@ -26,10 +27,12 @@ class TextAssembler:
         if hits:
             self.stopped = True
             out, self._text = self._text[: min(hits)], ""
+            self.released += out
             return out
         hold = self._held_suffix()
         out = self._text[: len(self._text) - hold]
         self._text = self._text[len(self._text) - hold :]
+        self.released += out
         return out
 
     def flush(self) -> str:
@@ -39,6 +42,7 @@ class TextAssembler:
         out = self._text
         self._text = ""
         self._decoder.reset()
+        self.released += out
         return out
 
     def _held_suffix(self) -> int:

@@ -228,10 +228,12 @@ class Scheduler:
         """Free the slot (its cache saved as a session first, when asked)."""
         job, run = self._active.get(slot), self._runs.pop(slot, None)
         if save and job is not None and run is not None and self.sessions.limit_bytes > 0:
-            snap = self.llm._engine.snapshot(slot)
-            snap.pending = [] if run.unfed is None else [run.unfed]
+            # only when the client saw exactly what the cache holds (no stop string cut, no partial character)
             generated = self.llm.detokenize(run.tokens).decode("utf-8", errors="replace")
-            self.sessions.put(job.prompt_text + generated, snap)
+            if generated == run.text.released:
+                snap = self.llm._engine.snapshot(slot)
+                snap.pending = [] if run.unfed is None else [run.unfed]
+                self.sessions.put(job.prompt_text + generated, snap)
         self.llm._engine.reset_seq(slot)
         with self._cv:
             if self._active.pop(slot, None) is not None:
