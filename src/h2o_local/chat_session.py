@@ -100,9 +100,12 @@ class ChatSession:
             self.messages = messages + [{"role": "assistant", "content": text}]
             if stats.finish_reason is not None or stats.completion_tokens > 0:
                 # the cache holds the prompt and every token shown (a session that goes on feeds the last first);
-                # when the text shown is not all of it (a stop string, a character cut short), the next turn
-                # starts again from the whole conversation
+                # when a stop string cut the text shown, the next turn starts again from the whole conversation
                 held = self.llm.detokenize(generated).decode("utf-8", errors="replace")
+                stop_cut = stats.finish_reason == "stop" and self.llm.last_eog_token is None
+                if held != text and not stop_cut:
+                    # a character cut short by max_tokens or Ctrl-C: the history keeps what the cache holds
+                    self.messages[-1]["content"] = text = held
                 self._fed_text = prompt_text + text if held == text else None
 
     # ------------------------------------------------------------------ state on disk

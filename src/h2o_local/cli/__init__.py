@@ -21,7 +21,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif command == "serve":
         from .serve import main as run
     elif command == "inspect":
-        from .inspect import main as run
+        from .inspect_kv import main as run
     else:
         from .generate import main as run
     try:

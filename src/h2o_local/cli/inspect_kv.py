@@ -1,0 +1,50 @@
+"""h2o-local inspect: which tokens each policy keeps, as a self-contained HTML page and a PNG heat map.
+
+    h2o-local inspect article.txt --policies h2o-64 sink-64 tova-64 --html kept.html --png kept.png
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..inspector import inspect_text, to_html, to_png
+from ..models import default_model_path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="h2o-local inspect", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("text", help="the prompt, or a text file to read it from")
+    ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--policies", nargs="+", default=["h2o-64", "sink-64"],
+                    help="policy labels NAME-BUDGET[+sS] (default: h2o-64 sink-64)")
+    ap.add_argument("--max-tokens", type=int, default=0, help="greedy tokens generated after the text (default: 0)")
+    ap.add_argument("--chat", action="store_true", help="wrap the text in the chat template as a user message")
+    ap.add_argument("--html", default="kept.html", help="HTML page to write (default: kept.html)")
+    ap.add_argument("--png", default="kept.png", help="PNG heat map to write (default: kept.png; needs matplotlib)")
+    ap.add_argument("--threads", type=int)
+    args = ap.parse_args(argv)
+    text = args.text
+    try:
+        if os.path.isfile(text):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        if args.max_tokens < 0:
+            raise ValueError("--max-tokens must be >= 0")
+        inspections = inspect_text(args.model or default_model_path(), text, args.policies, max_tokens=args.max_tokens,
+                                   n_threads=args.threads, chat=args.chat)
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(to_html(inspections, title=f"h2o_local inspect: {', '.join(i.label for i in inspections)}"))
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
+        ap.error(str(e))
+    print(f"wrote {args.html}", file=sys.stderr)
+    if args.png:
+        try:
+            to_png(inspections, args.png)
+            print(f"wrote {args.png}", file=sys.stderr)
+        except ImportError:
+            print("no PNG: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    for ins in inspections:
+        print(f"{ins.label}: kept {int(ins.kept.sum())} of {ins.n_tokens} tokens, evicted {ins.n_evicted}")
+    return 0

@@ -1,0 +1,38 @@
+"""`h2o-local inspect`: per-token kept / evicted and scores, as HTML and PNG."""
+import re
+
+import pytest
+
+from h2o_local.cli import main
+from h2o_local.inspector import inspect_text, to_html
+
+TEXT = "Heavy hitters are the few tokens that receive most of the attention in a long sequence of text."
+
+
+def test_each_policy_reports_what_its_cache_holds(tiny_model):
+    ins = inspect_text(tiny_model, TEXT, ["h2o-16", "sink-16"], max_tokens=5)
+    for i in ins:
+        assert i.kept.sum() == 16 and i.n_evicted == i.n_tokens - 16 and len(i.pieces) == i.n_tokens
+        assert i.kept[-1]  # the newest token
+    assert ins[1].kept[:4].all() and ins[1].kept[-12:].all() and not ins[1].kept[4:-12].any()  # sink: 4 + 12
+    page = to_html(ins)
+    assert page.count("class='k'") == 2 * 16 + 5  # kept tokens, plus the legend's five swatches
+    assert page.count("class='e'") == sum(i.n_evicted for i in ins) + 1  # evicted tokens, plus the legend's
+
+
+def test_the_command_writes_html_and_png(tiny_model, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    text = tmp_path / "in.txt"
+    text.write_text(TEXT)
+    html, png = tmp_path / "k.html", tmp_path / "k.png"
+    assert main(["inspect", str(text), "--model", tiny_model, "--policies", "h2o-16", "tova-16",
+                 "--html", str(html), "--png", str(png)]) == 0
+    assert re.search(r"h2o-16: kept 16 of \d+ tokens", capsys.readouterr().out)
+    assert html.read_text().startswith("<!doctype html>") and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input_is_one_line(tiny_model, capsys):
+    for args in (["", "--model", tiny_model], ["x", "--model", tiny_model, "--policies", "h2o"]):
+        with pytest.raises(SystemExit) as e:
+            main(["inspect", *args])
+        assert e.value.code == 2 and "error:" in capsys.readouterr().err
