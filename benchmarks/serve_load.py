@@ -1,0 +1,157 @@
+"""Load on `h2o-local serve`, on loopback: N concurrent streaming chats against one server, side by side for
+  - h2o with N slots (each a bounded cache),
+  - the full cache within the same KV memory (as many slots as fit: requests beyond them wait),
+  - h2o with one slot (sequential serving).
+Each chat has a long system prompt (an XSum article) and a question. Reports throughput (completion tokens/s over
+the wall time of the whole load), time to first token, the gap between tokens, and KV bytes. Bounded in requests
+and time; writes JSON and a markdown table.
+
+    python -m benchmarks.serve_load --chats 4 --budget 256 --max-tokens 64 --out results/serve-load
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from h2o_local import Llama
+from h2o_local.models import default_model_path
+from h2o_local.server import create_app
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum_0shot_dev.jsonl"
+
+
+def chats(n: int, chars: int):
+    rows = [json.loads(line) for _, line in zip(range(n), open(SHARED))] if SHARED.is_file() else []
+    out = []
+    for i in range(n):
+        article = rows[i]["article"][:chars] if i < len(rows) else ("The committee met again on Tuesday. " * 200)[:chars]
+        out.append([{"role": "system", "content": "Answer questions about this article.\n\n" + article},
+                    {"role": "user", "content": "Summarise the article in two sentences."}])
+    return out
+
+
+def serve(llm):
+    import uvicorn
+
+    app = create_app(llm, model_id="m", max_waiting=64, session_bytes=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, thread, port
+
+
+def load(llm, conversations, max_tokens: int, timeout: float):
+    import openai
+
+    server, thread, port = serve(llm)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=timeout)
+    results = [None] * len(conversations)
+    barrier = threading.Barrier(len(conversations))
+
+    errors = []
+
+    def one(i):
+        try:
+            run(i)
+        except Exception as e:  # reported, not hidden: a failed request counts as not completed
+            errors.append(f"{type(e).__name__}: {e}")
+
+    def run(i):
+        barrier.wait()
+        t0 = time.perf_counter()
+        times, n = [], 0
+        stream = client.chat.completions.create(model="m", messages=conversations[i], max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                times.append(time.perf_counter())
+            if ch.usage:
+                n = ch.usage.completion_tokens
+        results[i] = {"ttft": times[0] - t0 if times else None, "tokens": n,
+                      "gaps": [b - a for a, b in zip(times, times[1:])], "end": time.perf_counter() - t0}
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(conversations))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    wall = time.perf_counter() - t0
+    server.should_exit = True
+    thread.join(30)
+    done = [r for r in results if r is not None]
+    gaps = [g for r in done for g in r["gaps"]]
+    for e in errors[:3]:
+        print("request failed:", e)
+    return {"requests": len(conversations), "completed": len(done), "wall_s": round(wall, 2),
+            "completion_tokens": sum(r["tokens"] for r in done),
+            "throughput_tok_s": round(sum(r["tokens"] for r in done) / wall, 2),
+            "ttft_mean_s": round(statistics.mean(r["ttft"] for r in done if r["ttft"] is not None), 3),
+            "ttft_max_s": round(max(r["ttft"] for r in done if r["ttft"] is not None), 3),
+            "token_gap_ms": round(1000 * statistics.mean(gaps), 1) if gaps else None,
+            "kv_bytes": llm.kv_state().kv_bytes, "slots": llm.n_seq_max}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--chats", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--article-chars", type=int, default=3500)
+    ap.add_argument("--n-batch", type=int, default=128)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per setting at most")
+    ap.add_argument("--out", default="results/serve-load")
+    args = ap.parse_args(argv)
+    model = args.model or default_model_path()
+    conversations = chats(args.chats, args.article_chars)
+    common = dict(n_batch=args.n_batch, n_threads=args.threads, kv_unified=False)
+
+    h2o = Llama(model, budget=args.budget, n_seq_max=args.chats, **common)
+    prompt_tokens = max(len(h2o.chat_tokens(c)[0]) for c in conversations)
+    settings = [("h2o", h2o)]
+    try:
+        full = Llama.for_kv_limit(model, h2o.kv_state().kv_bytes, prompt_tokens=prompt_tokens,
+                                  max_tokens=args.max_tokens, **common)
+        settings.append(("full, same KV memory", full))
+    except ValueError as e:
+        print(f"full cache: {e}")
+    settings.append(("h2o, one slot (sequential)", Llama(model, budget=args.budget, **common)))
+
+    rows = []
+    for name, llm in settings:
+        r = {"setting": name, "policy": llm.policy.label, **load(llm, conversations, args.max_tokens, args.timeout)}
+        print(json.dumps(r))
+        rows.append(r)
+        del llm
+    base = rows[0]["throughput_tok_s"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "prompt_tokens": prompt_tokens,
+                                                    "rows": rows}, indent=1))
+    lines = [f"{args.chats} concurrent streaming chats, prompts up to {prompt_tokens} tokens, {args.max_tokens} tokens "
+             f"each, greedy; one run\n",
+             "| setting | policy | slots | KV MiB | throughput tok/s | vs h2o | TTFT mean / max s | token gap ms | completed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['setting']} | {r['policy']} | {r['slots']} | {r['kv_bytes'] / 2**20:.1f} | "
+                     f"{r['throughput_tok_s']} | {r['throughput_tok_s'] / base:.2f} | {r['ttft_mean_s']} / {r['ttft_max_s']} | "
+                     f"{r['token_gap_ms']} | {r['completed']}/{r['requests']} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
