@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import threading
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from h2o_local import Llama
 from h2o_local.models import default_model_path
-from h2o_local.server import create_app
+from h2o_local.server import create_app, serve_in_background
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum_0shot_dev.jsonl"
 
@@ -35,25 +34,15 @@ def chats(n: int, chars: int):
     return out
 
 
-def serve(llm):
-    import uvicorn
-
-    app = create_app(llm, model_id="m", max_waiting=64, session_bytes=0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, thread, port
-
-
 def load(llm, conversations, max_tokens: int, timeout: float):
+    app = create_app(llm, model_id="m", max_waiting=64, session_bytes=0)
+    with serve_in_background(app) as port:
+        return _load(port, llm, conversations, max_tokens, timeout)
+
+
+def _load(port, llm, conversations, max_tokens: int, timeout: float):
     import openai
 
-    server, thread, port = serve(llm)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=timeout)
     results = [None] * len(conversations)
     barrier = threading.Barrier(len(conversations))
@@ -87,8 +76,6 @@ def load(llm, conversations, max_tokens: int, timeout: float):
     for t in threads:
         t.join(timeout)
     wall = time.perf_counter() - t0
-    server.should_exit = True
-    thread.join(30)
     done = [r for r in results if r is not None]
     gaps = [g for r in done for g in r["gaps"]]
     for e in errors[:3]:

@@ -2,7 +2,6 @@
 import contextlib
 import http.client
 import json
-import socket
 import threading
 import time
 
@@ -12,7 +11,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from h2o_local import Llama
-from h2o_local.server import create_app
+from h2o_local.server import create_app, serve_in_background
 from tiny_model import write_tiny_llama
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -29,19 +28,8 @@ def serving(model, *, slots=3, budget=48, session_bytes=64 * 2**20, max_waiting=
     llm = Llama(model, budget=budget, n_seq_max=slots, kv_unified=False, keep="system", n_threads=1, **llama_kwargs)
     app = create_app(llm, model_id="tiny", max_waiting=max_waiting, session_bytes=session_bytes,
                      max_body_bytes=64 * 1024)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
+    with serve_in_background(app) as port:
         yield port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,33 @@
+"""Run the app on loopback in a background thread (tests, benchmarks, embedding the server in a script)."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_s: float = 30.0) -> Iterator[int]:
+    """Serve `app` with uvicorn in a daemon thread; yields the port (a free one when `port` is 0) once it listens,
+    and stops the server on exit."""
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="h2o-local-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
