@@ -294,7 +294,7 @@ def _plot(path: Path, summary, names, depths) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help="GGUF file, or smollm2 (the default), qwen05b, qwen15b")
     ap.add_argument("--depths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024])
     ap.add_argument("--settings", nargs="+", help="setting labels to run instead of the default set (snapkv-256 ...)")
@@ -324,9 +324,9 @@ def main(argv=None) -> int:
         print(args.out.with_suffix(".md").read_text())
         return 0
 
-    from h2o_local.models import default_model_path
+    from experiments.models import model_path
 
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     peer = not args.no_peer
     if peer:
         try:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from h2o_local import Llama
-from h2o_local.models import default_model_path
+from experiments.models import model_path
 from h2o_local.server import create_app, serve_in_background
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum_0shot_dev.jsonl"
@@ -91,7 +91,7 @@ def _load(port, llm, conversations, max_tokens: int, timeout: float):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model")
+    ap.add_argument("--model", help="GGUF file, or smollm2 (the default), qwen05b, qwen15b")
     ap.add_argument("--chats", type=int, default=4)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per setting at most")
     ap.add_argument("--out", default="results/serve-load")
     args = ap.parse_args(argv)
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     conversations = chats(args.chats, args.article_chars)
     common = dict(n_batch=args.n_batch, n_threads=args.threads, kv_unified=False)
 

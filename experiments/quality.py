@@ -37,7 +37,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from h2o_local import Llama
-from h2o_local.models import default_model_path
+from experiments.models import model_path
 from .common import experiment_parser, parse_setting, save_figure, table
 
 FIDELITY, PASSKEY = "fidelity", "passkey"
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for label in args.settings:
         parse_setting(label)
-    args.model = args.model or default_model_path()
+    args.model = model_path(args.model)
     records = Records(args.out.with_suffix(".jsonl"))
     if not args.report_only:
         (run_fidelity if args.task == FIDELITY else run_passkey)(args, records)

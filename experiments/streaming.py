@@ -20,7 +20,7 @@ from typing import Dict, List
 import numpy as np
 
 from h2o_local import Llama
-from h2o_local.models import default_model_path
+from experiments.models import model_path
 from h2o_local import ModelInfo
 from .common import experiment_parser, parse_setting, save_figure
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     tokens = stream_tokens(Llama(model, n_ctx=256), args.input_path, args.tokens)
     runs = [parse_setting("full")] + [parse_setting(f"{p}-{b}{extra}") for b in args.budgets
                                       for p, extra in (("local", ""), ("sink", ""), ("h2o", ""), ("h2o", "+roll"))]

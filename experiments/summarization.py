@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from h2o_local import Llama
 from h2o_local.policies import resolve
-from h2o_local.models import default_model_path
+from experiments.models import model_path
 from .common import experiment_parser, parse_setting, save_figure
 
 GEN = dict(max_tokens=64, top_p=1.0, top_k=0, min_p=0.0, stop=["###"])
@@ -69,7 +69,7 @@ def rows_and_done(args) -> Tuple[List[dict], Path, set]:
 
 def run(args) -> None:
     rows, out_path, done = rows_and_done(args)
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     # one context big enough for the whole prompt: every setting starts from the attended prompt
     llm = Llama(model, budget=args.n_ctx - args.n_batch, n_ctx=args.n_ctx, n_batch=args.n_batch,
                 n_threads=args.threads, seed=0)

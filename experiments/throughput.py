@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from h2o_local.capacity import cells_needed, padded_cells
 from h2o_local import Llama
-from h2o_local.models import default_model_path
+from experiments.models import model_path
 from h2o_local import ModelInfo
 from .common import experiment_parser, parse_setting, save_figure
 
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    model = args.model or default_model_path()
+    model = model_path(args.model)
     out = args.output.with_suffix(".jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {r["key"] for r in load(out)}

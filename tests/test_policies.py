@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from h2o_local import Llama, ModelInfo
-from h2o_local import policies
+from h2o_local import _engine, policies
 from h2o_reference import H2OReference, ScorerReference
 
 TEXT_A = "Heavy hitters are the few tokens that receive most of the attention in a long sequence of text."
@@ -143,6 +143,32 @@ def test_each_scorer_keeps_what_its_reference_rule_keeps(tiny_model, rule, budge
 def test_scorer_default_splits(value, split):
     assert value.split == split and value.needs_scores and value.bounded
     assert value.query_window == {"tova": 1, "snapkv": 16}.get(value.name, 0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_snapkv_scores_a_prompt_by_the_window_it_is_given(tiny_model, window):
+    """SnapKV(window=W): the prompt's last W tokens are decoded on their own and rank it (W queries per layer and
+    head in the last export), and the kept set is the reference rule's."""
+    value = policies.SnapKV(budget=16, heavy=10, recent=6, window=window)
+    llm = Llama(tiny_model, policy=value, n_batch=512)
+    ref = ScorerReference("snapkv", heavy=10, recent=6, sinks=0)
+    prompt = llm.tokenize(TEXT_A + " " + TEXT_B) * 2
+    llm.eval(prompt)
+    pos, sums = llm.last_scores()
+    np.testing.assert_allclose(sums.sum(axis=0), window * n_layer(tiny_model), rtol=1e-4)
+    assert llm.kv_state().positions.tolist() == ref.step(pos, sums, n_new=len(prompt), window=True)
+    assert value.query_window == window and value.label == ("snapkv-16" if window == 16 else f"snapkv-16+w{window}")
+
+
+def test_a_window_is_only_for_policies_that_have_one():
+    assert policies.SnapKV(budget=256, window=64).split == (0, 192, 64)  # recent defaults to the window
+    assert policies.parse("snapkv-256+s4+w8") == policies.SnapKV(budget=256, sinks=4, window=8)
+    with pytest.raises(ValueError, match="window >= 1"):
+        policies.SnapKV(budget=256, window=0)
+    with pytest.raises(ValueError, match="takes no query window"):
+        policies.parse("h2o-256+w8")
+    with pytest.raises(ValueError, match="takes no query window"):
+        _engine.describe_policy("h2o", 256, window=8)
 
 
 @pytest.mark.parametrize("rule", ["tova", "snapkv"])

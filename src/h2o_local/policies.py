@@ -23,6 +23,8 @@ import numpy as np
 from . import _engine
 
 REGISTRY: Dict[str, Type["Policy"]] = {}
+# the fields a policy value passes to its C++ factory (PolicyConfig), in order
+ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "window")
 
 
 def check_int(name: str, value: Any, minimum: Optional[int] = None) -> None:
@@ -57,20 +59,22 @@ class Policy:
         for key in ("sinks", "heavy", "recent"):
             if key in self._field_names():
                 object.__setattr__(self, key, resolved[key])
+        if "window" in self._field_names():
+            object.__setattr__(self, "window", resolved["query_window"])
         object.__setattr__(self, "_resolved", resolved)
 
     @classmethod
     def _field_names(cls) -> Tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def _request(self) -> Tuple[Optional[int], Optional[int], Optional[int], Optional[int]]:
-        """(budget, heavy, recent, sinks) as given; None where the policy has no such field or it was left out."""
-        return tuple(getattr(self, k, None) for k in ("budget", "heavy", "recent", "sinks"))  # type: ignore[return-value]
+    def _request(self) -> Tuple[Optional[int], ...]:
+        """(budget, heavy, recent, sinks, window) as given; None where the policy has no such field or it was left
+        out."""
+        return tuple(getattr(self, k, None) for k in ENGINE_FIELDS)
 
     def engine_args(self) -> Dict[str, Any]:
         """The keyword arguments of the C++ engine for this policy (resolved split, -1 for none)."""
-        budget, heavy, recent, sinks = map(_engine_int, self._request())
-        return {"policy": self.name, "budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks}
+        return {"policy": self.name, **dict(zip(ENGINE_FIELDS, map(_engine_int, self._request())))}
 
     @property
     def bounded(self) -> bool:
@@ -102,6 +106,9 @@ class Policy:
             return self.name
         sinks = getattr(self, "sinks", 0)
         extra = f"+s{sinks}" if isinstance(self, Scored) and sinks else ""
+        window = getattr(self, "window", None)
+        if window is not None and window != type(self).default_window:  # type: ignore[attr-defined]
+            extra += f"+w{window}"
         return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
 
 
@@ -196,46 +203,58 @@ class TOVA(Scored):
 
 @dataclass(frozen=True)
 class SnapKV(Scored):
-    """SnapKV (arXiv 2404.14469): a prompt is ranked by the attention of its last 16 tokens (decoded on their own;
-    about one question, where kvpress uses 64), averaged over 5 neighbouring entries; generation then accumulates
-    on top as H2O does. Default recent = min(16, half of what the sinks leave)."""
+    """SnapKV (arXiv 2404.14469): a prompt is ranked by the attention of its last `window` tokens (default 16,
+    about one question, where kvpress uses 64; decoded on their own), averaged over 5 neighbouring entries;
+    generation then accumulates on top as H2O does. Default recent = min(window, half of what the sinks leave)."""
 
     name: ClassVar[str] = "snapkv"
+    default_window: ClassVar[int] = 16
+    window: Optional[int] = None
 
 
 def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,
-            recent: Optional[int] = None, sinks: Optional[int] = None) -> Policy:
-    """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split.
+            recent: Optional[int] = None, sinks: Optional[int] = None, window: Optional[int] = None) -> Policy:
+    """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split
+    (and, for snapkv, a query `window` in tokens).
 
     `policy="h2o"` with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
+    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "window": window}
     if isinstance(policy, Policy):
-        if any(v is not None for v in (budget, heavy, recent, sinks)):
+        if any(v is not None for v in given.values()):
             raise ValueError("give budget, heavy, recent and sinks inside the policy value, not beside it")
         return policy
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a name or a policy value (h2o_local.policies), got {policy!r}")
     if policy not in REGISTRY:
         raise ValueError(f"unknown policy {policy!r} (expected one of: {', '.join(sorted(REGISTRY))})")
-    for key, value in (("budget", budget), ("heavy", heavy), ("recent", recent), ("sinks", sinks)):
+    for key, value in given.items():
         check_int(key, value, minimum=1 if key == "budget" else 0)
-    if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks:
+    if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and window is None:
         return Full()
     # the C++ policy validates every combination (with its own messages) before the value keeps its own fields
-    _engine.describe_policy(policy, *map(_engine_int, (budget, heavy, recent, sinks)))
+    _engine.describe_policy(policy, *map(_engine_int, given.values()))
     cls = REGISTRY[policy]
-    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks}
     return cls(**{k: v for k, v in given.items() if k in cls._field_names() and v is not None})
 
 
 def parse(text: str) -> Policy:
-    """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks)."""
+    """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks),
+    "snapkv-256+w64" (a query window of 64)."""
     if not isinstance(text, str) or not text:
         raise ValueError(f"not a policy label: {text!r}")
     if text == "full":
         return Full()
     name, _, rest = text.partition("-")
-    budget_text, _, sinks_text = rest.partition("+s")
-    if not budget_text.isdigit() or (sinks_text and not sinks_text.isdigit()):
-        raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET, for example h2o-128 or h2o-128+s4)")
-    return resolve(name, int(budget_text), sinks=int(sinks_text) if sinks_text else None)
+    budget_text, *suffixes = rest.split("+")
+    extra: Dict[str, int] = {}
+    for suffix in suffixes:
+        key = {"s": "sinks", "w": "window"}.get(suffix[:1])
+        if key is None or key in extra or not suffix[1:].isdigit():
+            budget_text = ""  # not a label
+            break
+        extra[key] = int(suffix[1:])
+    if not budget_text.isdigit():
+        raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks) and +wN "
+                         "(query window), for example h2o-128, h2o-128+s4, snapkv-256+w64)")
+    return resolve(name, int(budget_text), **extra)

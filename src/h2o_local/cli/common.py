@@ -6,7 +6,7 @@ from typing import Any
 
 from ..llama import Llama
 from ..models import default_model_path
-from ..policies import REGISTRY
+from ..policies import REGISTRY, resolve
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None) -> None:
@@ -19,6 +19,7 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--heavy", type=int, help="heavy hitters kept (default: half the budget)")
     g.add_argument("--recent", type=int, help="recent tokens kept")
     g.add_argument("--sinks", type=int, help="first tokens always kept")
+    g.add_argument("--window", type=int, help="snapkv: prompt tokens whose attention ranks the prompt (default: 16)")
     g.add_argument("--keep", default=keep_default, type=_keep_value,
                    help="protected prefix inside the budget: N tokens, 'system' (the system prompt) or 'none'"
                         + (f" (default: {keep_default})" if keep_default else ""))
@@ -51,9 +52,9 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
         if template and template.startswith("@"):
             with open(template[1:], encoding="utf-8") as f:
                 template = f.read()
-        return Llama(args.model or default_model_path(), budget=budget,
-                     policy="full" if budget is None else args.policy, heavy=args.heavy, recent=args.recent,
-                     sinks=args.sinks, keep=None if budget is None else args.keep,
+        policy = "full" if budget is None else resolve(args.policy, budget, heavy=args.heavy, recent=args.recent,
+                                                       sinks=args.sinks, window=args.window)
+        return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                      n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, seed=args.seed,
                      chat_template=template, **extra)
