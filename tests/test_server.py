@@ -181,3 +181,16 @@ def test_busy_slots_give_429_and_a_client_that_leaves_frees_its_slot(chat_model)
             time.sleep(0.05)
         assert get(port, "/health")[1]["slots_processing"] == 0
         assert client.completions.create(model="tiny", prompt="now", max_tokens=2).choices
+
+
+def test_faults_leave_the_server_serving(chat_model):
+    """benchmarks/server_faults.py at a small size: malformed and oversized bodies (declared and chunked) get 4xx,
+    extreme but valid values are answered, clients that leave mid-stream or while waiting free their slot and end
+    their handler (the server stops in time), a burst past the slots gets only 200 and 429, and the greedy answer
+    afterwards equals the one before."""
+    from benchmarks.server_faults import run_faults
+
+    with serving(chat_model, slots=2, max_waiting=2, budget=256) as (port, _):
+        report = run_faults(f"http://127.0.0.1:{port}", slots=2, max_waiting=2, body_limit=64 * 1024,
+                            disconnects=3, sequential=20)
+    assert len(report.checks) > 40 and not report.failed, report.failed

@@ -3,6 +3,7 @@ generate_batch (each call's keyword arguments are applied on top of that entry p
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -40,6 +41,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not 0.0 < self.top_p <= 1.0 or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] and min_p in [0, 1], got {self.top_p} and {self.min_p}")
         check_int("top_k", self.top_k, minimum=0)
@@ -63,7 +66,7 @@ class SamplingParams:
     def sampler(self, n_vocab: int, seed: int, banned: Sequence[int] = ()) -> "_engine.Sampler":
         """The C++ sampler chain for these parameters, seeded with `seed` (32 bits)."""
         return _engine.Sampler(n_vocab, temperature=float(self.temperature), top_p=float(self.top_p),
-                               top_k=int(self.top_k), min_p=float(self.min_p), seed=int(seed) & 0xFFFFFFFF,
+                               top_k=min(int(self.top_k), n_vocab), min_p=float(self.min_p), seed=int(seed) & 0xFFFFFFFF,
                                banned=list(banned))
 
 

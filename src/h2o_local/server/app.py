@@ -23,7 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import generation
 from ..llama import Llama
 from ..sampling import CHAT, COMPLETION, SamplingParams
-from .scheduler import Busy, Job, Scheduler
+from .scheduler import Busy, Cancelled, Job, Scheduler
+
+
+# the roles OpenAI's chat API knows
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 class _Request(BaseModel):
@@ -65,6 +69,35 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                         headers=headers)
 
 
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `max_body_bytes`, whether it says its length (Content-Length)
+    or streams it in chunks without one (counted as it arrives; the body is read before any answer starts)."""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.max_body_bytes
+        message = f"the request body is larger than {limit} bytes"
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await _error(413, message, code="body_too_large")(scope, receive, send)
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            event = await receive()
+            if event["type"] == "http.request":
+                received += len(event.get("body", b""))
+                if received > limit:
+                    raise StarletteHTTPException(413, message)  # answered by the app's error handler
+            return event
+
+        await self.app(scope, counted_receive, send)
+
+
 def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int = 16,
                session_bytes: int = 256 * 2**20, max_body_bytes: int = 8 * 2**20) -> FastAPI:
     """The app serving `llm` (which it owns: one request thread decodes for all). `model_id` is the name
@@ -84,12 +117,7 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
     app.state.scheduler = scheduler
     app.state.llm = llm
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return _error(413, f"the request body is larger than {max_body_bytes} bytes", code="body_too_large")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -132,7 +160,7 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), param="prompt") from None
         params = _sampling(COMPLETION, body, body.max_tokens)
-        job = await _submit(Job(tokens, params, prompt_text=text))
+        job = await _submit(Job(tokens, params, prompt_text=text), request)
         meta = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
                 "model": model_id}
         echo = text if body.echo and text is not None else ""
@@ -144,6 +172,10 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        for i, m in enumerate(body.messages):
+            if m.get("role") not in ROLES:
+                raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
+                                    f"{m.get('role')!r}", param=f"messages.{i}.role")
         try:
             text = llm.apply_chat_template(body.messages)
             tokens, n_keep = llm.chat_tokens(body.messages)
@@ -151,7 +183,7 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
             raise APIError(400, str(e), param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling(CHAT, body, limit)
-        job = await _submit(Job(tokens, params, prompt_text=text, n_keep=n_keep))
+        job = await _submit(Job(tokens, params, prompt_text=text, n_keep=n_keep), request)
         meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": model_id}
         if body.stream:
             return EventSourceResponse(_chat_stream(job, meta, _include_usage(body)), ping=15)
@@ -174,7 +206,7 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e)) from None
 
-    async def _submit(job: Job) -> Job:
+    async def _submit(job: Job, request: Request) -> Job:
         if not llm.policy.bounded and len(job.prompt_tokens) >= llm._engine.stream_capacity:
             raise APIError(400, f"the prompt ({len(job.prompt_tokens)} tokens) does not fit in the context "
                                 f"({llm._engine.stream_capacity} tokens per slot)", param="messages",
@@ -185,7 +217,13 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
             scheduler.submit(job)
         except Busy as e:
             raise APIError(429, str(e), kind="rate_limit_error", code="slots_busy") from None
-        first = await job.queue.get()  # the prompt is in (or it failed): only now does the response start
+        watcher = asyncio.ensure_future(_disconnected(request, job))  # a client may leave while it waits
+        try:
+            first = await job.queue.get()  # the prompt is in (or it failed): only now does the response start
+        finally:
+            watcher.cancel()
+        if isinstance(first, Cancelled):
+            raise APIError(499, "the client closed the request", code="client_closed")
         if isinstance(first, BaseException):
             raise APIError(400, str(first)) if isinstance(first, ValueError) else APIError(500, str(first), "server_error")
         job.reused_tokens = first[1]
@@ -195,6 +233,8 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
         try:
             while True:
                 item = await job.queue.get()
+                if isinstance(item, Cancelled):
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item

@@ -9,9 +9,10 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_s: float = 30.0) -> Iterator[int]:
+def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_s: float = 30.0,
+                        stop_s: float = 30.0) -> Iterator[int]:
     """Serve `app` with uvicorn in a daemon thread; yields the port (a free one when `port` is 0) once it listens,
-    and stops the server on exit."""
+    and stops the server on exit (RuntimeError if it has not stopped after stop_s: a request handler hangs)."""
     import uvicorn
 
     if port == 0:
@@ -30,4 +31,7 @@ def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_
         yield port
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=stop_s)
+        if thread.is_alive():  # uvicorn waits for every request handler: one is stuck
+            server.force_exit = True
+            raise RuntimeError(f"the server on {host}:{port} did not stop within {stop_s:g} s")

@@ -17,7 +17,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from .. import generation
 from ..llama import Llama
@@ -27,6 +27,10 @@ from ..text import TextAssembler
 
 class Busy(Exception):
     """Every slot is taken and the waiting line is full."""
+
+
+class Cancelled(Exception):
+    """The job's last event after `Scheduler.cancel`: its request handler ends (its client went away)."""
 
 
 @dataclass
@@ -165,28 +169,42 @@ class Scheduler:
                 while self._waiting and len(self._active) < self.n_slots:
                     job = self._waiting.popleft()
                     if job.cancelled:
+                        job.put(Cancelled())
                         continue
                     slot = next(s for s in range(self.n_slots) if s not in self._active)
                     self._active[slot] = job
                     admitted.append((slot, job))
                 cancelled = [s for s, j in self._active.items() if j.cancelled]
             with self.llm._lock:
-                self.llm._take_over()  # nothing else may use the context while the server runs
-                for slot in cancelled:
-                    self._batch.cancel(slot)
-                    self._release(slot, save=False)
-                for slot, job in admitted:
-                    self._start(slot, job)
-                self.peak_batch = max(self.peak_batch, len(self._batch.live))
                 try:
-                    events = self._batch.sample()
-                    self._deliver(events)
-                    self._deliver(self._batch.feed())
-                except Exception as e:  # a failed decode: every live request gets the error, the slots are freed
-                    for slot in list(self._batch.live):
-                        self._batch.cancel(slot)
-                        self._active[slot].put(e)
-                        self._release(slot, save=False)
+                    self._step(cancelled, admitted)
+                except Exception as e:  # a failed step: every request in a slot gets the error, the slots are freed
+                    self._fail_active(e)
+
+    def _step(self, cancelled: List[int], admitted: List[Tuple[int, Job]]) -> None:
+        """Free the cancelled slots, start the admitted jobs, then sample and feed one token for every live slot."""
+        self.llm._take_over()  # nothing else may use the context while the server runs
+        for slot in cancelled:
+            job = self._active[slot]
+            self._batch.cancel(slot)
+            self._release(slot, save=False)
+            job.put(Cancelled())
+        for slot, job in admitted:
+            self._start(slot, job)
+        self.peak_batch = max(self.peak_batch, len(self._batch.live))
+        self._deliver(self._batch.sample())
+        self._deliver(self._batch.feed())
+
+    def _fail_active(self, error: Exception) -> None:
+        for slot, job in list(self._active.items()):
+            self._batch.cancel(slot)
+            self._runs.pop(slot, None)
+            job.put(error)
+            try:
+                self.llm._engine.reset_seq(slot)
+            finally:
+                with self._cv:
+                    self._active.pop(slot, None)
 
     def _start(self, slot: int, job: Job) -> None:
         """Fill the slot with the job's prompt (continuing a saved session when one matches) and join the batch."""
@@ -204,13 +222,13 @@ class Scheduler:
                 self.llm._set_keep(slot, job.n_keep)
             if not feed:
                 raise ValueError("the prompt is empty")
+            sampler = job.params.sampler(self.llm.n_vocab(), _seed(self.llm, job.params))
             engine.eval({slot: feed}, False)
         except Exception as e:
             job.put(e)
             self._release(slot, save=False)
             return
-        run = generation.SeqRun(slot, slot, job.params.sampler(self.llm.n_vocab(), _seed(self.llm, job.params)),
-                                TextAssembler(job.params.stop), job.params.max_tokens)
+        run = generation.SeqRun(slot, slot, sampler, TextAssembler(job.params.stop), job.params.max_tokens)
         self._runs[slot] = run
         job.put(("start", job.reused_tokens, time.perf_counter()))
         self._deliver(self._batch.add(run))
