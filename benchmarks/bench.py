@@ -88,12 +88,18 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         from h2o_local import Llama
 
         setting = parse_setting(cfg["name"])
-        n_ctx = depth + n_dec + 16 if setting.budget is None else 0
-        llm = Llama(cfg["model"], **setting.llama_kwargs(), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+        kwargs = setting.llama_kwargs()
+        n_ctx = depth + n_dec + 16 if setting.budget is None or setting.after_full else 0
+        if setting.after_full:  # the whole prompt in the full cache (scores exported), then compressed to the policy
+            kwargs.update(policy="full", export_scores=True)
+        llm = Llama(cfg["model"], **kwargs, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
                     n_gpu_layers=cfg.get("n_gpu_layers", 0))
         prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
         t0 = time.perf_counter()
         llm.eval(prompt)
+        if setting.after_full:
+            llm.set_policy(setting.policy_value())
+            llm.compress()
         t_prefill = time.perf_counter() - t0
         steps = []
         for _ in range(n_dec):

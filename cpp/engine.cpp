@@ -231,8 +231,11 @@ void Engine::set_keep(llama_seq_id seq, int32_t n_keep) {
 
 void Engine::compress(llama_seq_id seq) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    seq_cache(seq);
+    const int64_t n_evicted = seq_cache(seq).state().n_evicted;
     evict(seq);
+    if (seqs_.at(seq).state().n_evicted > n_evicted) {
+        compact(seq);
+    }
 }
 
 std::string Engine::origin() const {
@@ -339,6 +342,10 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     const size_t window = std::min<size_t>(std::max(policy_->query_window(), 0), n_piece);
     auto window_start = [&](size_t size) { return window > 0 && size > 1 ? size - std::min(window, size) : size; };
     std::map<llama_seq_id, size_t> fed;
+    std::map<llama_seq_id, int64_t> n_evicted;
+    for (const auto & kv : tokens) {
+        n_evicted[kv.first] = seqs_.at(kv.first).state().n_evicted;
+    }
     std::set<llama_seq_id> windows; // sequences whose window is in the current chunk
     size_t n_left = n_total;
     while (n_left > 0) {
@@ -400,6 +407,13 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             evict(kv.first);
         }
     }
+    // a prompt that evicted leaves its kept cells scattered over every cell it went through (single tokens reuse the
+    // lowest free cell, so generation keeps a compact cache compact)
+    for (const auto & kv : tokens) {
+        if (kv.second.size() > 1 && seqs_.at(kv.first).state().n_evicted > n_evicted[kv.first]) {
+            compact(kv.first);
+        }
+    }
 }
 
 void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits,
@@ -455,6 +469,25 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
 
 void Engine::evict(llama_seq_id seq) {
     seqs_.at(seq).evict(*policy_, params_.position_rolling, params_.roll_interval);
+}
+
+// llama.cpp attends cells [0, n_kv) with n_kv padded above the highest used cell, so kept entries spread over the
+// cells a long prompt went through cost what all those cells cost. Saving the sequence's cells and restoring them
+// puts them contiguous at the bottom of its stream (the restore needs a contiguous free run: only done when the
+// sequence has its stream to itself).
+void Engine::compact(llama_seq_id seq) {
+    if (!params_.compact_cells || (params_.kv_unified && params_.n_seq_max > 1)) {
+        return;
+    }
+    SeqCache & sc = seqs_.at(seq);
+    const SeqState state = sc.state();
+    const std::vector<uint8_t> kv = sc.save_kv();
+    if (!sc.restore(kv, state)) {
+        seqs_.erase(seq);
+        last_logits_.erase(seq);
+        throw std::runtime_error("could not move the kept KV cells of sequence " + std::to_string(seq) +
+                                 llama_error_suffix());
+    }
 }
 
 } // namespace h2o

@@ -40,6 +40,7 @@ struct EngineParams {
     bool     scores_sum_rows = false; // force the transpose + sum_rows reduction (the Metal path) on any backend
     bool     export_scores = false;   // export scores even when the policy does not use them
     bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
+    bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
     bool     verbose = false;
     // asked between the chunks of a long prompt; it may throw to stop the feed there (Ctrl-C), leaving the
     // sequences with what was fed so far
@@ -106,6 +107,7 @@ private:
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits,
                 const std::set<llama_seq_id> & windows = {});
     void evict(llama_seq_id seq);
+    void compact(llama_seq_id seq);
 
     EngineParams params_;
     std::unique_ptr<Model>  model_;

@@ -263,6 +263,7 @@ void SeqCache::clear() {
 }
 
 std::vector<uint8_t> SeqCache::save_kv() const {
+    llama_memory_update(ctx_); // a K-shift left by rolling goes into the keys first (the state holds shifted positions)
     std::vector<uint8_t> kv(llama_state_seq_get_size(ctx_, seq_));
     kv.resize(llama_state_seq_get_data(ctx_, kv.data(), kv.size(), seq_));
     return kv;

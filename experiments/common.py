@@ -23,8 +23,9 @@ def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParse
 class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
     `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
-    snapkv), `+roll` / `+rollN` (position rolling, every N tokens) and `+scores` (export scores even if the policy
-    does not need them)."""
+    snapkv), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
+    does not need them), `+nocompact` (leave kept cells where they are) and `+afterfull` (the prompt goes into the
+    full cache, then `compress()` applies the policy: the save / compress pattern)."""
 
     label: str
     policy: str
@@ -35,6 +36,8 @@ class Setting:
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
+    compact: bool = True
+    after_full: bool = False
 
     def budget_for(self, prompt_tokens: Optional[int] = None) -> Optional[int]:
         """Entries kept per sequence (a percentage needs the prompt's length)."""
@@ -50,7 +53,8 @@ class Setting:
     def llama_kwargs(self, prompt_tokens: Optional[int] = None) -> Dict[str, Any]:
         """Keyword arguments of `Llama(...)` for this setting."""
         return {"policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
-                "roll_interval": self.roll_interval, "export_scores": self.export_scores}
+                "roll_interval": self.roll_interval, "export_scores": self.export_scores,
+                "compact_cells": self.compact}
 
 
 def parse_setting(label: str) -> Setting:
@@ -59,6 +63,10 @@ def parse_setting(label: str) -> Setting:
     for s in suffixes:
         if s == "scores":
             fields["export_scores"] = True
+        elif s == "nocompact":
+            fields["compact"] = False
+        elif s == "afterfull":
+            fields["after_full"] = True
         elif s.startswith("roll") and (s[4:] == "" or s[4:].isdigit()):
             fields["rolling"], fields["roll_interval"] = True, int(s[4:] or 1)
         elif s.startswith("s") and s[1:].isdigit():
@@ -66,7 +74,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("w") and s[1:].isdigit():
             fields["window"] = int(s[1:])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +roll, +rollN or +scores)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +roll, +rollN, +scores, +nocompact or +afterfull)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

@@ -73,6 +73,9 @@ class Llama:
         n_gpu_layers: layers offloaded to the GPU (-1: all).
         seed: seed of the sampling RNG; each call without its own seed draws from it.
         kv_f32: store K/V in F32 instead of F16 (twice the bytes; exact position rolling).
+        compact_cells: after a prompt (or `compress()`) evicted, move the kept entries to the lowest KV cells, so
+            that decoding attends about `budget` cells rather than every cell the prompt went through (llama.cpp
+            attends up to the highest used cell). Costs one copy of the kept K/V per prompt; off only to measure it.
         export_scores: export attention scores even when the policy does not rank by them, so that `kv_state()`
             and `last_scores()` show what H2O would see (costs a few percent of speed).
         keep: a protected prefix, never evicted whatever the policy decides (llama.cpp's `--keep`): an int keeps the
@@ -103,6 +106,7 @@ class Llama:
         n_gpu_layers: int = 0,
         seed: int = 0,
         kv_f32: bool = False,
+        compact_cells: bool = True,
         export_scores: bool = False,
         keep: Union[int, str, None] = None,
         chat_template: Optional[str] = None,
@@ -117,7 +121,7 @@ class Llama:
                                      ("n_gpu_layers", n_gpu_layers, None), ("seed", seed, None)):
             check_int(name, value, minimum)
         for name, value in (("position_rolling", position_rolling), ("kv_unified", kv_unified), ("kv_f32", kv_f32),
-                            ("export_scores", export_scores), ("verbose", verbose)):
+                            ("compact_cells", compact_cells), ("export_scores", export_scores), ("verbose", verbose)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
@@ -142,6 +146,7 @@ class Llama:
             scores_sum_rows=bool(_scores_sum_rows),
             export_scores=bool(export_scores),
             kv_f32=bool(kv_f32),
+            compact_cells=bool(compact_cells),
             verbose=bool(verbose),
         )
         self.info = ModelInfo.from_facts(self.model_path, self._engine.facts())
