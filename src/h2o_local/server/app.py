@@ -122,6 +122,9 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            detail = (first.get("ctx") or {}).get("error", "")
+            return _error(400, f"the body is not valid JSON ({detail} at character {first['loc'][-1]})".replace(" ()", ""))
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
 
