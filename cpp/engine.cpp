@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 
 namespace h2o {
@@ -12,6 +13,37 @@ namespace h2o {
 uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool kv_unified) {
     return kv_unified ? n_seq*budget + n_batch : n_seq*(budget + n_batch);
 }
+
+namespace {
+
+// the K cache types llama.cpp supports (its --cache-type-k list); V stays F16 / F32: a quantized V cache needs
+// flash attention, which the score export cannot use
+ggml_type kv_cache_type(const std::string & name) {
+    static const ggml_type types[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
+                                      GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1};
+    std::string names;
+    for (const ggml_type t : types) {
+        if (name == ggml_type_name(t)) {
+            return t;
+        }
+        names += std::string(names.empty() ? "" : ", ") + ggml_type_name(t);
+    }
+    throw std::invalid_argument("type_k must be one of " + names + ", got '" + name + "'");
+}
+
+// elements per key head (GGUF's attention.key_length, else n_embd / n_head)
+int32_t key_head_size(const llama_model * model) {
+    char arch[64] = {0};
+    char value[32] = {0};
+    llama_model_meta_val_str(model, "general.architecture", arch, sizeof(arch));
+    const std::string key = std::string(arch) + ".attention.key_length";
+    if (llama_model_meta_val_str(model, key.c_str(), value, sizeof(value)) > 0) {
+        return std::atoi(value);
+    }
+    return llama_model_n_embd(model) / std::max(llama_model_n_head(model), 1);
+}
+
+} // namespace
 
 Engine::Engine(const std::string & model_path, const EngineParams & params) : params_(params) {
     policy_ = make_policy(params.policy);
@@ -59,6 +91,25 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     if (params.kv_f32) {
         cp.type_k = GGML_TYPE_F32;
         cp.type_v = GGML_TYPE_F32;
+    }
+    if (!params.type_k.empty()) {
+        cp.type_k = kv_cache_type(params.type_k);
+        // the K shift and the per-head views cut keys per head: a head must hold whole quantization blocks
+        const int32_t head = key_head_size(model_->get());
+        if (head % ggml_blck_size(cp.type_k) != 0) {
+            throw std::invalid_argument("type_k '" + params.type_k + "' stores blocks of " +
+                                        std::to_string(ggml_blck_size(cp.type_k)) + " values; this model's key heads "
+                                        "hold " + std::to_string(head) + " (use f16, f32 or bf16)");
+        }
+        // llama.cpp shifts quantized keys through its Hadamard-rotated path only (heads of a multiple of 64 values,
+        // rotation not disabled); the other path crashes inside the K shift
+        const char * rot_disable = std::getenv("LLAMA_ATTN_ROT_DISABLE");
+        const bool rotated = head % 64 == 0 && !(rot_disable && std::atoi(rot_disable));
+        if (params.position_rolling && ggml_is_quantized(cp.type_k) && !rotated) {
+            throw std::invalid_argument("position_rolling with type_k '" + params.type_k + "' needs key heads of a "
+                                        "multiple of 64 values and LLAMA_ATTN_ROT_DISABLE unset (llama.cpp cannot "
+                                        "shift other quantized keys); this model's hold " + std::to_string(head));
+        }
     }
     if (params.n_threads > 0) {
         cp.n_threads       = params.n_threads;
@@ -243,7 +294,8 @@ std::string Engine::origin() const {
     char buf[256];
     snprintf(buf, sizeof(buf), "%s, %d layers, %d/%d heads, n_embd %d, vocabulary %d, %llu parameters, %s KV",
              f.arch.c_str(), f.n_layer, f.n_head, f.n_head_kv, f.n_embd, f.n_vocab, (unsigned long long) f.n_params,
-             params_.kv_f32 ? "F32" : "F16");
+             (params_.type_k.empty() ? std::string(params_.kv_f32 ? "F32" : "F16")
+                                     : params_.type_k + "/" + (params_.kv_f32 ? "F32" : "F16")).c_str());
     return buf;
 }
 

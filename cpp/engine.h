@@ -40,6 +40,7 @@ struct EngineParams {
     bool     scores_sum_rows = false; // force the transpose + sum_rows reduction (the Metal path) on any backend
     bool     export_scores = false;   // export scores even when the policy does not use them
     bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
+    std::string type_k;               // K cells' type by ggml name ("q8_0", "q4_0", ...); empty: as V (F16 or F32)
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
     bool     verbose = false;
     // asked between the chunks of a long prompt; it may throw to stop the feed there (Ctrl-C), leaving the

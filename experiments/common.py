@@ -24,7 +24,7 @@ class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
     `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
     snapkv), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
-    does not need them), `+nocompact` (leave kept cells where they are) and `+afterfull` (the prompt goes into the
+    does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` (K cache type: +kq8_0) and `+afterfull` (the prompt goes into the
     full cache, then `compress()` applies the policy: the save / compress pattern)."""
 
     label: str
@@ -38,6 +38,7 @@ class Setting:
     export_scores: bool = False
     compact: bool = True
     after_full: bool = False
+    type_k: Optional[str] = None
 
     def budget_for(self, prompt_tokens: Optional[int] = None) -> Optional[int]:
         """Entries kept per sequence (a percentage needs the prompt's length)."""
@@ -54,7 +55,7 @@ class Setting:
         """Keyword arguments of `Llama(...)` for this setting."""
         return {"policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
                 "roll_interval": self.roll_interval, "export_scores": self.export_scores,
-                "compact_cells": self.compact}
+                "compact_cells": self.compact, "type_k": self.type_k}
 
 
 def parse_setting(label: str) -> Setting:
@@ -67,6 +68,8 @@ def parse_setting(label: str) -> Setting:
             fields["compact"] = False
         elif s == "afterfull":
             fields["after_full"] = True
+        elif s.startswith("k") and len(s) > 1:
+            fields["type_k"] = s[1:]
         elif s.startswith("roll") and (s[4:] == "" or s[4:].isdigit()):
             fields["rolling"], fields["roll_interval"] = True, int(s[4:] or 1)
         elif s.startswith("s") and s[1:].isdigit():
@@ -74,7 +77,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("w") and s[1:].isdigit():
             fields["window"] = int(s[1:])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +roll, +rollN, +scores, +nocompact or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +roll, +rollN, +scores, +nocompact, +kTYPE or +afterfull)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

@@ -37,10 +37,10 @@ def add_hparams(w, n_ctx_train: int, n_embd: int, n_layer: int, n_ff: int, n_hea
 
 
 def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_layer: int = 2,
-                     chat_template: str = "") -> Path:
+                     chat_template: str = "", n_embd: int = 64) -> Path:
     import gguf
 
-    n_embd, n_head, n_head_kv, n_ff = 64, 4, 2, 128
+    n_head, n_head_kv, n_ff = 4, 2, 128
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
 

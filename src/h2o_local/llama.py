@@ -15,7 +15,7 @@ import numpy as np
 from . import _engine, generation, sampling
 from .chat_template import ChatTemplate, Message, normalize_messages
 from .text import TextAssembler
-from .capacity import cells_needed, largest_batch
+from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
@@ -73,6 +73,10 @@ class Llama:
         n_gpu_layers: layers offloaded to the GPU (-1: all).
         seed: seed of the sampling RNG; each call without its own seed draws from it.
         kv_f32: store K/V in F32 instead of F16 (twice the bytes; exact position rolling).
+        type_k: the K cache's type by ggml name: "q8_0" (K at 0.53 of F16's bytes, a whole cell at 0.77), "q4_0"
+            (0.28, a cell at 0.64), "q4_1", "q5_0", "q5_1", "iq4_nl", "bf16", "f16", "f32"; None: as V. V stays F16 (F32 with kv_f32): llama.cpp quantizes
+            V only with flash attention, which the score export cannot use. Works with eviction, rolling (the K
+            shift dequantizes and requantizes) and snapshots (restored only into the same types).
         compact_cells: after a prompt (or `compress()`) evicted, move the kept entries to the lowest KV cells, so
             that decoding attends about `budget` cells rather than every cell the prompt went through (llama.cpp
             attends up to the highest used cell). Costs one copy of the kept K/V per prompt; off only to measure it.
@@ -106,6 +110,7 @@ class Llama:
         n_gpu_layers: int = 0,
         seed: int = 0,
         kv_f32: bool = False,
+        type_k: Optional[str] = None,
         compact_cells: bool = True,
         export_scores: bool = False,
         keep: Union[int, str, None] = None,
@@ -124,6 +129,8 @@ class Llama:
                             ("compact_cells", compact_cells), ("export_scores", export_scores), ("verbose", verbose)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
+        if type_k is not None and not isinstance(type_k, str):
+            raise TypeError(f"type_k must be a ggml type name such as 'q8_0', got {type_k!r}")
         self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
         if keep is not None and keep != "system":
             check_int("keep", keep, minimum=0)
@@ -146,6 +153,7 @@ class Llama:
             scores_sum_rows=bool(_scores_sum_rows),
             export_scores=bool(export_scores),
             kv_f32=bool(kv_f32),
+            type_k="" if type_k is None else type_k,
             compact_cells=bool(compact_cells),
             verbose=bool(verbose),
         )
@@ -190,7 +198,8 @@ class Llama:
         """
         if kv_limit_bytes < 1 or prompt_tokens < 1 or max_tokens < 0:
             raise ValueError("kv_limit_bytes and prompt_tokens must be >= 1 and max_tokens >= 0")
-        per_cell = ModelInfo.load(model_path).kv_bytes_per_cell * (2 if kwargs.get("kv_f32") else 1)
+        per_cell = kv_bytes_per_cell(ModelInfo.load(model_path).kv_bytes_per_cell, kv_f32=kwargs.get("kv_f32", False),
+                                     type_k=kwargs.get("type_k"))
         n_seq = largest_batch(kv_limit_bytes, bytes_per_cell=max(per_cell, 1), prompt_tokens=prompt_tokens,
                               max_tokens=max_tokens, budget=budget, n_batch=n_batch, kv_unified=kv_unified)
         while n_seq > 0:
