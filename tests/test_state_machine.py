@@ -6,6 +6,7 @@ CI runs a small number of examples; a large run:
 """
 import os
 
+import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -17,6 +18,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
 from h2o_local import H2O, Llama, Local, Sink  # noqa: E402
 
 BUDGET, N_BATCH, N_SEQ = 12, 8, 2
+PROBE = 70  # the token fed to compare a snapshot's continuation with the original's
 EXAMPLES = int(os.environ.get("H2O_LOCAL_FUZZ_EXAMPLES", "12"))
 STEPS = int(os.environ.get("H2O_LOCAL_FUZZ_STEPS", "30"))
 # shrinking a failure can take minutes: CI reports the failing run as found (H2O_LOCAL_FUZZ_SHRINK=1 shrinks it)
@@ -76,14 +78,25 @@ class CacheMachine(RuleBasedStateMachine):
     def save(self, seq):
         # a snapshot of seq 0 carries the token generate showed but did not feed
         pending = self.pending if seq == 0 else 0
-        return (self.llm.save_state(seq), self.llm.kv_state(seq).positions.tolist(), self.seen[seq], self.cells[seq],
-                pending)
+        state = self.llm.save_state(seq)
+        probe = None
+        if self.cells[seq] and not pending:
+            # what the original computes next; put back from the snapshot afterwards (a load must compute the same)
+            self.llm.eval([PROBE], seq_id=seq)
+            probe = self.llm.last_logits(seq).copy()
+            self.llm.load_state(state, seq_id=seq)
+        return state, self.llm.kv_state(seq).positions.tolist(), self.seen[seq], self.cells[seq], pending, probe
 
     @rule(snap=snapshots, seq=seqs)
     def load(self, snap, seq):
-        state, positions, seen, cells, pending = snap
+        state, positions, seen, cells, pending, probe = snap
         self.llm.load_state(state, seq_id=seq)
         assert self.llm.kv_state(seq).positions.tolist() == positions
+        if probe is not None:
+            self.llm.eval([PROBE], seq_id=seq)
+            # cells may sit elsewhere than in the original: float summation order only (a lost K shift: several units)
+            np.testing.assert_allclose(self.llm.last_logits(seq), probe, atol=5e-3)
+            self.llm.load_state(state, seq_id=seq)
         self.seen[seq], self.cells[seq] = seen, cells
         self.pending = pending if seq == 0 else 0
 
