@@ -184,6 +184,15 @@ PYBIND11_MODULE(_engine, m) {
             const auto n = (py::ssize_t) pos.size();
             return py::make_tuple(to_numpy(pos.data(), {n}), to_numpy(sums.data(), {n, (py::ssize_t) e.n_head()}));
         }, py::arg("seq_id") = 0, "The raw scores the patch exported for seq_id in the last llama_decode: (positions, [n, n_head]).")
+        .def("keys", [](const Engine & e, llama_seq_id seq, int32_t il) {
+            std::vector<llama_pos> pos;
+            std::vector<float> keys;
+            int32_t n_embd = 0;
+            without_gil([&] { e.keys(seq, il, pos, keys, n_embd); return 0; });
+            const auto n = (py::ssize_t) pos.size();
+            return py::make_tuple(to_numpy(pos.data(), {n}), to_numpy(keys.data(), {n, (py::ssize_t) n_embd}));
+        }, py::arg("seq_id"), py::arg("layer"),
+           "The cached keys of seq_id's kept entries in a layer, F32 after RoPE: (positions, [n, n_embd_k_gqa]).")
         .def("state", &state_dict, py::arg("seq_id") = 0)
         .def("next_pos", &Engine::next_pos, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
         .def("seq_pos_range", [](const Engine & e, llama_seq_id seq) {

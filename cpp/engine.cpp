@@ -201,6 +201,23 @@ void Engine::last_scores(llama_seq_id seq, std::vector<llama_pos> & pos, std::ve
     sums.assign(s, s + (size_t) n*n_head_);
 }
 
+void Engine::keys(llama_seq_id seq, int32_t il, std::vector<llama_pos> & pos, std::vector<float> & keys,
+                  int32_t & n_embd) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (seq < 0 || (uint32_t) seq >= params_.n_seq_max) {
+        throw std::invalid_argument("seq_id " + std::to_string(seq) + " out of range [0, " + std::to_string(params_.n_seq_max) + ")");
+    }
+    if (il < 0 || il >= model_->facts().n_layer) {
+        throw std::invalid_argument("layer " + std::to_string(il) + " out of range [0, " +
+                                    std::to_string(model_->facts().n_layer) + ")");
+    }
+    const llama_pos * p = nullptr;
+    const float * k = nullptr;
+    const int32_t n = std::max(llama_attn_keys_get(ctx_, seq, il, &p, &n_embd, &k), 0);
+    pos.assign(p, p + n);
+    keys.assign(k, k + (size_t) n*n_embd);
+}
+
 llama_token Engine::sample(llama_seq_id seq, Sampler & sampler) const {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const auto & logits = logits_of(seq);

@@ -85,6 +85,8 @@ public:
     llama_pos next_pos(llama_seq_id seq) const; // position of the next token fed to seq
     // what the patch exported for seq in the last llama_decode: positions and [n][n_head] sums
     void last_scores(llama_seq_id seq, std::vector<llama_pos> & pos, std::vector<float> & sums) const;
+    // the cached keys of seq's kept entries in layer il (F32, after RoPE); n_embd = 0 when the layer has none
+    void keys(llama_seq_id seq, int32_t il, std::vector<llama_pos> & pos, std::vector<float> & keys, int32_t & n_embd) const;
 
     const Model  & model()  const { return *model_; }
     const Policy & policy() const { return *policy_; }

@@ -57,6 +57,15 @@ struct ScoreUpdate {
     bool    window = false;            // these queries are the last Policy::query_window() tokens of a prompt
 };
 
+// The cached keys of one layer for one sequence's kept entries (F32, after RoPE), aligned with SeqScores.
+struct KeyView {
+    const float * keys = nullptr; // [n][n_head_kv][head_dim]
+    int32_t n         = 0;
+    int32_t n_head_kv = 0;
+    int32_t head_dim  = 0;
+    int32_t layer     = 0;        // 0 for the first layer with keys of its own: a scorer starts over there
+};
+
 class Policy {
 public:
     virtual ~Policy() = default;
@@ -73,6 +82,10 @@ public:
     // fold one decode's exported scores into the sequence's scores; the default is H2O's accumulation (the raw
     // probabilities added up, summed over heads in head order, no decay)
     virtual void observe(SeqScores & scores, const ScoreUpdate & update) const;
+
+    // true: before each eviction the engine reads the kept entries' keys and calls observe_keys() once per layer
+    virtual bool needs_keys() const { return false; }
+    virtual void observe_keys(SeqScores & /*scores*/, const KeyView & /*keys*/) const {}
 
     // indices into positions to keep, ascending, following `split` (split(), or what a protected prefix leaves of
     // it); only called with more entries than split.total()

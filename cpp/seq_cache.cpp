@@ -1,5 +1,7 @@
 #include "seq_cache.h"
 
+#include "llama-attn-scores.h"
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -148,6 +150,9 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
         return;
     }
 
+    if (policy.needs_keys()) {
+        observe_keys(policy);
+    }
     const std::vector<size_t> keep = kept_indices(policy);
     std::vector<bool> kept(n, false);
     for (const size_t k : keep) {
@@ -219,6 +224,27 @@ std::vector<size_t> SeqCache::kept_indices(const Policy & policy) const {
         keep.push_back(n_keep + k);
     }
     return keep;
+}
+
+void SeqCache::observe_keys(const Policy & policy) {
+    const llama_model * model = llama_get_model(ctx_);
+    KeyView view;
+    view.n_head_kv = llama_model_n_head_kv(model);
+    for (int32_t il = 0; il < llama_model_n_layer(model); ++il) {
+        const llama_pos * pos = nullptr;
+        int32_t n_embd = 0;
+        const int32_t n = llama_attn_keys_get(ctx_, seq_, il, &pos, &n_embd, &view.keys);
+        if (n < 0) {
+            continue; // a layer that reads another layer's cache
+        }
+        if ((size_t) n != st_.positions.size() || !std::equal(pos, pos + n, st_.positions.begin())) {
+            throw std::logic_error("the cached keys of sequence " + std::to_string(seq_) + " do not match its positions");
+        }
+        view.n = n;
+        view.head_dim = n_embd / view.n_head_kv;
+        policy.observe_keys(st_.scores, view);
+        ++view.layer;
+    }
 }
 
 void SeqCache::roll_positions() {

@@ -64,6 +64,7 @@ public:
     void set_keep(const Policy & policy, int32_t n);
 
 private:
+    void observe_keys(const Policy & policy); // the policy reads the kept entries' keys of every layer
     std::vector<size_t> kept_indices(const Policy & policy) const;
     void roll_positions();
 

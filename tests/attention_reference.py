@@ -50,7 +50,15 @@ class LlamaReference:
 
     def attention(self, tokens: List[int]) -> List[np.ndarray]:
         """Per layer, the softmax probabilities [n_head, n_query, n_key] of a causal pass over `tokens`."""
+        return self.forward(tokens)[0]
+
+    def keys(self, tokens: List[int]) -> List[np.ndarray]:
+        """Per layer, the keys [n, n_head_kv, head_dim] after RoPE: what the KV cache holds for `tokens`."""
+        return self.forward(tokens)[1]
+
+    def forward(self, tokens: List[int]):
         w = self.w
+        keys = []
         x = w["token_embd.weight"][tokens]
         n = len(tokens)
         probs = []
@@ -67,6 +75,7 @@ class LlamaReference:
             q = self._rope(q.reshape(n, self.n_head, d))
             k = self._rope(k.reshape(n, self.n_head_kv, d))
             v = v.reshape(n, self.n_head_kv, d)
+            keys.append(k)
             group = self.n_head // self.n_head_kv
             kh = np.repeat(k, group, axis=1)            # query head h reads KV head h // group
             vh = np.repeat(v, group, axis=1)
@@ -81,7 +90,7 @@ class LlamaReference:
             g = h @ w[f"blk.{il}.ffn_gate.weight"].T
             u = h @ w[f"blk.{il}.ffn_up.weight"].T
             x = x + (g / (1 + np.exp(-g)) * u) @ w[f"blk.{il}.ffn_down.weight"].T
-        return probs
+        return probs, keys
 
     def column_sums(self, tokens: List[int], queries: slice = slice(None)) -> np.ndarray:
         """[n_key, n_head]: probabilities each position received from the chosen queries, summed over layers."""

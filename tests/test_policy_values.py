@@ -6,7 +6,7 @@ from h2o_local import H2O, Full, Llama, Local, SamplingParams, Sink, _engine, po
 
 def test_python_and_cpp_registries_name_the_same_policies():
     assert sorted(policies.REGISTRY) == _engine.policy_names() == [
-        "full", "h2o", "h2o_headnorm", "h2o_maxhead", "h2o_norm", "local", "sink", "snapkv", "tova"]
+        "full", "h2o", "h2o_headnorm", "h2o_maxhead", "h2o_norm", "keydiff", "local", "sink", "snapkv", "tova"]
 
 
 @pytest.mark.parametrize("value,split,bounded,needs_scores", [

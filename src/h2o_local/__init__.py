@@ -7,9 +7,9 @@
 from . import llama_types, models, policies
 from .llama import KVState, Llama
 from .model_info import ModelInfo
-from .policies import H2O, TOVA, Full, H2OHeadNorm, H2OMaxHead, H2ONorm, Local, Policy, Sink, SnapKV
+from .policies import H2O, TOVA, Full, H2OHeadNorm, H2OMaxHead, H2ONorm, KeyDiff, Local, Policy, Sink, SnapKV
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Llama", "KVState", "ModelInfo", "SamplingParams", "Policy", "H2O", "H2ONorm", "H2OMaxHead", "H2OHeadNorm", "TOVA", "SnapKV", "Local", "Sink", "Full", "policies",
+__all__ = ["Llama", "KVState", "ModelInfo", "SamplingParams", "Policy", "H2O", "H2ONorm", "H2OMaxHead", "H2OHeadNorm", "TOVA", "SnapKV", "KeyDiff", "Local", "Sink", "Full", "policies",
            "llama_types", "models", "__version__"]

@@ -212,6 +212,15 @@ class SnapKV(Scored):
     window: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class KeyDiff(Scored):
+    """KeyDiff (arXiv 2504.15364): ranked by how unlike the others an entry's keys are (minus the cosine similarity
+    to the mean of the kept entries' normalised keys, summed over layers and KV heads). Reads the cached keys
+    before each eviction; needs no attention scores. Split as H2O's."""
+
+    name: ClassVar[str] = "keydiff"
+
+
 def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,
             recent: Optional[int] = None, sinks: Optional[int] = None, window: Optional[int] = None) -> Policy:
     """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split

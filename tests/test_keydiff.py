@@ -1,0 +1,77 @@
+"""KeyDiff: eviction by the keys alone. The exported keys equal a NumPy forward pass over the GGUF's weights, and
+the kept set at every step equals an independent NumPy ranking of those keys."""
+import numpy as np
+import pytest
+
+from attention_reference import LlamaReference
+from h2o_local import KeyDiff, Llama, ModelInfo
+
+TEXT = "Keys that stand out are kept, keys like the others go. "
+
+
+def all_keys(llm, seq=0):
+    """{layer: (positions, keys [n, n_embd_k_gqa])} of the cached entries."""
+    return {il: llm._engine.keys(seq, il) for il in range(llm.info.n_layer)}
+
+
+def test_exported_keys_are_the_keys_attention_reads(tiny_model):
+    """F32 cache, no eviction: every layer's cached keys equal the reference's keys after RoPE."""
+    llm = Llama(tiny_model, n_ctx=256, kv_f32=True)
+    tokens = llm.tokenize(TEXT)[:40]
+    llm.eval(tokens)
+    ref = LlamaReference(tiny_model).keys(tokens)
+    for il, (pos, keys) in all_keys(llm).items():
+        assert pos.tolist() == list(range(len(tokens)))
+        np.testing.assert_allclose(keys, ref[il].reshape(len(tokens), -1), rtol=1e-3, atol=1e-4)
+
+
+def keydiff_scores(layers, n_head_kv):
+    """kvpress's KeyDiff per layer and KV head: -cos(k_i, mean_j k_j / |k_j|), summed over layers and heads."""
+    total = 0.0
+    for keys in layers:
+        k = keys.reshape(keys.shape[0], n_head_kv, -1).astype(np.float64)   # [n, head, d]
+        unit = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
+        anchor = unit.mean(axis=0)                                           # [head, d]
+        cos = (k * anchor).sum(-1) / np.maximum(np.linalg.norm(k, axis=-1) * np.linalg.norm(anchor, axis=-1), 1e-8)
+        total = total - cos.sum(axis=1)
+    return total
+
+
+def kept(scores, heavy, recent, sinks=0):
+    n = len(scores)
+    middle = sorted(range(sinks, n - recent), key=lambda i: (-scores[i], i))[:heavy]
+    return sorted(list(range(sinks)) + middle + list(range(n - recent, n)))
+
+
+@pytest.mark.parametrize("budget,heavy,recent,sinks", [(16, 8, 8, 0), (12, 7, 3, 2)])
+def test_keydiff_keeps_what_the_reference_keeps(tiny_model, budget, heavy, recent, sinks):
+    n_head_kv = ModelInfo.load(tiny_model).n_head_kv
+    llm = Llama(tiny_model, policy=KeyDiff(heavy=heavy, recent=recent, sinks=sinks), n_batch=512)
+    assert not llm.policy.needs_scores  # no attention scores exported
+    prompt = llm.tokenize(TEXT * 3)
+    # the prompt fits: attended whole, then compressed once, by the same keys a full cache holds
+    full = Llama(tiny_model, n_ctx=512)
+    full.eval(prompt)
+    before = all_keys(full)
+    llm.eval(prompt)
+    expect = kept(keydiff_scores([k for _, k in before.values()], n_head_kv), heavy, recent, sinks)
+    assert llm.kv_state().positions.tolist() == expect
+    for t in llm.tokenize(TEXT, add_bos=False)[:20]:
+        before = all_keys(llm)                 # the kept entries' keys do not change when a token is fed
+        llm.eval([t])
+        after = all_keys(llm)
+        layers = []
+        for il in before:
+            pos = np.append(before[il][0], after[il][0][-1])   # the new token is always kept: its key is readable
+            layers.append(np.vstack([before[il][1], after[il][1][-1:]]))
+        expect = kept(keydiff_scores(layers, n_head_kv), heavy, recent, sinks)
+        assert llm.kv_state().positions.tolist() == [int(pos[i]) for i in expect]
+    assert llm.kv_state().n_cells == budget
+
+
+def test_keys_of_a_bad_sequence_or_layer_are_refused(tiny_model):
+    llm = Llama(tiny_model, policy="keydiff", budget=16)
+    with pytest.raises(ValueError, match="seq_id"):
+        llm._engine.keys(5, 0)
+    with pytest.raises(ValueError, match="layer"):
+        llm._engine.keys(0, 99)
