@@ -130,12 +130,13 @@ PYBIND11_MODULE(_engine, m) {
         .def(py::init([](const std::string & model_path, const std::string & policy, int32_t budget, int32_t heavy,
                          int32_t recent, int32_t sinks, int32_t window, bool position_rolling, int32_t roll_interval, uint32_t n_ctx, uint32_t n_batch,
                          uint32_t n_seq_max, int32_t n_keep, bool kv_unified, int32_t n_threads, int32_t n_gpu_layers, bool scores_sum_rows,
-                         bool export_scores, bool kv_f32, const std::string & type_k, bool compact_cells, bool verbose) {
+                         bool export_scores, bool kv_f32, const std::string & type_k, const std::string & type_v, bool flash_attn,
+                         bool compact_cells, bool verbose) {
                  EngineParams p;
                  p.policy = policy_config(policy, budget, heavy, recent, sinks, window);
                  p.position_rolling = position_rolling; p.roll_interval = roll_interval; p.n_ctx = n_ctx; p.n_batch = n_batch;
                  p.n_seq_max = n_seq_max; p.n_keep = n_keep; p.kv_unified = kv_unified; p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers;
-                 p.scores_sum_rows = scores_sum_rows; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.type_k = type_k; p.compact_cells = compact_cells; p.verbose = verbose;
+                 p.scores_sum_rows = scores_sum_rows; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.type_k = type_k; p.type_v = type_v; p.flash_attn = flash_attn; p.compact_cells = compact_cells; p.verbose = verbose;
                  p.check_interrupt = [] {
                      py::gil_scoped_acquire gil;
                      if (PyErr_CheckSignals() != 0) {
@@ -149,7 +150,7 @@ PYBIND11_MODULE(_engine, m) {
              py::arg("model_path"), py::kw_only(), py::arg("policy"), py::arg("budget"), py::arg("heavy"),
              py::arg("recent"), py::arg("sinks"), py::arg("window"), py::arg("position_rolling"), py::arg("roll_interval"), py::arg("n_ctx"),
              py::arg("n_batch"), py::arg("n_seq_max"), py::arg("n_keep"), py::arg("kv_unified"), py::arg("n_threads"), py::arg("n_gpu_layers"),
-             py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("type_k"), py::arg("compact_cells"),
+             py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("type_k"), py::arg("type_v"), py::arg("flash_attn"), py::arg("compact_cells"),
              py::arg("verbose"))
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
              py::call_guard<py::gil_scoped_release>(),

@@ -18,7 +18,7 @@ namespace {
 
 // the K cache types llama.cpp supports (its --cache-type-k list); V stays F16 / F32: a quantized V cache needs
 // flash attention, which the score export cannot use
-ggml_type kv_cache_type(const std::string & name) {
+ggml_type kv_cache_type(const char * what, const std::string & name) {
     static const ggml_type types[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
                                       GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1};
     std::string names;
@@ -28,7 +28,7 @@ ggml_type kv_cache_type(const std::string & name) {
         }
         names += std::string(names.empty() ? "" : ", ") + ggml_type_name(t);
     }
-    throw std::invalid_argument("type_k must be one of " + names + ", got '" + name + "'");
+    throw std::invalid_argument(std::string(what) + " must be one of " + names + ", got '" + name + "'");
 }
 
 // elements per key head (GGUF's attention.key_length, else n_embd / n_head)
@@ -86,14 +86,20 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.n_outputs_max   = std::max(cp.n_batch, params.n_seq_max); // a step of n_seq_max sequences has that many outputs
     cp.n_seq_max       = params.n_seq_max;
     cp.kv_unified      = params.kv_unified;
-    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED; // scores need the softmax
+    // scores are read from the softmax, which flash attention never forms
+    if (params.flash_attn && (policy_->needs_scores() || params.export_scores)) {
+        throw std::invalid_argument("flash_attn=True leaves no attention scores to export, and policy '" + policy_->name() +
+                                    "'" + (params.export_scores ? " with export_scores" : "") + " needs them (use "
+                                    "keydiff, local, sink or full with flash attention)");
+    }
+    cp.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.no_perf         = true;
     if (params.kv_f32) {
         cp.type_k = GGML_TYPE_F32;
         cp.type_v = GGML_TYPE_F32;
     }
     if (!params.type_k.empty()) {
-        cp.type_k = kv_cache_type(params.type_k);
+        cp.type_k = kv_cache_type("type_k", params.type_k);
         // the K shift and the per-head views cut keys per head: a head must hold whole quantization blocks
         const int32_t head = key_head_size(model_->get());
         if (head % ggml_blck_size(cp.type_k) != 0) {
@@ -109,6 +115,18 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
             throw std::invalid_argument("position_rolling with type_k '" + params.type_k + "' needs key heads of a "
                                         "multiple of 64 values and LLAMA_ATTN_ROT_DISABLE unset (llama.cpp cannot "
                                         "shift other quantized keys); this model's hold " + std::to_string(head));
+        }
+    }
+    if (!params.type_v.empty()) {
+        cp.type_v = kv_cache_type("type_v", params.type_v);
+        if (ggml_is_quantized(cp.type_v) && !params.flash_attn) {
+            throw std::invalid_argument("a quantized type_v needs flash_attn=True (llama.cpp keeps V unquantized "
+                                        "without flash attention)");
+        }
+        if (key_head_size(model_->get()) % ggml_blck_size(cp.type_v) != 0) {
+            throw std::invalid_argument("type_v '" + params.type_v + "' stores blocks of " +
+                                        std::to_string(ggml_blck_size(cp.type_v)) + " values; this model's heads "
+                                        "hold " + std::to_string(key_head_size(model_->get())));
         }
     }
     if (params.n_threads > 0) {
@@ -274,8 +292,9 @@ void Engine::set_policy(const PolicyConfig & cfg) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     auto policy = make_policy(cfg);
     if (policy->needs_scores() && scores_path_ < 0) {
-        throw std::invalid_argument("policy '" + cfg.name + "' needs attention scores: create the engine with a scoring "
-                                    "policy or export_scores=True");
+        throw std::invalid_argument("policy '" + cfg.name + "' needs attention scores: " +
+                                    (params_.flash_attn ? std::string("flash attention (on) forms no softmax to read them from")
+                                                        : "create the engine with a scoring policy or export_scores=True"));
     }
     const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
     if (policy->bounded() && n_seq_stream*policy->split().total() >= stream_capacity()) {
@@ -306,13 +325,19 @@ void Engine::compress(llama_seq_id seq) {
     }
 }
 
+std::string Engine::kv_types() const {
+    const std::string base = params_.kv_f32 ? "F32" : "F16";
+    const std::string k = params_.type_k.empty() ? base : params_.type_k;
+    const std::string v = params_.type_v.empty() ? base : params_.type_v;
+    return k == v ? k : k + "/" + v;
+}
+
 std::string Engine::origin() const {
     const ModelFacts f = model_->facts();
     char buf[256];
     snprintf(buf, sizeof(buf), "%s, %d layers, %d/%d heads, n_embd %d, vocabulary %d, %llu parameters, %s KV",
              f.arch.c_str(), f.n_layer, f.n_head, f.n_head_kv, f.n_embd, f.n_vocab, (unsigned long long) f.n_params,
-             (params_.type_k.empty() ? std::string(params_.kv_f32 ? "F32" : "F16")
-                                     : params_.type_k + "/" + (params_.kv_f32 ? "F32" : "F16")).c_str());
+             kv_types().c_str());
     return buf;
 }
 

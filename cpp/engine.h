@@ -41,6 +41,8 @@ struct EngineParams {
     bool     export_scores = false;   // export scores even when the policy does not use them
     bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
     std::string type_k;               // K cells' type by ggml name ("q8_0", "q4_0", ...); empty: as V (F16 or F32)
+    std::string type_v;               // V cells' type; a quantized one needs flash_attn (llama.cpp)
+    bool     flash_attn = false;      // only for policies that need no attention scores (no softmax to read)
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
     bool     verbose = false;
     // asked between the chunks of a long prompt; it may throw to stop the feed there (Ctrl-C), leaving the
@@ -106,6 +108,7 @@ private:
     const std::vector<float> & logits_of(llama_seq_id seq) const;
     int32_t size_of(llama_seq_id seq) const;
     std::string origin() const; // what a snapshot must match to be restored here
+    std::string kv_types() const; // "F16", "q8_0/F16", ...
     // windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits,
                 const std::set<llama_seq_id> & windows = {});

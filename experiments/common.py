@@ -24,7 +24,7 @@ class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
     `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
     snapkv), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
-    does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` (K cache type: +kq8_0) and `+afterfull` (the prompt goes into the
+    does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention) and `+afterfull` (the prompt goes into the
     full cache, then `compress()` applies the policy: the save / compress pattern)."""
 
     label: str
@@ -39,6 +39,8 @@ class Setting:
     compact: bool = True
     after_full: bool = False
     type_k: Optional[str] = None
+    type_v: Optional[str] = None
+    flash_attn: bool = False
 
     def budget_for(self, prompt_tokens: Optional[int] = None) -> Optional[int]:
         """Entries kept per sequence (a percentage needs the prompt's length)."""
@@ -55,7 +57,8 @@ class Setting:
         """Keyword arguments of `Llama(...)` for this setting."""
         return {"policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
                 "roll_interval": self.roll_interval, "export_scores": self.export_scores,
-                "compact_cells": self.compact, "type_k": self.type_k}
+                "compact_cells": self.compact, "type_k": self.type_k, "type_v": self.type_v,
+                "flash_attn": self.flash_attn}
 
 
 def parse_setting(label: str) -> Setting:
@@ -68,8 +71,12 @@ def parse_setting(label: str) -> Setting:
             fields["compact"] = False
         elif s == "afterfull":
             fields["after_full"] = True
+        elif s == "fa":
+            fields["flash_attn"] = True
         elif s.startswith("k") and len(s) > 1:
             fields["type_k"] = s[1:]
+        elif s.startswith("v") and len(s) > 1:
+            fields["type_v"] = s[1:]
         elif s.startswith("roll") and (s[4:] == "" or s[4:].isdigit()):
             fields["rolling"], fields["roll_interval"] = True, int(s[4:] or 1)
         elif s.startswith("s") and s[1:].isdigit():
@@ -77,7 +84,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("w") and s[1:].isdigit():
             fields["window"] = int(s[1:])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +roll, +rollN, +scores, +nocompact, +kTYPE or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

@@ -65,8 +65,10 @@ KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 1
                  "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
 
 
-def kv_bytes_per_cell(f16_bytes_per_cell: int, *, kv_f32: bool = False, type_k: Optional[str] = None) -> int:
+def kv_bytes_per_cell(f16_bytes_per_cell: int, *, kv_f32: bool = False, type_k: Optional[str] = None,
+                      type_v: Optional[str] = None) -> int:
     """One token's K and V bytes with these cache types, from its F16 size (K and V are half of it each)."""
-    v = 4.0 if kv_f32 else 2.0
-    k = KV_TYPE_BYTES.get(type_k, v) if type_k else v
+    base = 4.0 if kv_f32 else 2.0
+    k = KV_TYPE_BYTES.get(type_k, base) if type_k else base
+    v = KV_TYPE_BYTES.get(type_v, base) if type_v else base
     return max(1, round(f16_bytes_per_cell / 4 * (k + v)))

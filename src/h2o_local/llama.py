@@ -77,6 +77,9 @@ class Llama:
             (0.28, a cell at 0.64), "q4_1", "q5_0", "q5_1", "iq4_nl", "bf16", "f16", "f32"; None: as V. V stays F16 (F32 with kv_f32): llama.cpp quantizes
             V only with flash attention, which the score export cannot use. Works with eviction, rolling (the K
             shift dequantizes and requantizes) and snapshots (restored only into the same types).
+        type_v: the V cache's type; a quantized one ("q8_0", ...) needs flash_attn=True.
+        flash_attn: llama.cpp's flash attention (faster and leaner on GPUs and many CPUs). It forms no softmax, so
+            only policies that need no attention scores can use it: keydiff (keys only), local, sink, full.
         compact_cells: after a prompt (or `compress()`) evicted, move the kept entries to the lowest KV cells, so
             that decoding attends about `budget` cells rather than every cell the prompt went through (llama.cpp
             attends up to the highest used cell). Costs one copy of the kept K/V per prompt; off only to measure it.
@@ -111,6 +114,8 @@ class Llama:
         seed: int = 0,
         kv_f32: bool = False,
         type_k: Optional[str] = None,
+        type_v: Optional[str] = None,
+        flash_attn: bool = False,
         compact_cells: bool = True,
         export_scores: bool = False,
         keep: Union[int, str, None] = None,
@@ -126,11 +131,13 @@ class Llama:
                                      ("n_gpu_layers", n_gpu_layers, None), ("seed", seed, None)):
             check_int(name, value, minimum)
         for name, value in (("position_rolling", position_rolling), ("kv_unified", kv_unified), ("kv_f32", kv_f32),
-                            ("compact_cells", compact_cells), ("export_scores", export_scores), ("verbose", verbose)):
+                            ("compact_cells", compact_cells), ("flash_attn", flash_attn), ("export_scores", export_scores),
+                            ("verbose", verbose)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
-        if type_k is not None and not isinstance(type_k, str):
-            raise TypeError(f"type_k must be a ggml type name such as 'q8_0', got {type_k!r}")
+        for name, value in (("type_k", type_k), ("type_v", type_v)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a ggml type name such as 'q8_0', got {value!r}")
         self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
         if keep is not None and keep != "system":
             check_int("keep", keep, minimum=0)
@@ -154,6 +161,8 @@ class Llama:
             export_scores=bool(export_scores),
             kv_f32=bool(kv_f32),
             type_k="" if type_k is None else type_k,
+            type_v="" if type_v is None else type_v,
+            flash_attn=bool(flash_attn),
             compact_cells=bool(compact_cells),
             verbose=bool(verbose),
         )
@@ -199,7 +208,7 @@ class Llama:
         if kv_limit_bytes < 1 or prompt_tokens < 1 or max_tokens < 0:
             raise ValueError("kv_limit_bytes and prompt_tokens must be >= 1 and max_tokens >= 0")
         per_cell = kv_bytes_per_cell(ModelInfo.load(model_path).kv_bytes_per_cell, kv_f32=kwargs.get("kv_f32", False),
-                                     type_k=kwargs.get("type_k"))
+                                     type_k=kwargs.get("type_k"), type_v=kwargs.get("type_v"))
         n_seq = largest_batch(kv_limit_bytes, bytes_per_cell=max(per_cell, 1), prompt_tokens=prompt_tokens,
                               max_tokens=max_tokens, budget=budget, n_batch=n_batch, kv_unified=kv_unified)
         while n_seq > 0:
