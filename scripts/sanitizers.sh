@@ -21,7 +21,10 @@ UBSAN_LIB=$(gcc -print-file-name=libubsan.so)
 export LD_PRELOAD="$ASAN_LIB:$UBSAN_LIB"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-export PYTHONPATH="$PWD/$OUT/site"
-python -c "import h2o_local._engine as e, sys; assert e.__file__.startswith('$PWD/$OUT'), e.__file__"
+# python -S skips the .pth files, so an editable install of h2o_local cannot shadow the sanitized build; the
+# installed packages (numpy, pytest, ...) stay reachable through PYTHONPATH
+SITE=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+export PYTHONPATH="$PWD/$OUT/site:$SITE"
+python -S -c "import h2o_local._engine as e, sys; assert e.__file__.startswith('$PWD/$OUT'), e.__file__"
 if [ $# -eq 0 ]; then set -- tests; fi
-python -m pytest -q -p no:cacheprovider "$@"
+python -S -m pytest -q -p no:cacheprovider "$@"
