@@ -1,6 +1,11 @@
 // pybind11 bindings: h2o_local._engine. The Python package (h2o_local/) is the user API; this is its engine room.
 #include "engine.h"
 
+#include "ggml-backend.h"
+#ifdef GGML_USE_RPC
+#include "ggml-rpc.h"
+#endif
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -118,6 +123,20 @@ PYBIND11_MODULE(_engine, m) {
        py::arg("window") = -1,
        "Validate a policy and return its resolved split: {name, bounded, needs_scores, sinks, heavy, recent, query_window}.");
 
+    m.def("rpc_serve", [](const std::string & endpoint, int32_t n_threads) {
+        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        if (cpu == nullptr) {
+            throw std::runtime_error("no CPU backend to serve");
+        }
+#ifdef GGML_USE_RPC
+        py::gil_scoped_release release;
+        ggml_backend_rpc_start_server(endpoint.c_str(), nullptr, (size_t) std::max(n_threads, 1), 1, &cpu);
+#else
+        throw std::runtime_error("this build has no RPC backend (built with -DH2O_LOCAL_RPC=OFF)");
+#endif
+    }, py::arg("endpoint"), py::arg("n_threads"),
+       "Serve this machine's CPU backend to ggml RPC clients at host:port (blocks; never returns on success).");
+
     py::class_<Model> model(m, "Model", "The model's metadata and vocabulary, without its weights.");
     model.def(py::init([](const std::string & path) {
         py::gil_scoped_release release;
@@ -131,12 +150,12 @@ PYBIND11_MODULE(_engine, m) {
                          int32_t recent, int32_t sinks, int32_t window, bool position_rolling, int32_t roll_interval, uint32_t n_ctx, uint32_t n_batch,
                          uint32_t n_seq_max, int32_t n_keep, bool kv_unified, int32_t n_threads, int32_t n_gpu_layers, bool scores_sum_rows,
                          bool export_scores, bool kv_f32, const std::string & type_k, const std::string & type_v, bool flash_attn,
-                         bool compact_cells, bool verbose) {
+                         const std::vector<std::string> & rpc_servers, bool compact_cells, bool verbose) {
                  EngineParams p;
                  p.policy = policy_config(policy, budget, heavy, recent, sinks, window);
                  p.position_rolling = position_rolling; p.roll_interval = roll_interval; p.n_ctx = n_ctx; p.n_batch = n_batch;
                  p.n_seq_max = n_seq_max; p.n_keep = n_keep; p.kv_unified = kv_unified; p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers;
-                 p.scores_sum_rows = scores_sum_rows; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.type_k = type_k; p.type_v = type_v; p.flash_attn = flash_attn; p.compact_cells = compact_cells; p.verbose = verbose;
+                 p.scores_sum_rows = scores_sum_rows; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.type_k = type_k; p.type_v = type_v; p.flash_attn = flash_attn; p.rpc_servers = rpc_servers; p.compact_cells = compact_cells; p.verbose = verbose;
                  p.check_interrupt = [] {
                      py::gil_scoped_acquire gil;
                      if (PyErr_CheckSignals() != 0) {
@@ -150,7 +169,7 @@ PYBIND11_MODULE(_engine, m) {
              py::arg("model_path"), py::kw_only(), py::arg("policy"), py::arg("budget"), py::arg("heavy"),
              py::arg("recent"), py::arg("sinks"), py::arg("window"), py::arg("position_rolling"), py::arg("roll_interval"), py::arg("n_ctx"),
              py::arg("n_batch"), py::arg("n_seq_max"), py::arg("n_keep"), py::arg("kv_unified"), py::arg("n_threads"), py::arg("n_gpu_layers"),
-             py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("type_k"), py::arg("type_v"), py::arg("flash_attn"), py::arg("compact_cells"),
+             py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("type_k"), py::arg("type_v"), py::arg("flash_attn"), py::arg("rpc_servers"), py::arg("compact_cells"),
              py::arg("verbose"))
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
              py::call_guard<py::gil_scoped_release>(),

@@ -57,7 +57,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         throw std::invalid_argument("roll_interval must be >= 1 (tokens), got " + std::to_string(params.roll_interval));
     }
 
-    model_ = std::make_unique<Model>(model_path, params.n_gpu_layers, false, params.verbose);
+    model_ = std::make_unique<Model>(model_path, params.n_gpu_layers, false, params.verbose, params.rpc_servers);
 
     // cells per stream: the budgets of all sequences + one batch (unified), or a budget + one batch per sequence
     const uint32_t n_stream   = params.kv_unified ? 1 : params.n_seq_max;

@@ -43,6 +43,7 @@ struct EngineParams {
     std::string type_k;               // K cells' type by ggml name ("q8_0", "q4_0", ...); empty: as V (F16 or F32)
     std::string type_v;               // V cells' type; a quantized one needs flash_attn (llama.cpp)
     bool     flash_attn = false;      // only for policies that need no attention scores (no softmax to read)
+    std::vector<std::string> rpc_servers; // "host:port" of ggml RPC servers that take the offloaded layers
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
     bool     verbose = false;
     // asked between the chunks of a long prompt; it may throw to stop the feed there (Ctrl-C), leaving the

@@ -3,6 +3,11 @@
 // llama.cpp internals, for the per-layer K/V widths (not in the public API)
 #include "llama-model.h"
 
+#include "ggml-backend.h"
+#ifdef GGML_USE_RPC
+#include "ggml-rpc.h"
+#endif
+
 #include <cstdio>
 #include <mutex>
 #include <stdexcept>
@@ -46,12 +51,42 @@ std::string llama_error_suffix() {
     return g_last_error.empty() ? "" : " (llama.cpp: " + g_last_error + ")";
 }
 
-Model::Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only, bool verbose) {
+// the devices of ggml RPC servers, for this model only (never registered globally: a later model without
+// rpc_servers must not offload to them); nullptr-terminated
+static std::vector<ggml_backend_dev_t> rpc_devices(const std::vector<std::string> & servers) {
+    std::vector<ggml_backend_dev_t> devices;
+#ifndef GGML_USE_RPC
+    throw std::invalid_argument("this build has no RPC backend (built with -DH2O_LOCAL_RPC=OFF)");
+#endif
+    for (const std::string & endpoint : servers) {
+#ifdef GGML_USE_RPC
+        ggml_backend_reg_t reg = ggml_backend_rpc_add_server(endpoint.c_str());
+#else
+        ggml_backend_reg_t reg = nullptr;
+#endif
+        if (reg == nullptr) {
+            throw std::runtime_error("cannot reach the RPC server at " + endpoint + " (is `h2o-local rpc-server` running there?)");
+        }
+        for (size_t i = 0; i < ggml_backend_reg_dev_count(reg); ++i) {
+            devices.push_back(ggml_backend_reg_dev_get(reg, i));
+        }
+    }
+    devices.push_back(nullptr);
+    return devices;
+}
+
+Model::Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only, bool verbose,
+             const std::vector<std::string> & rpc_servers) {
     init_backend(verbose);
     clear_llama_error();
 
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = n_gpu_layers;
+    std::vector<ggml_backend_dev_t> devices;
+    if (!rpc_servers.empty()) {
+        devices = rpc_devices(rpc_servers);
+        mp.devices = devices.data();
+    }
     mp.no_alloc     = metadata_only;
     if (metadata_only) {
         mp.load_mode = LLAMA_LOAD_MODE_NONE; // llama.cpp's memory-fit pass: no weights read, nothing mapped

@@ -31,7 +31,9 @@ struct ModelFacts {
 class Model {
 public:
     // metadata_only: hyperparameters, vocabulary and tensor table, no weights (for facts and tokenizing)
-    Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only, bool verbose);
+    // rpc_servers: "host:port" of ggml RPC servers; the offloaded layers (n_gpu_layers) then go to their devices
+    Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only, bool verbose,
+          const std::vector<std::string> & rpc_servers = {});
     ~Model();
     Model(const Model &) = delete;
     Model & operator=(const Model &) = delete;

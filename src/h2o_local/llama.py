@@ -78,6 +78,8 @@ class Llama:
             V only with flash attention, which the score export cannot use. Works with eviction, rolling (the K
             shift dequantizes and requantizes) and snapshots (restored only into the same types).
         type_v: the V cache's type; a quantized one ("q8_0", ...) needs flash_attn=True.
+        rpc_servers: "host:port" of `h2o-local rpc-server` processes (llama.cpp's RPC backend); the offloaded
+            layers (`n_gpu_layers`) run there, split by their free memory. Scores and eviction work as locally.
         flash_attn: llama.cpp's flash attention (faster and leaner on GPUs and many CPUs). It forms no softmax, so
             only policies that need no attention scores can use it: keydiff (keys only), local, sink, full.
         compact_cells: after a prompt (or `compress()`) evicted, move the kept entries to the lowest KV cells, so
@@ -116,6 +118,7 @@ class Llama:
         type_k: Optional[str] = None,
         type_v: Optional[str] = None,
         flash_attn: bool = False,
+        rpc_servers: Optional[Sequence[str]] = None,
         compact_cells: bool = True,
         export_scores: bool = False,
         keep: Union[int, str, None] = None,
@@ -135,6 +138,8 @@ class Llama:
                             ("verbose", verbose)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
+        for endpoint in _rpc_endpoints(rpc_servers):
+            _check_reachable(endpoint)
         for name, value in (("type_k", type_k), ("type_v", type_v)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a ggml type name such as 'q8_0', got {value!r}")
@@ -163,6 +168,7 @@ class Llama:
             type_k="" if type_k is None else type_k,
             type_v="" if type_v is None else type_v,
             flash_attn=bool(flash_attn),
+            rpc_servers=_rpc_endpoints(rpc_servers),
             compact_cells=bool(compact_cells),
             verbose=bool(verbose),
         )
@@ -748,3 +754,27 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x = x - x.max()
     return x - np.log(np.exp(x).sum())
+
+
+def _rpc_endpoints(rpc_servers: Optional[Sequence[str]]) -> List[str]:
+    if rpc_servers is None:
+        return []
+    if isinstance(rpc_servers, str) or not all(isinstance(e, str) for e in rpc_servers):
+        raise TypeError(f"rpc_servers must be a list of 'host:port' strings, got {rpc_servers!r}")
+    for e in rpc_servers:
+        host, _, port = e.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"rpc_servers: {e!r} is not 'host:port'")
+    return list(rpc_servers)
+
+
+def _check_reachable(endpoint: str, timeout_s: float = 5.0) -> None:
+    """llama.cpp's RPC client aborts the process when it cannot connect: find out first."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"cannot reach the RPC server at {endpoint} ({e}); start one there with "
+                              f"`h2o-local rpc-server --host HOST --port {port}`") from None

@@ -4,13 +4,14 @@
     h2o-local chat [--system TEXT]             chat in the terminal; the cache is kept across turns
     h2o-local serve [--port 8000]              an OpenAI-compatible server (pip install "h2o_local[server]")
     h2o-local inspect TEXT|FILE --policy ...   which tokens each policy keeps, as HTML and PNG
+    h2o-local rpc-server [--port 50052]        lend this machine's CPU to another one's model (llama.cpp RPC)
 """
 from __future__ import annotations
 
 import sys
 from typing import List, Optional
 
-COMMANDS = ("generate", "chat", "serve", "inspect")
+COMMANDS = ("generate", "chat", "serve", "inspect", "rpc-server")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -22,6 +23,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .serve import main as run
     elif command == "inspect":
         from .inspect_kv import main as run
+    elif command == "rpc-server":
+        from .rpc_server import main as run
     else:
         from .generate import main as run
     try:

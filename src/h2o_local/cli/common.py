@@ -28,7 +28,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    help="with rolling, renumber positions once per this many evicted tokens (default: every eviction)")
     g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
     g.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
-    g.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
+    g.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU or RPC servers (-1: all)")
+    g.add_argument("--rpc", action="append", metavar="HOST:PORT",
+                   help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
     g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
     g.add_argument("--seed", type=int, default=0)
 
@@ -56,7 +58,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                                                        sinks=args.sinks, window=args.window)
         return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
-                     n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, seed=args.seed,
+                     n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
                      chat_template=template, **extra)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         ap.error(str(e))

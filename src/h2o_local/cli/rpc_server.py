@@ -1,0 +1,29 @@
+"""h2o-local rpc-server: lend this machine's CPU to a model loaded elsewhere (llama.cpp's RPC backend).
+
+On the machine that runs the model: `Llama(path, rpc_servers=["HOST:PORT"], n_gpu_layers=N)` (or `--rpc HOST:PORT`
+with `--n-gpu-layers N`) puts N layers here; scores and eviction work as on one machine. The protocol has no
+authentication or encryption: listen on 127.0.0.1 or a trusted network only. Ctrl-C stops the server.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="h2o-local rpc-server", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    ap.add_argument("--port", type=int, default=50052)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for the layers served here")
+    args = ap.parse_args(argv)
+    if not 0 < args.port < 65536 or args.threads < 1:
+        ap.error("--port must be in 1..65535 and --threads >= 1")
+    from .. import _engine
+
+    # the server loop runs in C and never returns to Python: let Ctrl-C end the process as it would any C server
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    print(f"h2o-local rpc-server: serving this CPU on {args.host}:{args.port} ({args.threads} threads)", flush=True)
+    _engine.rpc_serve(f"{args.host}:{args.port}", args.threads)
+    return 1  # only reached when the server could not start (its reason is printed above)

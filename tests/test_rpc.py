@@ -1,0 +1,60 @@
+"""llama.cpp's RPC backend: layers offloaded to an `h2o-local rpc-server` on loopback give the tokens, the kept
+entries and the exported scores of the local run."""
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from h2o_local import Llama
+
+TEXT = "Layers on another machine attend the same way as layers here. " * 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rpc_server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "h2o_local", "rpc-server", "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the RPC server did not start: {proc.stdout.read().decode(errors='replace')}")
+            time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "keydiff"])
+def test_offloading_layers_over_rpc_changes_nothing(tiny_model, rpc_server, policy):
+    local = Llama(tiny_model, policy=policy, budget=24, n_batch=32)
+    remote = Llama(tiny_model, policy=policy, budget=24, n_batch=32, rpc_servers=[rpc_server], n_gpu_layers=1)
+    prompt = local.tokenize(TEXT)
+    out_local = local.generate(prompt, max_tokens=16, temperature=0)
+    out_remote = remote.generate(prompt, max_tokens=16, temperature=0)
+    assert out_remote == out_local
+    a, b = local.kv_state(), remote.kv_state()
+    assert b.positions.tolist() == a.positions.tolist() and b.n_evicted == a.n_evicted > 0
+    np.testing.assert_allclose(b.scores, a.scores, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unreachable_or_malformed_rpc_server_is_a_clear_error(tiny_model):
+    with pytest.raises(ConnectionError, match="cannot reach the RPC server"):
+        Llama(tiny_model, budget=16, rpc_servers=[f"127.0.0.1:{free_port()}"], n_gpu_layers=1)
+    with pytest.raises(ValueError, match="not 'host:port'"):
+        Llama(tiny_model, budget=16, rpc_servers=["localhost"], n_gpu_layers=1)
+    with pytest.raises(TypeError, match="list of 'host:port'"):
+        Llama(tiny_model, budget=16, rpc_servers="127.0.0.1:50052")
