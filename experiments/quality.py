@@ -224,11 +224,41 @@ def summarize(records: Iterable[dict], metrics: Sequence[str], settings: Sequenc
     return out
 
 
+def paired_with_h2o(records: Sequence[dict], settings: Sequence[str]) -> List[list]:
+    """Per setting, mean ± standard error over prompts of (setting - h2o at the same size, same prefill mode): the
+    prompts' own difficulty cancels, so small differences show that the unpaired means cannot separate."""
+    by = {(r["setting"], r["prefill"], r["row"]): r for r in records}
+    out = []
+    for label in settings:
+        s = parse_setting(label)
+        if s.policy in ("full", "h2o") and s.sinks is None and s.window is None:
+            continue
+        size = f"{s.percent:g}%" if s.percent is not None else str(s.budget)
+        base = f"h2o-{size}"
+        for mode in ("all", "bounded"):
+            pairs = [(by[(label, mode, row)], by[(base, mode, row)]) for (lab, m, row) in by
+                     if lab == label and m == mode and (base, mode, row) in by]
+            if len(pairs) < 2:
+                continue
+            cells = [label, mode, len(pairs)]
+            for m in ("agree", "kl"):
+                mean, se = mean_se([a[m] - b[m] for a, b in pairs])
+                cells.append(f"{mean:+.3f} ± {se:.3f}")
+            out.append(cells)
+    return out
+
+
 def write_report(args, records: Records) -> None:
     metrics = ["agree", "kl"] if args.task == FIDELITY else ["right"]
     lines = [f"# {args.task}: {Path(args.model).name}", "", f"`{' '.join(sys.argv)}`", "",
              "Means ± standard errors over " + ("prompts" if args.task == FIDELITY else "trials") + "; n = rows.", ""]
     lines += table(["setting", "prefill", "n", *metrics], summarize(records.rows, metrics, args.settings))
+    if args.task == FIDELITY:
+        paired = paired_with_h2o(records.rows, args.settings)
+        if paired:
+            lines += ["", "Against plain h2o at the same size, paired over the same prompts (setting - h2o; "
+                      "agreement up and KL down are better):", ""]
+            lines += table(["setting", "prefill", "n", "agree diff", "kl diff"], paired)
     if args.task == PASSKEY:
         lines += ["", "By length and depth (right / trials):", ""]
         cells = defaultdict(list)
