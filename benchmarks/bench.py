@@ -238,10 +238,22 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
                 if st.budget and st.policy not in ("h2o", "full", "local"):
                     pairs += [(f"decode {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "decode_tok_s"),
                               (f"prefill {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "prefill_tok_s")]
+        for name in names:  # a suffix against the same setting without it (+nocompact, +fa, +kq8_0, ...)
+            base = name.rsplit("+", 1)[0]
+            if "+" in name and base in names:
+                pairs += [(f"decode {name} / {base}", name, base, "decode_tok_s"),
+                          (f"prefill {name} / {base}", name, base, "prefill_tok_s")]
         for label, a, b, metric in pairs:
             va, vb = val(a, metric), val(b, metric)
             if va and vb:
                 lines.append(f"| {d} | {label} | {va / vb:.3f} |")
+        short = summary.get(("full", depths[0]))
+        if d != depths[0] and short:  # a bounded cache deep in a text against the full cache at the shortest depth
+            for name in names:
+                s = summary.get((name, d))
+                if s and name not in ("full", "llama-cpp-python") and parse_setting(name).budget:
+                    lines.append(f"| {d} | decode {name} / full at {depths[0]} tokens | "
+                                 f"{s['decode_tok_s'] / short['decode_tok_s']:.3f} |")
     lines += ["", "## Decode roofline", "",
               "Bytes read per generated token = weights + KV in use (cells x bytes per cell); roofline tokens/s = "
               "copy bandwidth / bytes per token.", "",

@@ -2,7 +2,8 @@
 # Build the extension (and llama.cpp inside it) with AddressSanitizer + UndefinedBehaviorSanitizer into its own
 # folder, then run the test suite against that build. Any report fails the run.
 #
-#   bash scripts/sanitizers.sh              # the whole suite
+#   bash scripts/sanitizers.sh                       # the whole suite
+#   bash scripts/sanitizers.sh -m "not slow" tests   # without the real-model tests (about 10x slower under ASan)
 #   bash scripts/sanitizers.sh tests/test_reliability.py tests/test_state_machine.py
 #
 # Needs gcc's libasan / libubsan (Debian: part of gcc). Leak detection is off: CPython itself keeps memory at exit.

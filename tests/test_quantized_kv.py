@@ -44,6 +44,7 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_q8_0_keys_stay_close_to_f16_and_q4_0_less_so(smol_model, long_text):
     """SmolLM2 over 400 tokens of prose, no eviction: per-token top-1 agreement with the F16 cache and KL(f16 || q).
     Measured: q8_0 0.945 / 0.0044, q4_0 0.84 / 0.052."""
