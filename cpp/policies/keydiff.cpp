@@ -25,33 +25,34 @@ public:
         const int64_t n = k.n;
         const int64_t d = k.head_dim;
         const int64_t row = (int64_t) k.n_head_kv*d;
-        std::vector<double> norm(n);
-        std::vector<double> anchor(d);
+        std::vector<float> norm(n);
+        std::vector<float> anchor(d);
         for (int64_t h = 0; h < k.n_head_kv; ++h) {
-            std::fill(anchor.begin(), anchor.end(), 0.0);
+            std::fill(anchor.begin(), anchor.end(), 0.0f);
             for (int64_t i = 0; i < n; ++i) {
                 const float * key = k.keys + i*row + h*d;
-                double sq = 0.0;
+                float sq = 0.0f;
                 for (int64_t j = 0; j < d; ++j) {
-                    sq += (double) key[j]*key[j];
+                    sq += key[j]*key[j];
                 }
-                norm[i] = std::max(std::sqrt(sq), 1e-12); // F.normalize's eps
+                norm[i] = std::max(std::sqrt(sq), 1e-12f); // F.normalize's eps
+                const float w = 1.0f/(norm[i]*(float) n);  // the anchor is the mean of the unit keys
                 for (int64_t j = 0; j < d; ++j) {
-                    anchor[j] += key[j]/norm[i]/(double) n;
+                    anchor[j] += key[j]*w;
                 }
             }
-            double anchor_sq = 0.0;
+            float anchor_sq = 0.0f;
             for (int64_t j = 0; j < d; ++j) {
                 anchor_sq += anchor[j]*anchor[j];
             }
-            const double anchor_norm = std::sqrt(anchor_sq);
+            const float anchor_norm = std::sqrt(anchor_sq);
             for (int64_t i = 0; i < n; ++i) {
                 const float * key = k.keys + i*row + h*d;
-                double dot = 0.0;
+                float dot = 0.0f;
                 for (int64_t j = 0; j < d; ++j) {
                     dot += key[j]*anchor[j];
                 }
-                s.total[i] -= (float) (dot/std::max(norm[i]*anchor_norm, 1e-8)); // F.cosine_similarity's eps
+                s.total[i] -= dot/std::max(norm[i]*anchor_norm, 1e-8f); // F.cosine_similarity's eps
             }
         }
     }
