@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 
 namespace h2o {
@@ -231,7 +232,7 @@ void Engine::keys(llama_seq_id seq, int32_t il, std::vector<llama_pos> & pos, st
     }
     const llama_pos * p = nullptr;
     const float * k = nullptr;
-    const int32_t n = std::max(llama_attn_keys_get(ctx_, seq, il, &p, &n_embd, &k), 0);
+    const int32_t n = std::max(llama_attn_keys_get(ctx_, seq, il, std::numeric_limits<llama_pos>::min(), &p, &n_embd, &k), 0);
     pos.assign(p, p + n);
     keys.assign(k, k + (size_t) n*n_embd);
 }

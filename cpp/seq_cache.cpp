@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 
 namespace h2o {
@@ -193,6 +194,20 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     }
     st_.positions.swap(positions);
     st_.scores = std::move(kept_scores);
+    if (key_rows_ == n && !keys_.empty()) {
+        for (auto & rows : keys_) {
+            const size_t n_embd = rows.size()/n;
+            std::vector<float> kept_rows;
+            kept_rows.reserve(keep.size()*n_embd);
+            for (const size_t k : keep) {
+                kept_rows.insert(kept_rows.end(), rows.begin() + k*n_embd, rows.begin() + (k + 1)*n_embd);
+            }
+            rows.swap(kept_rows);
+        }
+        key_rows_ = keep.size();
+    } else {
+        forget_keys();
+    }
     st_.n_evicted += (int64_t) (n - keep.size());
 
     // a K shift rotates every cached key in every layer: deferring it keeps positions below budget + interval
@@ -228,26 +243,43 @@ std::vector<size_t> SeqCache::kept_indices(const Policy & policy) const {
 
 void SeqCache::observe_keys(const Policy & policy) {
     const llama_model * model = llama_get_model(ctx_);
+    const size_t n = st_.positions.size();
+    if (key_rows_ > n) {
+        forget_keys();
+    }
+    const llama_pos p_min = key_rows_ == 0 ? std::numeric_limits<llama_pos>::min() : st_.positions[key_rows_ - 1] + 1;
+    const bool fresh = keys_.empty();
     KeyView view;
     view.n_head_kv = llama_model_n_head_kv(model);
     for (int32_t il = 0; il < llama_model_n_layer(model); ++il) {
         const llama_pos * pos = nullptr;
+        const float * keys = nullptr;
         int32_t n_embd = 0;
-        const int32_t n = llama_attn_keys_get(ctx_, seq_, il, &pos, &n_embd, &view.keys);
-        if (n < 0) {
+        const int32_t n_new = llama_attn_keys_get(ctx_, seq_, il, p_min, &pos, &n_embd, &keys);
+        if (n_new < 0) {
             continue; // a layer that reads another layer's cache
         }
-        if ((size_t) n != st_.positions.size() || !std::equal(pos, pos + n, st_.positions.begin())) {
+        if (fresh) {
+            keys_.emplace_back();
+        }
+        if ((size_t) view.layer >= keys_.size() || key_rows_ + (size_t) n_new != n ||
+            !std::equal(pos, pos + n_new, st_.positions.begin() + key_rows_)) {
+            forget_keys();
             throw std::logic_error("the cached keys of sequence " + std::to_string(seq_) + " do not match its positions");
         }
-        view.n = n;
+        auto & rows = keys_[view.layer];
+        rows.insert(rows.end(), keys, keys + (size_t) n_new*n_embd);
+        view.keys = rows.data();
+        view.n = (int32_t) n;
         view.head_dim = n_embd / view.n_head_kv;
         policy.observe_keys(st_.scores, view);
         ++view.layer;
     }
+    key_rows_ = n;
 }
 
 void SeqCache::roll_positions() {
+    forget_keys(); // the K shift at the next decode rotates every key
     auto & p = st_.positions;
     const size_t n = p.size();
 
@@ -278,10 +310,12 @@ void SeqCache::set_keep(const Policy & policy, int32_t n) {
 }
 
 void SeqCache::drop_unfinished() {
+    forget_keys();
     llama_memory_seq_rm(mem_, seq_, st_.next_pos, -1);
 }
 
 void SeqCache::clear() {
+    forget_keys();
     llama_memory_seq_rm(mem_, seq_, -1, -1);
     const int32_t n_head = st_.scores.n_head;
     st_ = SeqState();

@@ -68,10 +68,17 @@ private:
     std::vector<size_t> kept_indices(const Policy & policy) const;
     void roll_positions();
 
+    void forget_keys() { keys_.clear(); key_rows_ = 0; }
+
     llama_context * ctx_;
     llama_memory_t  mem_;
     llama_seq_id    seq_;
     SeqState        st_;
+
+    // a key scorer's copy of the kept entries' keys, per layer with keys of its own ([row][n_embd]), for the first
+    // key_rows_ positions: only new tokens are read at the next eviction (keys change only when positions roll)
+    std::vector<std::vector<float>> keys_;
+    size_t key_rows_ = 0;
 };
 
 } // namespace h2o
