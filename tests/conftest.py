@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,13 @@ import pytest
 from tiny_model import write_tiny_llama
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ctrl_c_raises():
+    """Some tests press Ctrl-C (in this process, or in a chat spawned from it). A run started in the background
+    (`cmd &`, nohup) inherits SIGINT ignored, and children inherit that too: restore Python's handler."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
