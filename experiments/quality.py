@@ -4,6 +4,11 @@
     python -m experiments.quality fidelity --input-path ../shared/data/xsum.jsonl --rows 20 \\
         --settings h2o-10% snapkv-10% sink-10% --out results/quality/fidelity-smollm2
 
+    # a long chat: a long system prompt, an MT-Bench question and the full cache's answer, then the second question;
+    # the full cache's second answer teacher-forced
+    python -m experiments.quality chat --input-path ../shared/data/question.jsonl --rows 10 \\
+        --settings h2o-256 snapkv-256 sink-256 --out results/quality/chat-smollm2
+
     # a 5-digit passkey hidden in news text (the 0-shot XSum articles) at several depths, question at the end
     python -m experiments.quality passkey --input-path ../shared/data/xsum_0shot_dev.jsonl \\
         --lengths 1000 2000 --depths 0.1 0.5 0.9 --keys 4 --settings h2o-256 snapkv-256 \\
@@ -14,6 +19,12 @@ time (the setting's cache evicting as it goes); per step the top-1 agreement wit
 KL(full || setting) of the next-token distributions. The first step's logits come from the prompt's own forward pass,
 before any eviction, so step 1 always agrees; steps 2.. measure the kept cache.
 passkey: greedy answer of --answer-tokens tokens; right when it contains the key's digits.
+chat: a system prompt of --system-tokens tokens (instructions and a news article from --system-path to answer from),
+then MT-Bench's first question. The full cache answers it greedily (up to --first-tokens); every setting is fed that
+answer and the second question, then the full cache's greedy second answer (--steps tokens) teacher-forced as in
+fidelity. Per row: agreement and KL over the second answer (`agree`, `kl`) and over the first (`agree1`, `kl1`), so
+that losing the system prompt or the first answer shows. Percent budgets are of the context before the second
+answer.
 
 Prefill modes (--prefill, both by default): `all` attends the whole prompt, then compresses it to the budget (the
 cache is sized to hold the prompt); `bounded` feeds the prompt in chunks of n_batch with eviction after each (the
@@ -40,7 +51,7 @@ from h2o_local import Llama
 from experiments.models import model_path
 from .common import experiment_parser, parse_setting, save_figure, table
 
-FIDELITY, PASSKEY = "fidelity", "passkey"
+FIDELITY, PASSKEY, CHAT = "fidelity", "passkey", "chat"
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -203,6 +214,85 @@ def run_passkey(args, records: Records) -> None:
     bar.close()
 
 
+# --- chat -------------------------------------------------------------------------------------------------------
+
+SYSTEM = ("You are a careful assistant for the readers of a news service. Follow these rules in every answer: be "
+          "accurate, say when you are unsure, keep a friendly tone, and when the user's request touches the article "
+          "below, use its facts. The article, for reference:\n\n{article}\n\nEnd of the article.")
+
+
+def system_prompt(llm: Llama, path: str, n_tokens: int) -> str:
+    """SYSTEM around the first news articles of `path`, cut to about `n_tokens` tokens."""
+    article = llm.detokenize(filler_tokens(llm, path, n_tokens)).decode("utf-8", "ignore")
+    return SYSTEM.format(article=article)
+
+
+def chat_segments(llm: Llama, system: str, turns: Sequence[str]) -> Tuple[List[int], List[int]]:
+    """The chat's tokens around the first answer: up to it (system prompt, first question, assistant header), and
+    from its end to the second answer (end of turn, second question, assistant header)."""
+    first = [{"role": "system", "content": system}, {"role": "user", "content": turns[0]}]
+    marker = "\u2063ANSWER\u2063"
+    text = llm.apply_chat_template(first + [{"role": "assistant", "content": marker},
+                                            {"role": "user", "content": turns[1]}])
+    return llm.chat_tokens(first)[0], llm.tokenize(text.split(marker, 1)[1], add_bos=False, special=True)
+
+
+def full_answer(llm: Llama, tokens: List[int], limit: int) -> Tuple[List[int], List[np.ndarray]]:
+    """Feed `tokens` to the full cache `llm`, then its greedy answer up to `limit` tokens or an end-of-generation
+    token (not included) and the log-probabilities before each answer token."""
+    llm.eval(tokens)
+    out, logps = [], []
+    for _ in range(limit):
+        lp = log_softmax(llm.last_logits())
+        t = int(lp.argmax())
+        if llm.is_eog(t):
+            break
+        out.append(t)
+        logps.append(lp)
+        llm.eval([t])
+    return out, logps
+
+
+def run_chat(args, records: Records) -> None:
+    from tqdm import tqdm
+
+    rows = [json.loads(line) for line in open(args.input_path)][: args.rows]
+    tok = Llama(args.model, budget=8, n_threads=args.threads, chat_template=args.chat_template)
+    system = system_prompt(tok, args.system_path, args.system_tokens)
+    jobs = [(i, label, mode) for i in range(len(rows)) for label in args.settings for mode in modes(label, args.prefill)]
+    bar = tqdm(total=len(jobs), initial=sum(1 for j in jobs if key(CHAT, *j) in records.done), desc="chat")
+    for i, row in enumerate(rows):
+        todo = [(label, mode) for label in args.settings for mode in modes(label, args.prefill)
+                if key(CHAT, i, label, mode) not in records.done]
+        if not todo:
+            continue
+        head, between = chat_segments(tok, system, row["turns"])
+        ref = Llama(args.model, n_ctx=len(head) + args.first_tokens + len(between) + args.steps + 8,
+                    n_threads=args.threads)
+        answer1, logps1 = full_answer(ref, head, args.first_tokens)
+        answer2, logps2 = full_answer(ref, between, args.steps)
+        del ref
+        context = len(head) + len(answer1) + len(between)
+        for label, mode in todo:
+            t0 = time.perf_counter()
+            llm = open_llama(args.model, label, context, len(answer2), mode, args.threads)
+            first = teacher_forced(llm, head, answer1, logps1)
+            second = teacher_forced(llm, between, answer2, logps2)
+            records.add({"key": key(CHAT, i, label, mode), "row": i, "question_id": row.get("question_id"),
+                         "setting": label, "prefill": mode, "context_tokens": context, "budget": llm.budget,
+                         "answer1_tokens": len(answer1), "answer2_tokens": len(answer2),
+                         "seconds": time.perf_counter() - t0,
+                         # the first answer's step 1 comes from the prompt's own forward pass: left out
+                         "agree1": float(np.mean(first["agree"][1:])) if len(answer1) > 1 else None,
+                         "kl1": float(np.mean(first["kl"][1:])) if len(answer1) > 1 else None,
+                         "agree": float(np.mean(second["agree"])) if answer2 else None,
+                         "kl": float(np.mean(second["kl"])) if answer2 else None,
+                         "agree_steps": second["agree"], "kl_steps": [round(v, 5) for v in second["kl"]]})
+            del llm
+            bar.update(1)
+    bar.close()
+
+
 # --- report -----------------------------------------------------------------------------------------------------
 
 def key(task: str, item, label: str, mode: str) -> str:
@@ -218,7 +308,7 @@ def summarize(records: Iterable[dict], metrics: Sequence[str], settings: Sequenc
                                                                    if kv[0][0] in settings else 1e9, kv[0][1])):
         cells = [label, mode, len(rs)]
         for m in metrics:
-            mean, se = mean_se([r[m] for r in rs])
+            mean, se = mean_se([r[m] for r in rs if r.get(m) is not None])
             cells.append(f"{mean:.3f} ± {se:.3f}")
         out.append(cells)
     return out
@@ -242,18 +332,18 @@ def paired_with_h2o(records: Sequence[dict], settings: Sequence[str]) -> List[li
                 continue
             cells = [label, mode, len(pairs)]
             for m in ("agree", "kl"):
-                mean, se = mean_se([a[m] - b[m] for a, b in pairs])
+                mean, se = mean_se([a[m] - b[m] for a, b in pairs if a[m] is not None and b[m] is not None])
                 cells.append(f"{mean:+.3f} ± {se:.3f}")
             out.append(cells)
     return out
 
 
 def write_report(args, records: Records) -> None:
-    metrics = ["agree", "kl"] if args.task == FIDELITY else ["right"]
+    metrics = {FIDELITY: ["agree", "kl"], CHAT: ["agree", "kl", "agree1", "kl1"], PASSKEY: ["right"]}[args.task]
     lines = [f"# {args.task}: {Path(args.model).name}", "", f"`{' '.join(sys.argv)}`", "",
-             "Means ± standard errors over " + ("prompts" if args.task == FIDELITY else "trials") + "; n = rows.", ""]
+             "Means ± standard errors over " + ("trials" if args.task == PASSKEY else "prompts") + "; n = rows.", ""]
     lines += table(["setting", "prefill", "n", *metrics], summarize(records.rows, metrics, args.settings))
-    if args.task == FIDELITY:
+    if args.task != PASSKEY:
         paired = paired_with_h2o(records.rows, args.settings)
         if paired:
             lines += ["", "Against plain h2o at the same size, paired over the same prompts (setting - h2o; "
@@ -284,8 +374,8 @@ def plot(args, records: Records, metric: str) -> None:
     series: Dict[Tuple[str, str], Dict[str, List[float]]] = defaultdict(lambda: defaultdict(list))
     for r in records.rows:
         s = parse_setting(r["setting"])
-        if s.policy == "full":
-            continue  # the reference: a line at its mean, below
+        if s.policy == "full" or r.get(metric) is None:
+            continue  # the full cache is the reference: a line at its mean, below
         size = f"{s.percent:g}%" if s.percent is not None else str(s.budget)
         series[(s.policy + ("+s%d" % s.sinks if s.sinks else ""), r["prefill"])][size].append(r[metric])
     sizes = sorted({size for d in series.values() for size in d}, key=lambda x: (x.endswith("%"), float(x.rstrip("%"))))
@@ -298,7 +388,7 @@ def plot(args, records: Records, metric: str) -> None:
             stats = [mean_se(d[sizes[i]]) for i in xs]
             ax.errorbar(xs, [s[0] for s in stats], yerr=[0 if math.isnan(s[1]) else s[1] for s in stats],
                         marker="o", capsize=3, label=name)
-        full = [r[metric] for r in records.rows if r["setting"] == "full"]
+        full = [r[metric] for r in records.rows if r["setting"] == "full" and r.get(metric) is not None]
         if full:
             ax.axhline(float(np.mean(full)), color="k", linestyle="--", linewidth=1, label="full")
         ax.set_xticks(range(len(sizes)), sizes)
@@ -311,14 +401,20 @@ def plot(args, records: Records, metric: str) -> None:
 
 def main(argv=None) -> int:
     ap = experiment_parser("experiments.quality", __doc__)
-    ap.add_argument("task", choices=[FIDELITY, PASSKEY])
+    ap.add_argument("task", choices=[FIDELITY, PASSKEY, CHAT])
     ap.add_argument("--out", type=Path, required=True, help="path without suffix: OUT.jsonl, OUT.md, OUT.png")
     ap.add_argument("--settings", nargs="+", required=True)
     ap.add_argument("--prefill", nargs="+", choices=["all", "bounded"], default=["all", "bounded"])
     ap.add_argument("--threads", type=int)
     ap.add_argument("--add-bos", action="store_true", help="start prompts with BOS (base models that expect it)")
-    ap.add_argument("--rows", type=int, default=20, help="fidelity: first N rows")
-    ap.add_argument("--steps", type=int, default=64, help="fidelity: teacher-forced steps")
+    ap.add_argument("--rows", type=int, default=20, help="fidelity, chat: first N rows")
+    ap.add_argument("--steps", type=int, default=64, help="fidelity, chat: teacher-forced steps (chat: of the second "
+                    "answer)")
+    ap.add_argument("--first-tokens", type=int, default=128, help="chat: the first answer's tokens at most")
+    ap.add_argument("--system-tokens", type=int, default=1000, help="chat: the system prompt's article, in tokens")
+    ap.add_argument("--chat-template", help="chat: a template for models without one (chatml, or Jinja source)")
+    ap.add_argument("--system-path", default="../shared/data/xsum_0shot_dev.jsonl",
+                    help="chat: news articles (the XSum jsonl schema) for the system prompt")
     ap.add_argument("--max-prompt", type=int, default=4096, help="fidelity: keep the last N prompt tokens")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000], help="passkey: prompt tokens")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="passkey: needle depth (0-1)")
@@ -332,7 +428,7 @@ def main(argv=None) -> int:
     args.model = model_path(args.model)
     records = Records(args.out.with_suffix(".jsonl"))
     if not args.report_only:
-        (run_fidelity if args.task == FIDELITY else run_passkey)(args, records)
+        {FIDELITY: run_fidelity, PASSKEY: run_passkey, CHAT: run_chat}[args.task](args, records)
     write_report(args, records)
     print(args.out.with_suffix(".md").read_text())
     return 0

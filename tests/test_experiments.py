@@ -189,3 +189,27 @@ def test_quality_passkey_runs_and_resumes(tiny_model, tmp_path):
     assert all(r["prompt_tokens"] == 400 and r["right"] in (0, 1) for r in rows)
     assert main(args) == 0 and len(open(tmp_path / "pk.jsonl").readlines()) == 3  # resumed: nothing rerun
     assert (tmp_path / "pk.md").exists() and (tmp_path / "pk.png").exists()
+
+
+def test_quality_chat_full_cache_agrees_with_itself_and_a_small_window_does_not(tiny_model, tmp_path):
+    """The chat task: the full setting replays the reference exactly (agreement 1, KL 0 on both answers); an 8-entry
+    window loses the system prompt and shows it in KL; a rerun resumes."""
+    from experiments.quality import main
+
+    articles = tmp_path / "articles.jsonl"
+    articles.write_text("\n".join(json.dumps({"article": f"###\nArticle: News item {i} about ships and rain.\n"})
+                                  for i in range(40)) + "\n")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "turns": ["Tell me about ships.", "Now shorter."]}) + "\n")
+    args = ["chat", "--input-path", str(questions), "--system-path", str(articles), "--model", tiny_model,
+            "--system-tokens", "120", "--first-tokens", "12", "--steps", "10", "--prefill", "bounded",
+            "--settings", "full", "local-8", "--chat-template", "chatml", "--out", str(tmp_path / "chat")]
+    assert main(args) == 0
+    rows = {r["setting"]: r for r in map(json.loads, open(tmp_path / "chat.jsonl"))}
+    assert set(rows) == {"full", "local-8"}
+    full, small = rows["full"], rows["local-8"]
+    assert full["context_tokens"] > 120 and full["answer2_tokens"] > 0
+    assert full["agree"] == 1.0 and full["kl"] < 1e-6
+    assert small["prefill"] == "bounded" and small["budget"] == 8 and small["kl"] > 1e-3
+    assert main(args) == 0 and len(open(tmp_path / "chat.jsonl").readlines()) == 2
+    assert "| local-8 | bounded | 1 |" in (tmp_path / "chat.md").read_text()
