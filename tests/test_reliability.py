@@ -80,6 +80,22 @@ def test_breaking_out_of_a_stream_then_continuing_feeds_what_was_shown(tiny_mode
     assert events[-1].finish_reason == "length"
 
 
+def test_a_call_on_another_sequence_keeps_the_shown_token_of_sequence_0(tiny_model):
+    """The token a generation showed and did not feed belongs to sequence 0's session: eval, compress, reset, save
+    and load on sequence 1 (and a policy switch) leave it to be fed when sequence 0 goes on."""
+    llm = Llama(tiny_model, budget=64, n_seq_max=2)
+    prompt = llm.tokenize("Once upon a time")
+    list(llm.generate_events(prompt, max_tokens=3, temperature=0))
+    assert llm.kv_state(0).n_seen == len(prompt) + 2  # the 3rd token was shown, not fed
+    llm.eval(llm.tokenize("other"), seq_id=1)
+    llm.compress(1)
+    llm.load_state(llm.save_state(1), seq_id=1)
+    llm.set_policy("h2o", 64)
+    llm.reset(1)
+    list(llm.generate_events([], reset=False, max_tokens=0, temperature=0))
+    assert llm.kv_state(0).n_seen == len(prompt) + 3
+
+
 def test_two_streams_used_alternately_do_not_share_the_context(tiny_model):
     llm = Llama(tiny_model, budget=32, n_batch=32)
     a = llm.generate("first story", max_tokens=20, stream=True, temperature=0)

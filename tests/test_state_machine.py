@@ -47,7 +47,8 @@ class CacheMachine(RuleBasedStateMachine):
     def eval(self, seq, tokens):
         self.llm.eval(tokens, seq_id=seq)
         self._fed(seq, len(tokens))
-        self.pending = 0
+        if seq == 0:
+            self.pending = 0  # the shown token belongs to seq 0: a call on another sequence keeps it
 
     @rule(prompt=st.lists(st.integers(3, 258), max_size=6), max_tokens=st.integers(0, 6))
     def generate_on(self, prompt, max_tokens):
@@ -72,7 +73,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.llm.reset(seq)
         for s in range(N_SEQ) if seq is None else [seq]:
             self.seen[s] = self.cells[s] = 0
-        self.pending = 0
+        if seq in (None, 0):
+            self.pending = 0
 
     @rule(target=snapshots, seq=seqs)
     def save(self, seq):
@@ -98,7 +100,8 @@ class CacheMachine(RuleBasedStateMachine):
             np.testing.assert_allclose(self.llm.last_logits(seq), probe, atol=5e-3)
             self.llm.load_state(state, seq_id=seq)
         self.seen[seq], self.cells[seq] = seen, cells
-        self.pending = pending if seq == 0 else 0
+        if seq == 0:
+            self.pending = pending
 
     @rule(kind=st.sampled_from(["h2o", "local", "sink"]), budget=st.integers(4, BUDGET), seq=seqs)
     def switch_policy_and_compress(self, kind, budget, seq):
@@ -107,7 +110,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.budget = budget
         self.llm.compress(seq)
         self.cells[seq] = min(self.cells[seq], budget)
-        self.pending = 0
+        if seq == 0:
+            self.pending = 0
 
     # ------------------------------------------------------------------ the model
     def _fed(self, seq, n):

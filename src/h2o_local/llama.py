@@ -8,7 +8,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -312,7 +312,7 @@ class Llama:
         seq_id = self._check_seq(seq_id)
         tokens = _token_list(tokens)
         with self._lock:
-            self._take_over()
+            self._take_over([seq_id])
             self._engine.eval({seq_id: tokens}, bool(logits_all))
             return self._engine.logits_all(seq_id) if logits_all else None
 
@@ -322,7 +322,7 @@ class Llama:
             raise TypeError(f"eval_batch takes {{seq_id: [token, ...]}}, got {type(tokens).__name__}")
         batch = {self._check_seq(s): _token_list(toks) for s, toks in tokens.items()}
         with self._lock:
-            self._take_over()
+            self._take_over(batch)
             self._engine.eval(batch, False)
 
     def last_logits(self, seq_id: int = 0) -> np.ndarray:
@@ -339,7 +339,7 @@ class Llama:
         """Forget a sequence (or all, with None): its KV entries, scores and counters."""
         seq = None if seq_id is None else self._check_seq(seq_id)
         with self._lock:
-            self._take_over()
+            self._take_over(None if seq is None else [seq])
             if seq is None:
                 self._engine.reset()
             else:
@@ -363,7 +363,7 @@ class Llama:
         value = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
         args = value.engine_args()
         with self._lock:
-            self._take_over()
+            self._take_over(())
             self._engine.set_policy(args.pop("policy"), **args)
             self.policy = value
 
@@ -371,7 +371,7 @@ class Llama:
         """Evict now what the current policy does not keep."""
         seq_id = self._check_seq(seq_id)
         with self._lock:
-            self._take_over()
+            self._take_over([seq_id])
             self._engine.compress(seq_id)
 
     def save_state(self, seq_id: int = 0):
@@ -394,15 +394,18 @@ class Llama:
         if not isinstance(state, _engine.SeqSnapshot):
             raise TypeError(f"state must come from save_state(), got {type(state).__name__}")
         with self._lock:
-            self._take_over()
+            self._take_over([seq_id])
             self._engine.restore(seq_id, state)
             if seq_id == 0:
                 self._unfed = list(state.pending)
 
-    def _take_over(self) -> Optional[object]:
-        """A call that changes the cache: a suspended generation may not go on after it. Returns the new owner."""
+    def _take_over(self, seq_ids: Optional[Iterable[int]] = None) -> Optional[object]:
+        """A call that changes the cache of `seq_ids` (None: all): a suspended generation may not go on after it.
+        The token a generation showed and did not feed belongs to sequence 0: only a call on it drops that token.
+        Returns the new owner."""
         self._generation = owner = object()
-        self._unfed = []
+        if seq_ids is None or 0 in seq_ids:
+            self._unfed = []
         return owner
 
     def _set_keep(self, seq_id: int, n_keep: int) -> None:
@@ -460,7 +463,7 @@ class Llama:
         with self._lock:
             # the token the last generation showed but did not feed goes first when the session goes on
             feed = prompt_tokens if reset else self._unfed + prompt_tokens
-            owner = self._take_over()
+            owner = self._take_over([0])
             if reset:
                 self._engine.reset()
                 if n_keep is not None:
