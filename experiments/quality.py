@@ -123,18 +123,24 @@ def teacher_forced(llm: Llama, prompt: List[int], tokens: List[int], logps: List
     return {"agree": agree, "kl": kl}
 
 
-def run_fidelity(args, records: Records) -> None:
+def rows_to_run(task: str, args, records: Records):
+    """The first --rows rows of --input-path that still have settings to run, as (index, row, [(label, mode), ...],
+    bar): a progress bar over every job of the task, to `update(1)` after each."""
     from tqdm import tqdm
 
     rows = [json.loads(line) for line in open(args.input_path)][: args.rows]
-    tok = Llama(args.model, budget=8, n_threads=args.threads)
     jobs = [(i, label, mode) for i in range(len(rows)) for label in args.settings for mode in modes(label, args.prefill)]
-    bar = tqdm(total=len(jobs), initial=sum(1 for j in jobs if key(FIDELITY, *j) in records.done), desc="fidelity")
-    for i, row in enumerate(rows):
-        todo = [(label, mode) for label in args.settings for mode in modes(label, args.prefill)
-                if key(FIDELITY, i, label, mode) not in records.done]
-        if not todo:
-            continue
+    with tqdm(total=len(jobs), initial=sum(1 for j in jobs if key(task, *j) in records.done), desc=task) as bar:
+        for i, row in enumerate(rows):
+            todo = [(label, mode) for j, label, mode in jobs
+                    if j == i and key(task, j, label, mode) not in records.done]
+            if todo:
+                yield i, row, todo, bar
+
+
+def run_fidelity(args, records: Records) -> None:
+    tok = Llama(args.model, budget=8, n_threads=args.threads)
+    for i, row, todo, bar in rows_to_run(FIDELITY, args, records):
         prompt = tok.tokenize(row["article"], add_bos=args.add_bos)[-args.max_prompt:]
         tokens, logps = full_continuation(args.model, prompt, args.steps, args.threads)
         for label, mode in todo:
@@ -148,7 +154,6 @@ def run_fidelity(args, records: Records) -> None:
                          "agree_steps": res["agree"], "kl_steps": [round(v, 5) for v in res["kl"]]})
             del llm
             bar.update(1)
-    bar.close()
 
 
 # --- passkey ----------------------------------------------------------------------------------------------------
@@ -254,18 +259,9 @@ def full_answer(llm: Llama, tokens: List[int], limit: int) -> Tuple[List[int], L
 
 
 def run_chat(args, records: Records) -> None:
-    from tqdm import tqdm
-
-    rows = [json.loads(line) for line in open(args.input_path)][: args.rows]
     tok = Llama(args.model, budget=8, n_threads=args.threads, chat_template=args.chat_template)
     system = system_prompt(tok, args.system_path, args.system_tokens)
-    jobs = [(i, label, mode) for i in range(len(rows)) for label in args.settings for mode in modes(label, args.prefill)]
-    bar = tqdm(total=len(jobs), initial=sum(1 for j in jobs if key(CHAT, *j) in records.done), desc="chat")
-    for i, row in enumerate(rows):
-        todo = [(label, mode) for label in args.settings for mode in modes(label, args.prefill)
-                if key(CHAT, i, label, mode) not in records.done]
-        if not todo:
-            continue
+    for i, row, todo, bar in rows_to_run(CHAT, args, records):
         head, between = chat_segments(tok, system, row["turns"])
         ref = Llama(args.model, n_ctx=len(head) + args.first_tokens + len(between) + args.steps + 8,
                     n_threads=args.threads)
@@ -290,7 +286,6 @@ def run_chat(args, records: Records) -> None:
                          "agree_steps": second["agree"], "kl_steps": [round(v, 5) for v in second["kl"]]})
             del llm
             bar.update(1)
-    bar.close()
 
 
 # --- report -----------------------------------------------------------------------------------------------------
