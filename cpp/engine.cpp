@@ -437,6 +437,17 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     const size_t window = std::min<size_t>(std::max(policy_->query_window(), 0), n_piece);
     auto window_start = [&](size_t size) { return window > 0 && size > 1 ? size - std::min(window, size) : size; };
     std::map<llama_seq_id, size_t> fed;
+    // the tokens of seq's next piece (0 when it is all fed): up to the next multiple of n_batch, or the window whole
+    auto next_piece = [&](llama_seq_id seq) -> size_t {
+        const size_t size = tokens.at(seq).size();
+        const size_t off  = fed[seq];
+        const size_t ws   = window_start(size);
+        return off < ws ? std::min(n_piece - off % n_piece, ws - off) : size - off;
+    };
+    // a sequence evicts between chunks only when its next piece needs the cells, so the end of a prompt (the last
+    // piece and the query window) is ranked together, as a prompt that fits is; not in a cache shared by several
+    // sequences, where the cells one keeps would change where the others are cut
+    const bool defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
     std::map<llama_seq_id, int64_t> n_evicted;
     for (const auto & kv : tokens) {
         n_evicted[kv.first] = seqs_.at(kv.first).state().n_evicted;
@@ -467,7 +478,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
                 break; // the window goes into the next chunk, whole
             }
             if (!fits) {
-                const size_t piece = off < ws ? std::min(n_piece - off % n_piece, ws - off) : toks.size() - off;
+                const size_t piece = next_piece(seq);
                 if (n < piece) {
                     if (!chunk.empty()) {
                         break; // the next piece goes into the next chunk, whole
@@ -493,7 +504,10 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
         decode(chunk, all_logits, windows);
         if (!fits) {
             for (const auto & kv : chunk) {
-                evict(kv.first);
+                const size_t piece = next_piece(kv.first);
+                if (!defer_eviction || piece == 0 || (int64_t) piece > room(kv.first)) {
+                    evict(kv.first);
+                }
             }
         }
     }

@@ -23,7 +23,7 @@ def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParse
 class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
     `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
-    snapkv), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
+    snapkv), `+rN` / `+rN%` (N recent entries, or N% of the budget), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
     does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention) and `+afterfull` (the prompt goes into the
     full cache, then `compress()` applies the policy: the save / compress pattern)."""
 
@@ -33,6 +33,8 @@ class Setting:
     percent: Optional[float] = None
     sinks: Optional[int] = None
     window: Optional[int] = None
+    recent: Optional[int] = None
+    recent_percent: Optional[float] = None
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
@@ -50,8 +52,27 @@ class Setting:
             raise ValueError(f"{self.label}: a share of the prompt needs the prompt's length")
         return max(1, round(prompt_tokens * self.percent / 100))
 
+    @property
+    def family(self) -> str:
+        """The label without its size: `tova+r50%` for `tova-25%+r50%` (a line in a plot across sizes)."""
+        head, _, suffixes = self.label.partition("+")
+        return self.policy + ("+" + suffixes if suffixes else "")
+
+    @property
+    def is_plain(self) -> bool:
+        """The policy with its own defaults: no sinks, window or recent given."""
+        return self.sinks is None and self.window is None and self.recent is None and self.recent_percent is None
+
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
-        return resolve(self.policy, self.budget_for(prompt_tokens), sinks=self.sinks, window=self.window)
+        budget = self.budget_for(prompt_tokens)
+        recent = self.recent
+        if self.recent_percent is not None:
+            recent = round(budget * self.recent_percent / 100)
+        if recent is None:
+            return resolve(self.policy, budget, sinks=self.sinks, window=self.window)
+        # an explicit recent share: the heavy entries are what the sinks and the recent window leave
+        return resolve(self.policy, budget, heavy=max(0, budget - (self.sinks or 0) - recent), recent=recent,
+                       sinks=self.sinks, window=self.window)
 
     def llama_kwargs(self, prompt_tokens: Optional[int] = None) -> Dict[str, Any]:
         """Keyword arguments of `Llama(...)` for this setting."""
@@ -83,8 +104,12 @@ def parse_setting(label: str) -> Setting:
             fields["sinks"] = int(s[1:])
         elif s.startswith("w") and s[1:].isdigit():
             fields["window"] = int(s[1:])
+        elif s.startswith("r") and s[1:].isdigit():
+            fields["recent"] = int(s[1:])
+        elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
+            fields["recent_percent"] = float(s[1:-1])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

@@ -316,7 +316,7 @@ def paired_with_h2o(records: Sequence[dict], settings: Sequence[str]) -> List[li
     out = []
     for label in settings:
         s = parse_setting(label)
-        if s.policy in ("full", "h2o") and s.sinks is None and s.window is None:
+        if s.policy in ("full", "h2o") and s.is_plain:
             continue
         size = f"{s.percent:g}%" if s.percent is not None else str(s.budget)
         base = f"h2o-{size}"
@@ -372,7 +372,7 @@ def plot(args, records: Records, metric: str) -> None:
         if s.policy == "full" or r.get(metric) is None:
             continue  # the full cache is the reference: a line at its mean, below
         size = f"{s.percent:g}%" if s.percent is not None else str(s.budget)
-        series[(s.policy + ("+s%d" % s.sinks if s.sinks else ""), r["prefill"])][size].append(r[metric])
+        series[(s.family, r["prefill"])][size].append(r[metric])
     sizes = sorted({size for d in series.values() for size in d}, key=lambda x: (x.endswith("%"), float(x.rstrip("%"))))
     fig, axes = plt.subplots(1, len(args.prefill), figsize=(6 * len(args.prefill), 4), squeeze=False)
     for ax, mode in zip(axes[0], args.prefill):

@@ -27,9 +27,10 @@ def test_compacting_changes_no_token_no_decision_and_no_score(tiny_model, kwargs
     for (t1, l1, p1, s1), (t2, l2, p2, s2) in zip(moved, stayed):
         assert t1 == t2 and p1 == p2
         # attention sums over cells in cell order: moving cells changes the order of float additions only
-        # (measured 3.5e-4 on logits of magnitude 6 with this model; thread counts change nothing)
+        # (measured 3.5e-4 on logits of magnitude 6 with this model, 1.5e-3 relative on a tova score, which is one
+        # query's attention after every layer's reordered sums; thread counts change nothing)
         np.testing.assert_allclose(l1, l2, atol=2e-3)
-        np.testing.assert_allclose(s1, s2, rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(s1, s2, rtol=3e-3, atol=1e-5)
 
 
 def test_compress_after_a_full_prompt_keeps_its_counters(tiny_model):

@@ -1,4 +1,5 @@
 """Bounded prefill: a prompt far longer than the cache is fed in chunks with eviction in between."""
+import numpy as np
 import pytest
 
 from h2o_local import Llama
@@ -48,3 +49,20 @@ def test_real_model_long_prompt_bounded(smol_model, long_text):
     st = llm.kv_state()
     assert st.n_cells == 256 and st.peak_cells <= 256 + 128
     assert st.kv_cells == 512
+
+
+def test_the_end_of_a_bounded_prompt_is_ranked_by_its_last_token(tiny_model, long_text):
+    """A bounded prefill evicts between chunks only when the next piece needs the cells: TOVA's last token (decoded
+    on its own) ranks the prompt's whole last piece, as it would if the prompt fitted, not what survived an eviction
+    ranked by the piece's own queries."""
+    budget, n_batch = 16, 32
+    llm = Llama(tiny_model, policy="tova", budget=budget, n_batch=n_batch)
+    prompt = llm.tokenize(long_text)[:60]  # a first piece of 32 (evicted: 28 more do not fit), then 27 + the last
+    llm.eval(prompt)
+    candidates, sums = llm.last_scores()
+    assert set(range(n_batch, len(prompt))) <= set(candidates.tolist())
+    assert len(candidates) == budget + len(prompt) - n_batch
+    ranked = candidates[:-1][np.argsort(-sums[:-1].sum(axis=1), kind="stable")]
+    st = llm.kv_state()
+    assert st.positions.tolist() == sorted(ranked[: budget - 1].tolist() + [len(prompt) - 1])
+    assert st.peak_cells == len(candidates) <= budget + n_batch
