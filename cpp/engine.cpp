@@ -429,7 +429,8 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     }
 
     // fits: the reference mode, attend everything then compress once; otherwise a bounded prefill that feeds what
-    // fits beside the kept entries and evicts after every chunk, so the cache never holds more than budget + n_batch.
+    // fits beside the kept entries and evicts when the next piece needs the cells, so the cache never holds more than
+    // budget + n_batch.
     // Each sequence is cut into pieces of n_batch tokens from its own start, and a chunk takes whole pieces only, so
     // a sequence is fed (and evicted) at the same boundaries alone or beside others.
     const size_t n_piece = n_batch();

@@ -5,7 +5,7 @@
 //
 // Every llama_decode is followed, for each sequence of the batch, by the policy's observation of the exported
 // attention scores and, when the sequence holds more than its budget, an eviction (SeqCache). Prompts that do not
-// fit beside the kept entries are fed in pieces with an eviction after each (the bounded prefill).
+// fit beside the kept entries are fed in pieces, evicting when the next piece needs the cells (the bounded prefill).
 #pragma once
 
 #include "model.h"

@@ -27,8 +27,8 @@ that losing the system prompt or the first answer shows. Percent budgets are of 
 answer.
 
 Prefill modes (--prefill, both by default): `all` attends the whole prompt, then compresses it to the budget (the
-cache is sized to hold the prompt); `bounded` feeds the prompt in chunks of n_batch with eviction after each (the
-cache is budget + n_batch cells), so a needle must survive before the question arrives.
+cache is sized to hold the prompt); `bounded` feeds the prompt in chunks of n_batch, evicting when the next one would
+not fit (the cache is budget + n_batch cells), so a needle must survive before the question arrives.
 
 Settings are labels (experiments.common.parse_setting): `h2o-256`, `snapkv-10%` (10% of the prompt), `h2o-20%+s4`.
 Records go to OUT.jsonl as they come (a rerun resumes); OUT.md (means with standard errors over prompts) and OUT.png

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from h2o_local import Llama
-from h2o_local.policies import resolve
+from h2o_local.policies import REGISTRY, resolve
 from experiments.models import model_path
 from .common import experiment_parser, parse_setting, save_figure
 
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     ap = experiment_parser("experiments.summarization", __doc__)
     ap.add_argument("--output-path", required=True)
     ap.add_argument("--budgets", nargs="+", default=["64", "128", "256", "512", "1024", "full"])
-    ap.add_argument("--policies", nargs="+", default=["h2o", "local"], choices=["h2o", "local", "sink"])
+    ap.add_argument("--policies", nargs="+", default=["h2o", "local"], choices=sorted(set(REGISTRY) - {"full"}))
     ap.add_argument("--sample-num", type=int, default=100)
     ap.add_argument("--first-row", type=int, default=0,
                     help="start at this row (a second process on another core can take the last rows)")

@@ -37,7 +37,7 @@ def test_every_policy_keeps_the_prefix_within_its_budget(tiny_model, policy):
 
 
 def test_keep_survives_the_bounded_prefill_and_generation(tiny_model):
-    llm = Llama(tiny_model, budget=16, keep=6, n_batch=8)  # prompts are fed 8 tokens at a time, evicting between
+    llm = Llama(tiny_model, budget=16, keep=6, n_batch=8)  # prompts are fed 8 tokens at a time, evicting as they go
     llm.generate(TEXT, max_tokens=20, temperature=0, ignore_eos=True)
     st = llm.kv_state()
     assert st.positions[:6].tolist() == list(range(6)) and st.n_evicted > 0 and st.n_cells == 16
