@@ -353,6 +353,8 @@ def write_report(args, records: Records) -> None:
         body = []
         for label in args.settings:
             for mode in modes(label, args.prefill):
+                if not any(cells[(label, mode, *c)] for c in cols):
+                    continue  # not run in this mode
                 body.append([label, mode] + [f"{sum(cells[(label, mode, *c)])}/{len(cells[(label, mode, *c)])}"
                                              for c in cols])
         lines += table(["setting", "prefill"] + [f"{l}@{d}" for l, d in cols], body)
