@@ -309,17 +309,17 @@ def summarize(records: Iterable[dict], metrics: Sequence[str], settings: Sequenc
     return out
 
 
-def paired_with_h2o(records: Sequence[dict], settings: Sequence[str]) -> List[list]:
-    """Per setting, mean ± standard error over prompts of (setting - h2o at the same size, same prefill mode): the
-    prompts' own difficulty cancels, so small differences show that the unpaired means cannot separate."""
+def paired_with(records: Sequence[dict], settings: Sequence[str], base_policy: str = "h2o") -> List[list]:
+    """Per setting, mean ± standard error over prompts of (setting - base_policy at the same size, same prefill
+    mode): the prompts' own difficulty cancels, so small differences show that the unpaired means cannot separate."""
     by = {(r["setting"], r["prefill"], r["row"]): r for r in records}
     out = []
     for label in settings:
         s = parse_setting(label)
-        if s.policy in ("full", "h2o") and s.is_plain:
+        if s.policy in ("full", base_policy) and s.is_plain:
             continue
         size = f"{s.percent:g}%" if s.percent is not None else str(s.budget)
-        base = f"h2o-{size}"
+        base = f"{base_policy}-{size}"
         for mode in ("all", "bounded"):
             pairs = [(by[(label, mode, row)], by[(base, mode, row)]) for (lab, m, row) in by
                      if lab == label and m == mode and (base, mode, row) in by]
@@ -339,11 +339,12 @@ def write_report(args, records: Records) -> None:
              "Means ± standard errors over " + ("trials" if args.task == PASSKEY else "prompts") + "; n = rows.", ""]
     lines += table(["setting", "prefill", "n", *metrics], summarize(records.rows, metrics, args.settings))
     if args.task != PASSKEY:
-        paired = paired_with_h2o(records.rows, args.settings)
-        if paired:
-            lines += ["", "Against plain h2o at the same size, paired over the same prompts (setting - h2o; "
-                      "agreement up and KL down are better):", ""]
-            lines += table(["setting", "prefill", "n", "agree diff", "kl diff"], paired)
+        for base in ("h2o", "sink"):  # issue 13's two baselines
+            paired = paired_with(records.rows, args.settings, base)
+            if paired:
+                lines += ["", f"Against plain {base} at the same size, paired over the same prompts (setting - {base}; "
+                          "agreement up and KL down are better):", ""]
+                lines += table(["setting", "prefill", "n", "agree diff", "kl diff"], paired)
     if args.task == PASSKEY:
         lines += ["", "By length and depth (right / trials):", ""]
         cells = defaultdict(list)
