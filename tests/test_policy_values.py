@@ -1,7 +1,7 @@
 """Policies as values: one registry in C++ and Python, validation and the budget split by the C++ rules."""
 import pytest
 
-from h2o_local import H2O, Full, Llama, Local, SamplingParams, Sink, _engine, policies
+from h2o_local import H2O, TOVA, Full, Llama, Local, SamplingParams, Sink, _engine, policies
 
 
 def test_python_and_cpp_registries_name_the_same_policies():
@@ -56,8 +56,12 @@ def test_bad_policies_are_refused_clearly(make, error, match):
 
 
 def test_labels_round_trip():
-    for label in ("full", "local-256", "sink-64", "h2o-128", "h2o-128+s4"):
+    for label in ("full", "local-256", "sink-64", "h2o-128", "h2o-128+s4", "snapkv-256+w64", "tova-256+s4+r192",
+                  "h2o-128+r100"):
         assert policies.parse(label).label == label
+    assert policies.parse("tova-256+s4+r192") == TOVA(heavy=60, recent=192, sinks=4)
+    assert TOVA(heavy=60, recent=192, sinks=4).label == "tova-256+s4+r192"
+    assert TOVA(budget=256).label == "tova-256" and H2O(budget=128, recent=64).label == "h2o-128"
     with pytest.raises(ValueError, match="not a policy label"):
         policies.parse("h2o-lots")
 

@@ -101,7 +101,8 @@ class Policy:
 
     @property
     def label(self) -> str:
-        """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4"."""
+        """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4", "tova-256+s4+r192" (a recent
+        window other than the policy's default split)."""
         if not self.bounded:
             return self.name
         sinks = getattr(self, "sinks", 0)
@@ -109,6 +110,11 @@ class Policy:
         window = getattr(self, "window", None)
         if window is not None and window != type(self).default_window:  # type: ignore[attr-defined]
             extra += f"+w{window}"
+        recent = getattr(self, "recent", None)
+        if isinstance(self, Scored) and recent is not None:
+            default = resolve(self.name, self.budget, sinks=sinks or None, window=window)
+            if default.recent != recent:  # type: ignore[attr-defined]
+                extra += f"+r{recent}"
         return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
 
 
@@ -249,7 +255,7 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
 
 def parse(text: str) -> Policy:
     """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks),
-    "snapkv-256+w64" (a query window of 64)."""
+    "snapkv-256+w64" (a query window of 64), "tova-256+s4+r192" (192 recent entries)."""
     if not isinstance(text, str) or not text:
         raise ValueError(f"not a policy label: {text!r}")
     if text == "full":
@@ -258,12 +264,13 @@ def parse(text: str) -> Policy:
     budget_text, *suffixes = rest.split("+")
     extra: Dict[str, int] = {}
     for suffix in suffixes:
-        key = {"s": "sinks", "w": "window"}.get(suffix[:1])
+        key = {"s": "sinks", "w": "window", "r": "recent"}.get(suffix[:1])
         if key is None or key in extra or not suffix[1:].isdigit():
             budget_text = ""  # not a label
             break
         extra[key] = int(suffix[1:])
     if not budget_text.isdigit():
-        raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks) and +wN "
-                         "(query window), for example h2o-128, h2o-128+s4, snapkv-256+w64)")
+        raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks), +wN "
+                         "(query window) and +rN (recent entries), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
+                         "tova-256+s4+r192)")
     return resolve(name, int(budget_text), **extra)
