@@ -157,7 +157,8 @@ def test_snapkv_scores_a_prompt_by_the_window_it_is_given(tiny_model, window):
     pos, sums = llm.last_scores()
     np.testing.assert_allclose(sums.sum(axis=0), window * n_layer(tiny_model), rtol=1e-4)
     assert llm.kv_state().positions.tolist() == ref.step(pos, sums, n_new=len(prompt), window=True)
-    assert value.query_window == window and value.label == ("snapkv-16" if window == 16 else f"snapkv-16+w{window}")
+    assert value.query_window == window and policies.parse(value.label) == value
+    assert value.label == ("snapkv-16+r6" if window == 16 else f"snapkv-16+w{window}+r6")
 
 
 def test_a_window_is_only_for_policies_that_have_one():
