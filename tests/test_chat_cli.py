@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-pexpect = pytest.importorskip("pexpect")
+import pexpect
 
 from tiny_model import write_tiny_llama
 

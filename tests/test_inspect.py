@@ -21,7 +21,6 @@ def test_each_policy_reports_what_its_cache_holds(tiny_model):
 
 
 def test_the_command_writes_html_and_png(tiny_model, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     text = tmp_path / "in.txt"
     text.write_text(TEXT)
     html, png = tmp_path / "k.html", tmp_path / "k.png"
@@ -36,3 +35,20 @@ def test_bad_input_is_one_line(tiny_model, capsys):
         with pytest.raises(SystemExit) as e:
             main(["inspect", *args])
         assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_a_misspelt_file_name_is_an_error_not_the_text_to_inspect(tiny_model, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", str(tmp_path / "artcle.txt"), "--model", tiny_model, "--html", str(tmp_path / "k.html")])
+    assert e.value.code == 2
+    assert "artcle.txt: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "k.html").exists()
+
+
+def test_an_unwritable_png_is_one_error_line_after_the_html(tiny_model, tmp_path, capsys):
+    html = tmp_path / "k.html"
+    code = main(["inspect", TEXT, "--model", tiny_model, "--policies", "h2o-16", "--html", str(html),
+                 "--png", str(tmp_path / "no-such-folder" / "k.png")])
+    err = capsys.readouterr().err
+    assert code == 1 and html.is_file()
+    assert "error: no PNG" in err and "Traceback" not in err

@@ -8,7 +8,7 @@ import pytest
 import h2o_local._engine as engine
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None, reason="needs nm on Linux")
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None, reason="optional: needs nm on Linux")
 def test_extension_exports_no_llama_or_ggml_symbols():
     out = subprocess.run(["nm", "-D", "--defined-only", engine.__file__], capture_output=True, text=True, check=True)
     names = [line.split()[-1] for line in out.stdout.splitlines() if line.strip()]

@@ -7,7 +7,8 @@ random queries, keys and values step by step, both must give the same attention 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+OPTIONAL = "optional: the experiments extra (pip install '.[experiments]': torch, transformers) is not installed"
+torch = pytest.importorskip("torch", reason=OPTIONAL)
 
 from experiments.perhead import PerHeadH2O  # noqa: E402
 
@@ -88,8 +89,8 @@ def test_with_budget_evicts_a_prompt_at_once_and_keeps_the_recent_window():
 
 def test_transformers_model_reads_the_gguf_as_llama_cpp_does(tiny_model):
     """Same GGUF, two runtimes: with nothing evicted, transformers through PerHeadH2O gives llama.cpp's logits."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers", reason=OPTIONAL)
+    pytest.importorskip("accelerate", reason=OPTIONAL)
     from h2o_local import Llama
     from experiments.perhead import HFModel
 

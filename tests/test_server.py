@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+import openai
+import uvicorn
 
 from h2o_local import Llama
 from h2o_local.server import create_app, serve_in_background

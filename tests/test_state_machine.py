@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis")
+import hypothesis
 from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, invariant, rule,  # noqa: E402

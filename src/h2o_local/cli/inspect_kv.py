@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from ..inspector import inspect_text, to_html, to_png
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
         if os.path.isfile(text):
             with open(text, encoding="utf-8") as f:
                 text = f.read()
+        elif _looks_like_a_path(text):
+            raise ValueError(f"{text}: no such file (to inspect this text itself, add a space or a newline to it)")
         if args.max_tokens < 0:
             raise ValueError("--max-tokens must be >= 0")
         inspections = inspect_text(args.model or default_model_path(), text, args.policies, max_tokens=args.max_tokens,
@@ -44,7 +47,15 @@ def main(argv=None) -> int:
             to_png(inspections, args.png)
             print(f"wrote {args.png}", file=sys.stderr)
         except ImportError:
-            print("no PNG: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+            print('no PNG: matplotlib is not installed (pip install "h2o_local[inspect]")', file=sys.stderr)
+        except OSError as e:
+            print(f"h2o-local inspect: error: no PNG: {e}", file=sys.stderr)
+            return 1
     for ins in inspections:
         print(f"{ins.label}: kept {int(ins.kept.sum())} of {ins.n_tokens} tokens, evicted {ins.n_evicted}")
     return 0
+
+
+def _looks_like_a_path(text: str) -> bool:
+    """One word that names a file (a folder in it, or an extension): a misspelt file name, not a prompt."""
+    return bool(re.fullmatch(r"\S+", text)) and ("/" in text or os.sep in text or bool(re.search(r"\.[A-Za-z0-9]{1,5}$", text)))
