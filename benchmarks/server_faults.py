@@ -97,6 +97,14 @@ MALFORMED: List[tuple] = [
     ("prompt token ids empty", COMPLETIONS, {"prompt": [], "max_tokens": 4}, 400),
     ("two prompts", COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": 4}, 400),
     ("prompt is a dict", COMPLETIONS, {"prompt": {"a": 1}, "max_tokens": 4}, 400),
+    ("prompt token ids with a JSON boolean", COMPLETIONS, {"prompt": [5, True], "max_tokens": 4}, 400),
+    ("prompt token id 2^40", COMPLETIONS, {"prompt": [2**40], "max_tokens": 4}, 400),
+    ("a lone surrogate in a message", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400),
+    ("unsupported: logit_bias", CHAT, chat("hi", logit_bias={"5": 1}), 400),
+    ("unsupported: logprobs", COMPLETIONS, {"prompt": "x", "logprobs": 3}, 400),
+    ("unsupported: response_format json", CHAT, chat("hi", response_format={"type": "json_object"}), 400),
+    ("unsupported: tools", CHAT, chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    ("unsupported: presence_penalty", CHAT, chat("hi", presence_penalty=1.0), 400),
 ]
 
 
@@ -109,7 +117,9 @@ EXTREME: List[tuple] = [
     ("stop: 50 strings", CHAT, chat("hi", stop=[f"s{i}" for i in range(50)])),
     ("max_tokens 0", CHAT, chat("hi", max_tokens=0)),
     ("prompt of 1,000 token ids", COMPLETIONS, {"prompt": [100 + i % 100 for i in range(1000)], "max_tokens": 2}),
-    ("unknown fields are ignored", CHAT, chat("hi", frobnicate=True, logit_bias={"5": 1})),
+    ("unknown fields are ignored", CHAT, chat("hi", frobnicate=True, user="someone")),
+    ("unsupported fields at their defaults are accepted", CHAT, chat("hi", logit_bias={}, presence_penalty=0,
+                                                                       frequency_penalty=0.0, logprobs=False)),
 ]
 
 

@@ -123,6 +123,11 @@ PYBIND11_MODULE(_engine, m) {
        py::arg("window") = -1,
        "Validate a policy and return its resolved split: {name, bounded, needs_scores, sinks, heavy, recent, query_window}.");
 
+#ifdef GGML_USE_RPC
+    m.attr("RPC_PROTO_VERSION") = py::make_tuple(RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION, RPC_PROTO_PATCH_VERSION);
+#else
+    m.attr("RPC_PROTO_VERSION") = py::none();
+#endif
     m.def("rpc_serve", [](const std::string & endpoint, int32_t n_threads) {
         ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
         if (cpu == nullptr) {
@@ -222,6 +227,9 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("n_ctx", &Engine::n_ctx)
         .def_property_readonly("capacity", &Engine::capacity)
         .def_property_readonly("stream_capacity", &Engine::stream_capacity)
+        .def_property_readonly("kv_unified", &Engine::kv_unified)
+        .def("room", &Engine::room, py::arg("seq_id"), py::call_guard<py::gil_scoped_release>(),
+             "KV cells still free for seq_id: its stream's, or the whole unified cache's (shared by all sequences).")
         .def_property_readonly("n_batch", &Engine::n_batch)
         .def_property_readonly("kv_bytes", [](const Engine & e) { return without_gil([&] { return e.kv_bytes(); }); })
         .def_property_readonly("cells_used", [](const Engine & e) { return without_gil([&] { return e.cells_used(); }); })

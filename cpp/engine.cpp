@@ -117,6 +117,13 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
                                         "multiple of 64 values and LLAMA_ATTN_ROT_DISABLE unset (llama.cpp cannot "
                                         "shift other quantized keys); this model's hold " + std::to_string(head));
         }
+        // unquantized keys are shifted by ggml_rope in place, which takes F32 and F16 only (bf16 aborts)
+        if (params.position_rolling && !ggml_is_quantized(cp.type_k) && cp.type_k != GGML_TYPE_F16 &&
+            cp.type_k != GGML_TYPE_F32) {
+            throw std::invalid_argument("position_rolling with type_k '" + params.type_k + "' is not possible: "
+                                        "llama.cpp rotates unquantized keys in place with ggml_rope, which takes "
+                                        "f16 and f32 only (use f16, f32 or q8_0)");
+        }
     }
     if (!params.type_v.empty()) {
         cp.type_v = kv_cache_type("type_v", params.type_v);
@@ -251,6 +258,7 @@ uint32_t Engine::stream_capacity() const {
 }
 
 int32_t Engine::room(llama_seq_id seq) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     const int32_t used = params_.kv_unified ? cells_used() : size_of(seq);
     return (int32_t) stream_capacity() - used;
 }
@@ -375,11 +383,18 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
     if (snap.state.scores.n_head != n_head_ || (!snap.logits.empty() && snap.logits.size() != (size_t) model_->n_vocab())) {
         throw std::invalid_argument("the snapshot's scores or logits do not match this model");
     }
-    logits_all_.erase(seq);
+    // a refused snapshot changes nothing: the sequence's own cells are put back
+    const std::vector<uint8_t> kv_before = sc.save_kv();
+    const SeqState state_before = sc.state();
+    auto put_back = [&] {
+        if (!sc.restore(kv_before, state_before)) {
+            reset_seq(seq);
+        }
+    };
     if (!sc.restore(snap.kv, snap.state)) {
-        seqs_.erase(seq);
-        last_logits_.erase(seq);
-        throw std::runtime_error("cannot restore the snapshot: not enough free KV cells" + llama_error_suffix());
+        put_back();
+        throw std::invalid_argument("cannot restore the snapshot: llama.cpp refused its KV cells (damaged, or not "
+                                    "enough free cells)" + llama_error_suffix());
     }
     // what llama.cpp holds now must be what the snapshot's bookkeeping says (a file may have been tampered with)
     llama_memory_t mem = llama_get_memory(ctx_);
@@ -387,9 +402,10 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
     const bool empty = llama_memory_seq_pos_max(mem, seq) < 0;
     if (pos.empty() ? !empty : (empty || llama_memory_seq_pos_min(mem, seq) != pos.front() ||
                                 llama_memory_seq_pos_max(mem, seq) != pos.back())) {
-        reset_seq(seq);
+        put_back();
         throw std::invalid_argument("the snapshot's KV cells do not match its positions");
     }
+    logits_all_.erase(seq);
     if (snap.logits.empty()) {
         last_logits_.erase(seq);
     } else {

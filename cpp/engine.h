@@ -99,6 +99,7 @@ public:
     uint32_t capacity() const { return capacity_; } // cells the engine fills: n_ctx as asked, before llama.cpp pads it
     uint32_t stream_capacity() const;               // cells of one stream: all of them, or a sequence's share
     int32_t  room(llama_seq_id seq) const;          // cells still free for seq (shared by all in a unified cache)
+    bool     kv_unified() const { return params_.kv_unified; }
     int32_t  n_head()   const { return n_head_; }
     bool     scores_sum_rows() const { return scores_path_ == 1; }
     size_t   kv_bytes() const;    // bytes allocated for the KV cache

@@ -83,3 +83,10 @@ def test_for_kv_limit_counts_quantized_cells(tiny_hd64):
     f16 = Llama.for_kv_limit(tiny_hd64, limit, prompt_tokens=200, max_tokens=50, budget=None)
     q4 = Llama.for_kv_limit(tiny_hd64, limit, prompt_tokens=200, max_tokens=50, budget=None, type_k="q4_0")
     assert q4.n_seq_max > f16.n_seq_max and q4._engine.kv_bytes <= limit
+
+
+def test_bf16_keys_work_and_refuse_rolling_instead_of_aborting(tiny_hd64):
+    llm = Llama(tiny_hd64, budget=24, type_k="bf16")
+    assert llm.generate(TEXT, max_tokens=8, temperature=0) is not None and llm.kv_state().n_evicted > 0
+    with pytest.raises(ValueError, match="type_k 'bf16'.*f16 and f32 only"):
+        Llama(tiny_hd64, budget=24, type_k="bf16", position_rolling=True)

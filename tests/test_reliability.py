@@ -141,3 +141,15 @@ def test_generation_past_the_trained_context_warns_once(tiny_model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rolling.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
+
+
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_the_full_cache_ends_only_the_sequence_whose_room_is_gone(tiny_model, kv_unified):
+    """Policy full, two sequences of different prompt lengths: the longer fills its stream (or, unified, the shared
+    cache) first and ends with "length"; the other goes on. No error for either."""
+    llm = Llama(tiny_model, budget=None, n_ctx=256, n_seq_max=2, kv_unified=kv_unified, n_threads=1)
+    long_prompt, short_prompt = list(range(5, 5 + 100)), [1, 2, 3]
+    texts = llm.generate_batch([long_prompt, short_prompt], max_tokens=200, temperature=0, ignore_eos=True)
+    assert llm.finish_reasons[0] == "length" and all(isinstance(t, str) for t in texts)
+    if not kv_unified:  # its own stream of 128 cells: the short one fills it later, and generates more
+        assert llm.finish_reasons[1] == "length" and len(llm.tokenize(texts[1], add_bos=False)) > 0

@@ -1,7 +1,9 @@
 """llama.cpp's RPC backend: layers offloaded to an `h2o-local rpc-server` on loopback give the tokens, the kept
 entries and the exported scores of the local run."""
+import contextlib
 import socket
 import subprocess
+import threading
 import sys
 import time
 
@@ -58,3 +60,48 @@ def test_an_unreachable_or_malformed_rpc_server_is_a_clear_error(tiny_model):
         Llama(tiny_model, budget=16, rpc_servers=["localhost"], n_gpu_layers=1)
     with pytest.raises(TypeError, match="list of 'host:port'"):
         Llama(tiny_model, budget=16, rpc_servers="127.0.0.1:50052")
+
+
+@contextlib.contextmanager
+def fake_server(answer):
+    """A TCP server on loopback that accepts and sends `answer` then waits (None: says nothing; b"": hangs up)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    conns = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            if answer == b"":
+                conn.close()
+            elif answer is not None:
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for c in conns:
+            c.close()
+
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n", b""])
+def test_a_port_that_is_not_an_rpc_server_is_a_connection_error_not_an_abort_or_a_hang(tiny_model, answer):
+    with fake_server(answer) as endpoint:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=endpoint):
+            Llama(tiny_model, budget=16, rpc_servers=[endpoint], n_gpu_layers=1)
+        assert time.monotonic() - t0 < 30
+    assert Llama(tiny_model, budget=16).generate("still here", max_tokens=2, temperature=0) is not None
+
+
+def test_the_handshake_accepts_the_real_server(rpc_server):
+    from h2o_local.rpc import check_server
+
+    check_server(rpc_server)  # raises if the pinned protocol's hello changed

@@ -109,33 +109,90 @@ def test_concurrent_streams_are_decoded_together_and_equal_one_by_one(chat_model
 
 
 def test_a_continued_conversation_reuses_its_cache(chat_model):
-    # the reference, on one Llama without slots or snapshots: the first prompt, the tokens generated for it, then
-    # only the text the second request adds (what the restored cache is fed). A session is saved only when the
-    # client saw exactly what the cache holds: take a first question whose answer does not end inside a character.
+    """A saved cache is continued only when the new prompt's tokens, tokenized as a fresh request tokenizes them,
+    start with the tokens it holds: the whole first exchange when its answer tokenizes back to the tokens generated,
+    else the first prompt (saved on its own). With no eviction the answer is a fresh request's."""
     llm = Llama(chat_model, budget=1000, n_threads=1)
-    for question in ("Say something.", "Tell me more.", "Why?", "Go on.", "What now?", "Hello", "More!", "Next?"):
-        first_messages = [USER[0], {"role": "user", "content": question}]
-        events = list(llm.generate_events(llm.chat_tokens(first_messages)[0], max_tokens=20, temperature=0))
-        generated = [e.token for e in events if e.token is not None]
-        if llm.detokenize(generated).decode("utf-8", errors="replace") == "".join(e.text for e in events):
-            break
-    else:
-        pytest.fail("every first answer ends inside a UTF-8 character")
-
     with serving(chat_model, budget=1000) as (port, client):  # a budget that never evicts
+        first_messages = [USER[0], {"role": "user", "content": "Say something."}]
         first = client.chat.completions.create(model="tiny", messages=first_messages, max_tokens=20, temperature=0)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         history = first_messages + [{"role": "assistant", "content": first.choices[0].message.content},
                                     {"role": "user", "content": "And then?"}]
         second = client.chat.completions.create(model="tiny", messages=history, max_tokens=20, temperature=0)
-        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + 1
         _, health = get(port, "/health")
-        assert health["session_hits"] == 1
+    first_tokens = llm.chat_tokens(first_messages)[0]
+    second_tokens = llm.chat_tokens(history)[0]
+    assert second.usage.prompt_tokens == len(second_tokens)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens == len(first_tokens)
+    assert health["session_hits"] == 1
+    assert second.choices[0].message.content == llm.generate(second_tokens, max_tokens=20, temperature=0)
 
-    held = llm.apply_chat_template(first_messages) + llm.detokenize(generated).decode("utf-8", errors="replace")
-    rest = llm.apply_chat_template(history)[len(held):]
-    prompt = llm.chat_tokens(first_messages)[0] + generated + llm.tokenize(rest, add_bos=False, special=True)
-    assert second.choices[0].message.content == llm.generate(prompt, max_tokens=20, temperature=0)
+
+def test_a_whole_exchange_is_continued_when_the_prompt_holds_its_tokens(chat_model):
+    """A prompt of token ids that holds a finished request's prompt and generated tokens continues its saved cache:
+    only the token shown last (not fed) and what follows are fed."""
+    llm = Llama(chat_model, budget=1000, n_threads=1)
+    prompt = llm.tokenize("Once upon a time")
+    generated = [e.token for e in llm.generate_events(prompt, max_tokens=12, temperature=0) if e.token is not None]
+    with serving(chat_model, budget=1000) as (port, client):
+        first = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert first.usage.completion_tokens == len(generated)
+        again = client.completions.create(model="tiny", prompt=prompt + generated + llm.tokenize(" and", add_bos=False),
+                                          max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(prompt) + len(generated) - 1
+
+
+def test_no_request_changes_what_another_conversation_continues(chat_model):
+    """Whatever the saved sessions hold (planted through the other endpoint, a text cut inside a word, special
+    tokens in a completion), every greedy answer equals the one a server without sessions gives, and a chat keeps
+    its protected system prompt."""
+    def script(port, client):
+        out = []
+        chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0)
+        answer = chat.choices[0].message.content
+        history = USER + [{"role": "assistant", "content": answer}, {"role": "user", "content": "More."}]
+        text = CHATML_TEXT(USER) + answer  # the text a client could plant through /v1/completions
+        out.append(answer)
+        # a completion whose prompt is the chat's rendered text and answer, generating nothing
+        out.append(client.completions.create(model="tiny", prompt=text, max_tokens=0).choices[0].text)
+        out.append(client.chat.completions.create(model="tiny", messages=history, max_tokens=12,
+                                                  temperature=0).choices[0].message.content)
+        # a completion continued in the middle of a word, and one with special tokens in its text
+        for prompt in ("The lighthouse keep", "The lighthouse keeper wrote", "<|im_start|>user\nhi<|im_end|>\n"):
+            c = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            out.append((c.choices[0].text, c.usage.prompt_tokens))
+        return out
+
+    with serving(chat_model, budget=1000, session_bytes=0) as (port, client):
+        fresh = script(port, client)
+    with serving(chat_model, budget=1000) as (port, client):
+        reused = script(port, client)
+        _, health = get(port, "/health")
+    assert reused == fresh
+    assert health["session_hits"] >= 1
+    llm = Llama(chat_model, budget=1000, n_threads=1)
+    assert fresh[-1][1] == len(llm.tokenize("<|im_start|>user\nhi<|im_end|>\n", special=True))  # parsed as special
+
+
+def CHATML_TEXT(messages):
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def test_a_planted_completion_does_not_change_a_chat_s_next_answer(chat_model):
+    """With eviction, a chat's cache depends on its protected system prompt: a completion that sends the chat's text
+    and answer (generating nothing) must not become what the chat's next turn continues."""
+    def second_turn(plant):
+        with serving(chat_model, budget=80) as (port, client):
+            chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, temperature=0)
+            answer = chat.choices[0].message.content
+            if plant:
+                client.completions.create(model="tiny", prompt=CHATML_TEXT(USER) + answer, max_tokens=0)
+            history = USER + [{"role": "assistant", "content": answer}, {"role": "user", "content": "More."}]
+            again = client.chat.completions.create(model="tiny", messages=history, max_tokens=16, temperature=0)
+            return again.choices[0].message.content, again.usage.prompt_tokens_details.cached_tokens
+
+    assert second_turn(plant=True) == second_turn(plant=False)
 
 
 def test_bad_requests_get_openai_errors(server):
@@ -194,3 +251,25 @@ def test_faults_leave_the_server_serving(chat_model):
         report = run_faults(f"http://127.0.0.1:{port}", slots=2, max_waiting=2, body_limit=64 * 1024,
                             disconnects=3, sequential=20)
     assert len(report.checks) > 40 and not report.failed, report.failed
+
+
+def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, chat_model):
+    port, _ = server
+    for field, value in (("logprobs", 2), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("tools", [{}]),
+                         ("response_format", {"type": "json_object"}), ("suffix", "end"), ("best_of", 3)):
+        status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
+        assert status == 400 and err["error"]["param"] == field and "not supported" in err["error"]["message"]
+    # the values that ask for nothing are accepted (clients send their defaults)
+    status, _ = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, "presence_penalty": 0,
+                                               "frequency_penalty": 0.0, "logit_bias": {}, "user": "u1"})
+    assert status == 200
+    status, err = post(port, "/v1/completions", {"prompt": [1, True, 3], "max_tokens": 1})
+    assert status == 400  # a JSON boolean is not a token id
+    status, err = post(port, "/v1/completions", {"prompt": [2**40], "max_tokens": 1})
+    assert status == 400 and "incompatible" not in err["error"]["message"]
+    raw = b'{"prompt": "caf\\ud800", "max_tokens": 1}'  # a lone surrogate
+    status, err = post(port, "/v1/completions", None, raw=raw)
+    assert status == 400 and "surrogate" in err["error"]["message"] and "incompatible" not in err["error"]["message"]
+    ids = Llama(chat_model, budget=16).tokenize("Hi there", add_bos=False)
+    status, out = post(port, "/v1/completions", {"prompt": ids, "max_tokens": 1, "echo": True})
+    assert status == 200 and out["choices"][0]["text"].startswith("Hi there")  # token ids are echoed as text

@@ -7,10 +7,14 @@ history), the conversation is fed again from the start.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import tempfile
 import time
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
@@ -19,6 +23,10 @@ from . import _engine
 from .chat_template import Message, normalize_messages
 from .llama import Llama
 from .sampling import CHAT
+from .text import check_text
+
+SESSION_FORMAT = 1
+MAX_SESSION_JSON_BYTES = 256 * 2**20  # the conversation's text
 
 
 @dataclass
@@ -44,18 +52,24 @@ class ChatSession:
     """
 
     def __init__(self, llm: Llama, *, system: Optional[str] = None, **sampling: Any):
+        if system is not None:
+            if not isinstance(system, str):
+                raise TypeError(f"system must be a string or None, got {type(system).__name__}")
+            check_text("the system prompt", system)
         self.llm = llm
         self.system = system
         self.sampling = dict(sampling)
         self.messages: List[Message] = []
         self.last = TurnStats()
         self._fed_text: Optional[str] = None  # the text the cache holds, when it holds this conversation
+        self._turn = 0  # bumped by every send / reset / load: an older answer stream may not rewrite the history
         self.reset()
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
         self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
         self._fed_text = None
+        self._turn += 1
         self.last = TurnStats()
 
     def send(self, content: str, **sampling: Any) -> Iterator[str]:
@@ -63,6 +77,7 @@ class ChatSession:
         of the answer already shown in the conversation, and the cache in step with it."""
         if not isinstance(content, str):
             raise TypeError(f"a message is a string, got {type(content).__name__}")
+        check_text("the message", content)
         params = {**self.sampling, **sampling}
         messages = self.messages + [{"role": "user", "content": content}]
         prompt_text = self.llm.apply_chat_template(messages)
@@ -76,6 +91,8 @@ class ChatSession:
             feed, reused = tokens, 0
         self.messages = messages
         self._fed_text = None  # until this turn is in the cache as far as we know it
+        self._turn += 1
+        turn = self._turn
         stats = TurnStats(prompt_tokens=len(feed), reused_tokens=max(reused, 0))
         self.last = stats
         answer: List[str] = []
@@ -95,6 +112,8 @@ class ChatSession:
                     yield e.text
         finally:
             events.close()
+            if turn != self._turn:
+                return  # a newer turn (or a reset, a load) owns the history and the cache now
             stats.seconds = time.perf_counter() - t0
             text = "".join(answer)
             self.messages = messages + [{"role": "assistant", "content": text}]
@@ -110,34 +129,93 @@ class ChatSession:
 
     # ------------------------------------------------------------------ state on disk
     def save(self, path: Union[str, Path]) -> int:
-        """Write the conversation and its KV cache to `path` (a zip: session.json + kv.bin). Returns bytes written."""
+        """Write the conversation and its KV cache to `path` (a zip: session.json + kv.bin). Returns bytes written.
+
+        Atomic: the file is written beside `path`, flushed to disk and renamed over it, so a save that fails half
+        way leaves the previous file as it was."""
         snap = self.llm.save_state()
-        meta = {"format": 1, "messages": self.messages, "system": self.system, "fed_text": self._fed_text,
-                "model": snap.origin, "policy": self.llm.policy.label}
+        meta = {"format": SESSION_FORMAT, "messages": self.messages, "system": self.system,
+                "fed_text": self._fed_text, "model": snap.origin, "policy": self.llm.policy.label}
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
             z.writestr("session.json", json.dumps(meta))
             z.writestr("kv.bin", snap.to_bytes())
-        Path(path).write_bytes(buf.getvalue())
-        return len(buf.getvalue())
+        data = buf.getvalue()
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return len(data)
 
     def load(self, path: Union[str, Path]) -> None:
-        """Replace the conversation and the cache with a file written by `save` on the same model. A file that is
-        not a session, or one from another model or cache layout, raises ValueError and changes nothing."""
+        """Replace the conversation and the cache with a file written by `save` on the same model and policy.
+
+        All or nothing: the whole file is read and checked first (its sizes before anything is inflated, every field,
+        the snapshot), then the cache is restored; a file that is not a session, is damaged, or comes from another
+        model, cache layout or policy raises ValueError and changes nothing (the token shown last included)."""
+        meta, snap = self._read_session(Path(path))
         try:
-            with zipfile.ZipFile(Path(path)) as z:
-                meta = json.loads(z.read("session.json"))
-                snap = _engine.SeqSnapshot.from_bytes(z.read("kv.bin"))
-            messages = normalize_messages(meta["messages"])
-            fed_text = meta.get("fed_text")
-            if fed_text is not None and not isinstance(fed_text, str):
-                raise ValueError("fed_text is not text")
-        except (OSError, KeyError, TypeError, zipfile.BadZipFile, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a session file ({type(e).__name__}: {e})") from None
-        self.llm.load_state(snap)
-        self.messages = messages
-        self.system = meta.get("system")
-        self._fed_text = fed_text
+            self.llm.load_state(snap)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"{path}: {e}") from None
+        self.messages = meta["messages"]
+        self.system = meta["system"]
+        self._fed_text = meta["fed_text"]
+        self._turn += 1
+
+    def _read_session(self, path: Path):
+        """The checked parts of a session file: (meta, snapshot). Raises ValueError for anything else."""
+        def bad(why: str) -> ValueError:
+            return ValueError(f"{path}: not a session file of this chat ({why})")
+
+        st = self.llm.kv_state()
+        limits = {"session.json": MAX_SESSION_JSON_BYTES,
+                  # a sequence's cells, scores and logits can never be larger than the whole allocated cache's
+                  "kv.bin": 2 * st.kv_bytes + 16 * st.kv_cells * (self.llm.info.n_head + 4) + 8 * self.llm.n_vocab()
+                            + 2**20}
+        try:
+            with zipfile.ZipFile(path) as z:
+                parts = {}
+                for name, limit in limits.items():
+                    info = z.getinfo(name)
+                    if info.file_size > limit:
+                        raise bad(f"{name} declares {info.file_size} bytes, more than the {limit} this cache can hold")
+                    with z.open(info) as f:
+                        parts[name] = f.read(limit + 1)  # zipfile stops at the declared size and checks the CRC
+                meta = json.loads(parts["session.json"].decode("utf-8"))
+                snap = _engine.SeqSnapshot.from_bytes(parts["kv.bin"])
+        except ValueError as e:
+            raise e if str(e).startswith(str(path)) else bad(str(e)) from None
+        except (OSError, KeyError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile, zlib.error) as e:
+            raise bad(f"{type(e).__name__}: {e}") from None
+        if not isinstance(meta, dict) or meta.get("format") != SESSION_FORMAT:
+            raise bad(f"expected format {SESSION_FORMAT}")
+        try:
+            messages = normalize_messages(meta.get("messages"))
+            for i, m in enumerate(messages):
+                for key, value in m.items():
+                    if not isinstance(value, str):
+                        raise TypeError(f"message {i}: {key} is not a string")
+                    check_text(f"message {i}'s {key}", value)
+            for key in ("system", "fed_text"):
+                if meta.get(key) is not None:
+                    if not isinstance(meta[key], str):
+                        raise TypeError(f"{key} is not a string")
+                    check_text(key, meta[key])
+        except (TypeError, ValueError) as e:
+            raise bad(str(e)) from None
+        if meta.get("policy") != self.llm.policy.label:
+            raise ValueError(f"{path}: saved with policy {meta.get('policy')!r}, this chat uses "
+                             f"{self.llm.policy.label!r}")
+        return {"messages": messages, "system": meta.get("system"), "fed_text": meta.get("fed_text")}, snap
 
     # ------------------------------------------------------------------ status
     def stats(self) -> Dict[str, Any]:

@@ -106,14 +106,26 @@ class Batch:
         feed, self._feed, out = self._feed, {}, []
         if not feed:
             return out
-        if self.unbounded and self.engine.cells_used + len(feed) > self.engine.capacity:
-            # the context is full and never evicts: stop like llama-cpp-python does
-            for seq_id in list(self.live):
-                out += self._finish(self.live.pop(seq_id), "length")
-            return out
+        if self.unbounded:
+            out += self._stop_what_does_not_fit(feed)
+            if not feed:
+                return out
         self.engine.eval(feed, False)
         for seq_id in feed:
             self.live[seq_id].unfed = None
+        return out
+
+    def _stop_what_does_not_fit(self, feed: Dict[int, List[int]]) -> List[Event]:
+        """A cache that never evicts: a sequence whose stream (or the shared cache) has no cell left for its next
+        token ends with "length", as llama-cpp-python does at the end of the context; the others go on."""
+        out, taken = [], 0
+        for seq_id in list(feed):
+            room = self.engine.room(seq_id) - (taken if self.engine.kv_unified else 0)
+            if room >= len(feed[seq_id]):
+                taken += len(feed[seq_id])
+                continue
+            del feed[seq_id]
+            out += self._finish(self.live.pop(seq_id), "length")
         return out
 
     def _finish(self, r: SeqRun, reason: str) -> List[Event]:

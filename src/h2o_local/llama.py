@@ -12,9 +12,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from . import _engine, generation, sampling
+from . import _engine, generation, rpc, sampling
 from .chat_template import ChatTemplate, Message, normalize_messages
-from .text import TextAssembler
+from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
 from .model_info import ModelInfo
@@ -131,15 +131,16 @@ class Llama:
             raise FileNotFoundError(f"model file not found: {self.model_path}")
         for name, value, minimum in (("roll_interval", roll_interval, 1), ("n_ctx", n_ctx, 0), ("n_batch", n_batch, 1),
                                      ("n_seq_max", n_seq_max, 1), ("n_threads", n_threads, 0),
-                                     ("n_gpu_layers", n_gpu_layers, None), ("seed", seed, None)):
+                                     ("n_gpu_layers", n_gpu_layers, None)):
             check_int(name, value, minimum)
+        check_int("seed", seed, maximum=None)  # seeds Python's generator: any int
         for name, value in (("position_rolling", position_rolling), ("kv_unified", kv_unified), ("kv_f32", kv_f32),
                             ("compact_cells", compact_cells), ("flash_attn", flash_attn), ("export_scores", export_scores),
                             ("verbose", verbose)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
-        for endpoint in _rpc_endpoints(rpc_servers):
-            _check_reachable(endpoint)
+        for endpoint in rpc.parse_endpoints(rpc_servers):
+            rpc.check_server(endpoint)
         for name, value in (("type_k", type_k), ("type_v", type_v)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a ggml type name such as 'q8_0', got {value!r}")
@@ -168,7 +169,7 @@ class Llama:
             type_k="" if type_k is None else type_k,
             type_v="" if type_v is None else type_v,
             flash_attn=bool(flash_attn),
-            rpc_servers=_rpc_endpoints(rpc_servers),
+            rpc_servers=rpc.parse_endpoints(rpc_servers),
             compact_cells=bool(compact_cells),
             verbose=bool(verbose),
         )
@@ -295,7 +296,7 @@ class Llama:
             text = text.decode("utf-8", errors="replace")
         if not isinstance(text, str):
             raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
-        return list(self._engine.tokenize(text, bool(add_bos), bool(special)))
+        return list(self._engine.tokenize(check_text("the text", text), bool(add_bos), bool(special)))
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
         """The bytes of `tokens` (bytes, like llama-cpp-python: a token may hold part of a UTF-8 character)."""
@@ -389,13 +390,14 @@ class Llama:
         """Put a `save_state` snapshot back into `seq_id` (replacing what it holds), to branch from a prefix.
 
         Refused (ValueError, the sequence unchanged) for a snapshot of another model or cache layout, or one that
-        holds more entries than the sequence has room for."""
+        holds more entries than the sequence has room for, or whose KV cells llama.cpp refuses (damaged): the
+        sequence then holds what it held before, and the token the last generation showed stays to be fed."""
         seq_id = self._check_seq(seq_id)
         if not isinstance(state, _engine.SeqSnapshot):
             raise TypeError(f"state must come from save_state(), got {type(state).__name__}")
         with self._lock:
+            self._engine.restore(seq_id, state)  # all or nothing: a refused snapshot leaves the sequence as it was
             self._take_over([seq_id])
-            self._engine.restore(seq_id, state)
             if seq_id == 0:
                 self._unfed = list(state.pending)
 
@@ -745,6 +747,8 @@ def _token_list(tokens: Sequence[int]) -> List[int]:
     for t in tokens:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise TypeError(f"token ids must be ints, got {t!r}")
+        if not 0 <= t < 2**31:
+            raise ValueError(f"token id {t} is out of range")
         out.append(int(t))
     return out
 
@@ -757,27 +761,3 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x = x - x.max()
     return x - np.log(np.exp(x).sum())
-
-
-def _rpc_endpoints(rpc_servers: Optional[Sequence[str]]) -> List[str]:
-    if rpc_servers is None:
-        return []
-    if isinstance(rpc_servers, str) or not all(isinstance(e, str) for e in rpc_servers):
-        raise TypeError(f"rpc_servers must be a list of 'host:port' strings, got {rpc_servers!r}")
-    for e in rpc_servers:
-        host, _, port = e.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"rpc_servers: {e!r} is not 'host:port'")
-    return list(rpc_servers)
-
-
-def _check_reachable(endpoint: str, timeout_s: float = 5.0) -> None:
-    """llama.cpp's RPC client aborts the process when it cannot connect: find out first."""
-    import socket
-
-    host, _, port = endpoint.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ConnectionError(f"cannot reach the RPC server at {endpoint} ({e}); start one there with "
-                              f"`h2o-local rpc-server --host HOST --port {port}`") from None

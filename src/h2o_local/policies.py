@@ -14,6 +14,8 @@ in KV entries (tokens) per sequence. How to add a policy: docs/policies.md.
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple, Type, Union
@@ -27,14 +29,21 @@ REGISTRY: Dict[str, Type["Policy"]] = {}
 ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "window")
 
 
-def check_int(name: str, value: Any, minimum: Optional[int] = None) -> None:
-    """`value` must be None or an int (not a bool, not a float) of at least `minimum`."""
+INT32_MAX = 2**31 - 1  # the C++ side takes 32-bit ints
+
+
+def check_int(name: str, value: Any, minimum: Optional[int] = None, maximum: Optional[int] = INT32_MAX) -> None:
+    """`value` must be None or an int (not a bool, not a float) in [`minimum`, `maximum`]."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    if maximum is not None and value < -INT32_MAX - 1:
+        raise ValueError(f"{name} must be >= {-INT32_MAX - 1}, got {value}")
 
 
 def _engine_int(value: Optional[int]) -> int:
@@ -253,6 +262,9 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
     return cls(**{k: v for k, v in given.items() if k in cls._field_names() and v is not None})
 
 
+_DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True), and below 2^31
+
+
 def parse(text: str) -> Policy:
     """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks),
     "snapkv-256+w64" (a query window of 64), "tova-256+s4+r192" (192 recent entries)."""
@@ -265,11 +277,11 @@ def parse(text: str) -> Policy:
     extra: Dict[str, int] = {}
     for suffix in suffixes:
         key = {"s": "sinks", "w": "window", "r": "recent"}.get(suffix[:1])
-        if key is None or key in extra or not suffix[1:].isdigit():
+        if key is None or key in extra or not _DIGITS.fullmatch(suffix[1:]):
             budget_text = ""  # not a label
             break
         extra[key] = int(suffix[1:])
-    if not budget_text.isdigit():
+    if not _DIGITS.fullmatch(budget_text):
         raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks), +wN "
                          "(query window) and +rN (recent entries), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
                          "tova-256+s4+r192)")

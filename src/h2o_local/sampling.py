@@ -45,8 +45,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not 0.0 < self.top_p <= 1.0 or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] and min_p in [0, 1], got {self.top_p} and {self.min_p}")
-        check_int("top_k", self.top_k, minimum=0)
-        check_int("seed", self.seed)
+        check_int("top_k", self.top_k, minimum=0, maximum=None)  # at least the vocabulary: off
+        check_int("seed", self.seed, maximum=None)  # any int: the sampler takes its low 32 bits
         stop = self.stop
         stops: Tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if not all(isinstance(s, str) for s in stops):

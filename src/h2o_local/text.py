@@ -54,3 +54,14 @@ class TextAssembler:
                     best = k
                     break
         return best
+
+
+def check_text(name: str, value: str) -> str:
+    """`value` must be text that UTF-8 can carry (no lone surrogate, as a byte that is not UTF-8 becomes in a command
+    line argument): the one check every string passes before it reaches llama.cpp. Raises ValueError naming `name`."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid text: character {e.start} is a lone surrogate (a byte that is not "
+                         f"UTF-8, such as {value[e.start].encode('utf-8', 'surrogateescape')!r})") from None
+    return value

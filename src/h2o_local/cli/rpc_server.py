@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 
 
 def main(argv=None) -> int:
@@ -24,6 +25,10 @@ def main(argv=None) -> int:
 
     # the server loop runs in C and never returns to Python: let Ctrl-C end the process as it would any C server
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"WARNING: listening on {args.host}, not 127.0.0.1: anyone who can reach this port can run code on "
+              f"this machine's backend. llama.cpp's RPC protocol has no authentication or encryption; never expose it "
+              f"to an open network.", file=sys.stderr, flush=True)
     print(f"h2o-local rpc-server: serving this CPU on {args.host}:{args.port} ({args.threads} threads)", flush=True)
     _engine.rpc_serve(f"{args.host}:{args.port}", args.threads)
     return 1  # only reached when the server could not start (its reason is printed above)

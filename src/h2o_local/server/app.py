@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,8 +30,18 @@ from .scheduler import Busy, Cancelled, Job, Scheduler
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
+# OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
+# many clients send them with their defaults); any other value is a 400 naming the field
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "repetition_penalty": (None, 1, 1.0), "repeat_penalty": (None, 1, 1.0),
+               "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
+               "grammar": (None, ""), "parallel_tool_calls": (None,)}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are kept to be checked against UNSUPPORTED
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=0)
@@ -46,8 +56,16 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
 
 
+    def refuse_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and not any(value == ok and type(value) is type(ok) or (value is ok)
+                                               for ok in UNSUPPORTED[name]):
+                raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name,
+                               code="unsupported_parameter")
+
+
 class CompletionRequest(_Request):
-    prompt: Union[str, List[str], List[int]]
+    prompt: Union[str, List[str], List[StrictInt]]  # a JSON true is not token 1
     echo: bool = False
 
 
@@ -105,6 +123,7 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
     import os
 
     model_id = model_id or os.path.basename(llm.model_path)
+    default_keep = llm.keep if isinstance(llm.keep, int) else 0  # the protected prefix of a completion
     scheduler = Scheduler(llm, max_waiting=max_waiting, session_bytes=session_bytes)
 
     @contextlib.asynccontextmanager
@@ -148,14 +167,15 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        body.refuse_unsupported()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request (n=1)", param="prompt")
             prompt = prompt[0]
         try:
-            if isinstance(prompt, str):
-                tokens, text = llm.tokenize(prompt, add_bos=llm.info.add_bos), prompt
+            if isinstance(prompt, str):  # special tokens parsed, as llama-cpp-python and llama-server do
+                tokens, text = llm.tokenize(prompt, add_bos=llm.info.add_bos, special=True), prompt
             else:
                 tokens, text = [int(t) for t in prompt], None
                 if any(not 0 <= t < llm.n_vocab() for t in tokens):
@@ -163,10 +183,12 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), param="prompt") from None
         params = _sampling(COMPLETION, body, body.max_tokens)
-        job = await _submit(Job(tokens, params, prompt_text=text), request)
+        job = await _submit(Job(tokens, params, n_keep=default_keep), request)
         meta = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
                 "model": model_id}
-        echo = text if body.echo and text is not None else ""
+        if body.echo and text is None:  # token ids: their text, as llama-cpp-python echoes it
+            text = llm.detokenize(tokens).decode("utf-8", errors="replace")
+        echo = text if body.echo else ""
         if body.stream:
             return EventSourceResponse(_completion_stream(job, meta, echo, _include_usage(body)), ping=15)
         pieces, n, finish = await _collect(job, request)
@@ -175,18 +197,18 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        body.refuse_unsupported()
         for i, m in enumerate(body.messages):
             if m.get("role") not in ROLES:
                 raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
                                     f"{m.get('role')!r}", param=f"messages.{i}.role")
         try:
-            text = llm.apply_chat_template(body.messages)
             tokens, n_keep = llm.chat_tokens(body.messages)
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling(CHAT, body, limit)
-        job = await _submit(Job(tokens, params, prompt_text=text, n_keep=n_keep), request)
+        job = await _submit(Job(tokens, params, n_keep=default_keep if n_keep is None else n_keep), request)
         meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": model_id}
         if body.stream:
             return EventSourceResponse(_chat_stream(job, meta, _include_usage(body)), ping=15)

@@ -5,10 +5,12 @@ a request continues one, then feeding the new prompt tokens), draws one token fo
 events to the requests' asyncio queues, and feeds the new tokens in one batch. Requests join and leave between
 steps; a request whose client went away is cancelled and its slot freed at the next step.
 
-Sessions: when a request ends, its slot's cache is saved (a snapshot in host memory) under the text it holds (the
-prompt and what was generated). A later request whose prompt text starts with that text restores it and feeds
-only the rest: a chat front end that resends the whole history continues its compressed cache. Snapshots live in
-an LRU bounded in bytes.
+Sessions: when a request ends, its slot's cache is saved (a snapshot in host memory) under the tokens it holds (the
+prompt and what was generated) and its protected prefix. A later request whose prompt tokens, tokenized as a fresh
+request tokenizes them, start with those tokens, with the same protected prefix, restores it and feeds only the
+rest: a chat front end that resends the whole history continues its compressed cache, and a request can never
+continue a cache that was built from other tokens or with another prefix (nor from text cut inside a token).
+Snapshots live in an LRU bounded in bytes.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import generation
 from ..llama import Llama
@@ -39,8 +41,7 @@ class Job:
 
     prompt_tokens: List[int]
     params: SamplingParams
-    prompt_text: Optional[str] = None   # for sessions: the text the prompt tokens are
-    n_keep: Optional[int] = None        # the protected prefix (None: the Llama's keep)
+    n_keep: int = 0                     # the protected prefix (tokens)
     loop: Optional[asyncio.AbstractEventLoop] = None
     queue: Optional["asyncio.Queue[Any]"] = None
     cancelled: bool = False
@@ -54,50 +55,56 @@ class Job:
 
 @dataclass
 class _Session:
-    text: str        # the text the cache holds
-    snapshot: Any    # SeqSnapshot
+    tokens: Tuple[int, ...]  # the tokens the cache holds, then the one shown last and not fed (if any)
+    n_fed: int               # how many of them the cache holds
+    n_keep: int              # its protected prefix
+    snapshot: Any            # SeqSnapshot
     nbytes: int
 
 
 class SessionCache:
-    """Saved slot caches keyed by the text they hold, least recently used first out, within `limit_bytes`."""
+    """Saved slot caches keyed by the tokens they hold and their protected prefix, least recently used first out,
+    within `limit_bytes`."""
 
     def __init__(self, limit_bytes: int):
         self.limit_bytes = int(limit_bytes)
-        self._items: "collections.OrderedDict[str, _Session]" = collections.OrderedDict()
+        self._items: "collections.OrderedDict[Tuple[int, Tuple[int, ...]], _Session]" = collections.OrderedDict()
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
 
-    def put(self, text: str, snapshot: Any) -> None:
+    def put(self, tokens: Sequence[int], n_fed: int, n_keep: int, snapshot: Any) -> None:
         nbytes = int(snapshot.nbytes)
-        if nbytes > self.limit_bytes or not text:
+        if nbytes > self.limit_bytes or n_fed < 1:
             return
-        self.pop(text)
-        self._items[text] = _Session(text, snapshot, nbytes)
+        key = (int(n_keep), tuple(tokens))
+        self._drop(key)
+        self._items[key] = _Session(key[1], int(n_fed), key[0], snapshot, nbytes)
         self.nbytes += nbytes
         while self.nbytes > self.limit_bytes:
             _, old = self._items.popitem(last=False)
             self.nbytes -= old.nbytes
 
-    def pop(self, text: str) -> Optional[_Session]:
-        s = self._items.pop(text, None)
+    def _drop(self, key) -> None:
+        s = self._items.pop(key, None)
         if s is not None:
             self.nbytes -= s.nbytes
-        return s
 
-    def take_longest_prefix(self, prompt_text: str) -> Optional[_Session]:
-        """The saved session whose text is the longest proper prefix of `prompt_text` (removed from the cache:
-        the slot that continues it will save it again, longer)."""
+    def longest_prefix(self, tokens: Sequence[int], n_keep: int) -> Optional[_Session]:
+        """The saved session with the same protected prefix whose tokens are the longest proper prefix of `tokens`.
+        It stays saved (a conversation may branch from it again) and becomes the most recently used."""
+        tokens = tuple(tokens)
         best = None
-        for text in self._items:
-            if len(text) < len(prompt_text) and prompt_text.startswith(text) and (best is None or len(text) > len(best)):
-                best = text
+        for key, s in self._items.items():
+            if (s.n_keep == n_keep and len(s.tokens) < len(tokens) and tokens[:len(s.tokens)] == s.tokens
+                    and (best is None or len(s.tokens) > len(best.tokens))):
+                best = s
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
-        return self.pop(best)
+        self._items.move_to_end((best.n_keep, best.tokens))
+        return best
 
     def __len__(self) -> int:
         return len(self._items)
@@ -212,13 +219,12 @@ class Scheduler:
         engine.reset_seq(slot)
         feed = job.prompt_tokens
         try:
-            session = self.sessions.take_longest_prefix(job.prompt_text) if job.prompt_text else None
+            session = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep) if self.sessions.limit_bytes else None
             if session is not None:
                 engine.restore(slot, session.snapshot)
-                rest = self.llm.tokenize(job.prompt_text[len(session.text):], add_bos=False, special=True)
-                feed = list(session.snapshot.pending) + rest
-                job.reused_tokens = max(len(job.prompt_tokens) - len(rest), 0)
-            elif job.n_keep is not None:
+                feed = job.prompt_tokens[session.n_fed:]  # the token shown last and not fed comes first
+                job.reused_tokens = session.n_fed
+            else:
                 self.llm._set_keep(slot, job.n_keep)
             if not feed:
                 raise ValueError("the prompt is empty")
@@ -228,6 +234,9 @@ class Scheduler:
             job.put(e)
             self._release(slot, save=False)
             return
+        # the prompt alone is saved too: a client whose next request re-tokenizes this answer differently from the
+        # tokens generated (BPE often does) still continues the whole conversation before it
+        self._save(slot, job.prompt_tokens, len(job.prompt_tokens), job.n_keep)
         run = generation.SeqRun(slot, slot, sampler, TextAssembler(job.params.stop), job.params.max_tokens)
         self._runs[slot] = run
         job.put(("start", job.reused_tokens, time.perf_counter()))
@@ -240,22 +249,25 @@ class Scheduler:
                 continue
             job.put(e)
             if e.token is None:
-                self._release(e.index, save=job.prompt_text is not None)
+                self._release(e.index, save=True)
 
     def _release(self, slot: int, *, save: bool) -> None:
         """Free the slot (its cache saved as a session first, when asked)."""
         job, run = self._active.get(slot), self._runs.pop(slot, None)
-        if save and job is not None and run is not None and self.sessions.limit_bytes > 0:
-            # only when the client saw exactly what the cache holds (no stop string cut, no partial character)
-            generated = self.llm.detokenize(run.tokens).decode("utf-8", errors="replace")
-            if generated == run.text.released:
-                snap = self.llm._engine.snapshot(slot)
-                snap.pending = [] if run.unfed is None else [run.unfed]
-                self.sessions.put(job.prompt_text + generated, snap)
+        if save and job is not None and run is not None:
+            held = job.prompt_tokens + run.tokens  # a client that resends other tokens (a cut text) will not match
+            self._save(slot, held, len(held) - (run.unfed is not None), job.n_keep)
         self.llm._engine.reset_seq(slot)
         with self._cv:
             if self._active.pop(slot, None) is not None:
                 self.served += 1
+
+
+    def _save(self, slot: int, tokens: List[int], n_fed: int, n_keep: int) -> None:
+        """Save the slot's cache as the session of `tokens` (of which it holds the first `n_fed`), when it fits."""
+        n_cells = min(n_fed, self.llm.budget or n_fed)
+        if 0 < n_cells * self.llm.kv_bytes_per_cell <= self.sessions.limit_bytes:
+            self.sessions.put(tokens, n_fed, n_keep, self.llm._engine.snapshot(slot))
 
 
 def _seed(llm: Llama, params: SamplingParams) -> int:

@@ -1,0 +1,179 @@
+"""ChatSession and its files: a load succeeds whole or changes nothing; a save never destroys the previous file; an
+old answer stream cannot rewrite a newer conversation; bad text is one ValueError."""
+import io
+import json
+import os
+import struct
+import zipfile
+
+import numpy as np
+import pytest
+
+from h2o_local import Llama
+from h2o_local.chat_session import ChatSession
+from tiny_model import write_tiny_llama
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("chat") / "chat.gguf", chat_template=CHATML, n_ctx_train=4096))
+
+
+def new_session(model, **kw):
+    llm = Llama(model, budget=48, n_threads=1, keep="system", **kw)
+    return ChatSession(llm, system="You are tiny.", max_tokens=12, temperature=0)
+
+
+def talk(session, text):
+    return "".join(session.send(text))
+
+
+def what_it_holds(session):
+    st = session.llm.kv_state()
+    return [m.copy() for m in session.messages], st.positions.tolist(), st.scores.tolist(), list(session.llm._unfed)
+
+
+def rewrite(path, out, **parts):
+    """A copy of the session file `path` with some members replaced (bytes), written to `out`."""
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    members.update(parts)
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return out
+
+
+def damaged_kv(blob: bytes) -> bytes:
+    """The snapshot with llama.cpp's own KV bytes damaged (the snapshot's frame stays well formed)."""
+    n_origin = struct.unpack_from("<Q", blob, 8)[0]
+    kv_at = 8 + 8 + n_origin + 8
+    return blob[:kv_at] + b"\xff" * 8 + blob[kv_at + 8:]
+
+
+@pytest.fixture
+def saved(chat_model, tmp_path):
+    """A session that said one thing and was saved, then said a second thing (not saved)."""
+    s = new_session(chat_model)
+    talk(s, "hello there")
+    path = tmp_path / "one.session"
+    s.save(path)
+    talk(s, "and a second message that is long enough to evict")
+    return s, path
+
+
+def test_a_loaded_session_answers_as_the_one_that_never_stopped(chat_model, tmp_path):
+    s = new_session(chat_model)
+    talk(s, "hello there")
+    s.save(tmp_path / "one.session")
+    expected = talk(s, "what next?")
+    other = new_session(chat_model)
+    other.load(tmp_path / "one.session")
+    assert talk(other, "what next?") == expected
+    assert other.messages == s.messages and other.last.reused_tokens == s.last.reused_tokens > 0
+
+
+@pytest.mark.parametrize("damage", ["kv_blob", "deflate", "json_field", "json_type", "policy", "truncated", "empty"])
+def test_a_bad_file_is_one_value_error_and_changes_nothing(saved, tmp_path, damage):
+    s, path = saved
+    before = what_it_holds(s)
+    bad = tmp_path / "bad.session"
+    meta = json.loads(zipfile.ZipFile(path).read("session.json"))
+    if damage == "kv_blob":
+        rewrite(path, bad, **{"kv.bin": damaged_kv(zipfile.ZipFile(path).read("kv.bin"))})
+    elif damage == "deflate":
+        data = bytearray(path.read_bytes())
+        info = zipfile.ZipFile(path).getinfo("kv.bin")
+        start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+        data[start + 10: start + 200] = bytes(190)  # the compressed stream itself
+        bad.write_bytes(bytes(data))
+    elif damage == "json_field":
+        rewrite(path, bad, **{"session.json": json.dumps({**meta, "fed_text": 5}).encode()})
+    elif damage == "json_type":
+        meta["messages"][0]["name"] = ["not", "a", "string"]
+        rewrite(path, bad, **{"session.json": json.dumps(meta).encode()})
+    elif damage == "policy":
+        rewrite(path, bad, **{"session.json": json.dumps({**meta, "policy": "sink-48"}).encode()})
+    elif damage == "truncated":
+        bad.write_bytes(path.read_bytes()[:-100])
+    else:
+        bad.write_bytes(b"")
+    with pytest.raises(ValueError, match="bad.session"):
+        s.load(bad)
+    assert what_it_holds(s) == before
+    talk(s, "the conversation goes on")  # and the object stays usable
+
+
+def test_a_refused_snapshot_keeps_the_token_shown_last(saved, tmp_path):
+    s, path = saved
+    assert s.llm._unfed, "the last answer ended with a token shown but not fed"
+    before = what_it_holds(s)
+    bad = rewrite(path, tmp_path / "bad.session", **{"kv.bin": damaged_kv(zipfile.ZipFile(path).read("kv.bin"))})
+    with pytest.raises(ValueError):
+        s.load(bad)
+    assert what_it_holds(s) == before
+
+
+def test_a_zip_bomb_is_refused_before_it_is_inflated(saved, tmp_path):
+    s, _ = saved
+    bomb = tmp_path / "bomb.session"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("session.json", "{}")
+        with z.open("kv.bin", "w", force_zip64=True) as f:
+            zeros = bytes(2**24)
+            for _ in range(64):  # 1 GiB of zeros, about 1 MiB on disk
+                f.write(zeros)
+    assert bomb.stat().st_size < 4 * 2**20
+    with pytest.raises(ValueError, match="declares"):
+        s.load(bomb)
+
+
+def test_a_save_that_fails_half_way_keeps_the_previous_file(saved, monkeypatch):
+    s, path = saved
+    good = path.read_bytes()
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError):
+        s.save(path)
+    assert path.read_bytes() == good
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".part")] == []
+
+
+def test_closing_an_old_stream_after_a_newer_turn_keeps_the_newer_history(chat_model):
+    s = new_session(chat_model)
+    old = s.send("first question")
+    next(old)
+    for _ in s.send("second question"):
+        pass
+    newer = what_it_holds(s)
+    old.close()
+    assert what_it_holds(s) == newer
+    assert s.messages[-2]["content"] == "second question"
+
+
+def test_text_that_is_not_unicode_is_a_value_error(chat_model):
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")  # how a Latin-1 byte arrives in sys.argv
+    llm = Llama(chat_model, budget=48, n_threads=1)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        ChatSession(llm, system=bad)
+    s = ChatSession(llm, max_tokens=4, temperature=0)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        talk(s, bad)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        llm.tokenize(bad)
+    assert talk(s, "fine") is not None
+
+
+def test_a_bad_system_byte_in_the_cli_is_one_line(chat_model, capsys):
+    from h2o_local.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--model", chat_model, "--system", b"caf\xe9".decode("utf-8", "surrogateescape")])
+    assert e.value.code == 2
+    assert "lone surrogate" in capsys.readouterr().err
