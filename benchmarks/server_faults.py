@@ -24,8 +24,10 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,6 +102,9 @@ MALFORMED: List[tuple] = [
     ("prompt token ids with a JSON boolean", COMPLETIONS, {"prompt": [5, True], "max_tokens": 4}, 400),
     ("prompt token id 2^40", COMPLETIONS, {"prompt": [2**40], "max_tokens": 4}, 400),
     ("a lone surrogate in a message", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400),
+    ("stop: 50 strings", CHAT, chat("hi", stop=[f"s{i}" for i in range(50)]), 400),
+    ("stop: 220,000 strings", CHAT, chat("hi", stop=["x"] * 220_000), (400, 413)),
+    ("stop: a string of 10,000 characters", CHAT, chat("hi", stop="y" * 10_000), 400),
     ("unsupported: logit_bias", CHAT, chat("hi", logit_bias={"5": 1}), 400),
     ("unsupported: logprobs", COMPLETIONS, {"prompt": "x", "logprobs": 3}, 400),
     ("unsupported: response_format json", CHAT, chat("hi", response_format={"type": "json_object"}), 400),
@@ -114,7 +119,7 @@ EXTREME: List[tuple] = [
     ("seed 2^70 (taken modulo 2^32)", CHAT, chat("hi", seed=2**70)),
     ("seed negative", CHAT, chat("hi", seed=-5)),
     ("temperature 100", CHAT, chat("hi", temperature=100)),
-    ("stop: 50 strings", CHAT, chat("hi", stop=[f"s{i}" for i in range(50)])),
+    ("stop: 16 strings", CHAT, chat("hi", stop=[f"s{i}" for i in range(16)])),
     ("max_tokens 0", CHAT, chat("hi", max_tokens=0)),
     ("prompt of 1,000 token ids", COMPLETIONS, {"prompt": [100 + i % 100 for i in range(1000)], "max_tokens": 2}),
     ("unknown fields are ignored", CHAT, chat("hi", frobnicate=True, user="someone")),
@@ -257,6 +262,59 @@ def check_sequential(base: str, report: Report, n: int, rss: Optional[Callable[[
     report.add(f"{n} sequential requests all 200", not bad, str(bad[:5]))
 
 
+def check_head_of_line(base: str, report: Report, prompt_words: int) -> None:
+    """A stream runs; a prompt of about `prompt_words` words arrives, then the same prompt from a client that hangs up
+    at once. Figures: the stream's gaps between tokens before and while the long prompt is read, and how long the
+    server goes on with a prompt nobody waits for."""
+    stamps: List[float] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 100_000, "temperature": 0.8, "seed": 1, "stream": True}
+        with httpx.Client(base_url=base, timeout=300) as c, c.stream("POST", COMPLETIONS, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.perf_counter())
+                if done.is_set():
+                    return
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120
+    while len(stamps) < 20 and time.monotonic() < deadline and t.is_alive():
+        time.sleep(0.05)
+    long_prompt = {"prompt": " ".join(f"word{i % 50}" for i in range(prompt_words)), "max_tokens": 1}
+    t0 = time.perf_counter()
+    r = httpx.post(base + COMPLETIONS, json=long_prompt, timeout=600)
+    t1 = time.perf_counter()
+    try:  # the same prompt, from a client that leaves at once
+        httpx.post(base + COMPLETIONS, json={**long_prompt, "prompt": long_prompt["prompt"] + " again"}, timeout=0.2)
+    except httpx.TimeoutException:
+        pass
+    t2 = time.perf_counter()
+    while httpx.get(base + "/health", timeout=30).json()["slots_processing"] > 1 and time.perf_counter() - t2 < 600:
+        time.sleep(0.05)
+    freed = time.perf_counter() - t2
+    done.set()
+    t.join(60)
+
+    def gaps(a: float, b: float) -> List[float]:
+        inside = [x for x in stamps if a <= x <= b]
+        return [y - x for x, y in zip(inside, inside[1:])]
+
+    before, during = gaps(0, t0), gaps(t0, t1)
+    ms = lambda xs, f: round(1000 * f(xs), 1) if xs else None
+    report.figures["head_of_line"] = {
+        "prompt_tokens": r.json().get("usage", {}).get("prompt_tokens") if r.status_code == 200 else r.status_code,
+        "prompt_seconds": round(t1 - t0, 2), "stream_tokens_while_read": len([x for x in stamps if t0 <= x <= t1]),
+        "gap_ms_median_before": ms(before, statistics.median), "gap_ms_max_before": ms(before, max),
+        "gap_ms_median_while_read": ms(during, statistics.median), "gap_ms_max_while_read": ms(during, max),
+        "seconds_until_a_left_prompt_is_dropped": round(freed, 2)}
+    report.add("a long prompt does not stall a running stream (it gets tokens while the prompt is read)",
+               r.status_code == 200 and len([x for x in stamps if t0 <= x <= t1]) >= 3,
+               json.dumps(report.figures["head_of_line"]))
+
+
 def greedy_answer(base: str) -> str:
     r = httpx.post(base + CHAT, json={"messages": HELLO, "max_tokens": 24, "temperature": 0}, timeout=120)
     r.raise_for_status()
@@ -264,10 +322,14 @@ def greedy_answer(base: str) -> str:
 
 
 def run_faults(base: str, *, slots: int, max_waiting: int, body_limit: int, disconnects: int, sequential: int,
-               rss: Optional[Callable[[], int]] = None, report: Optional[Report] = None) -> Report:
-    """Every check against the server at `base`; the report says which held."""
+               rss: Optional[Callable[[], int]] = None, report: Optional[Report] = None,
+               long_prompt_words: int = 0) -> Report:
+    """Every check against the server at `base`; the report says which held. `long_prompt_words`: the head-of-line
+    check's prompt (0: not run; it needs a server with 2 slots or more and prompts longer than a batch)."""
     report = report or Report()
     before = greedy_answer(base)
+    if long_prompt_words:
+        check_head_of_line(base, report, long_prompt_words)
     check_malformed(base, report)
     check_oversized(base, report, body_limit)
     check_disconnects(base, report, disconnects, slots)
@@ -305,6 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--disconnects", type=int, default=20)
     ap.add_argument("--sequential", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--long-prompt-words", type=int, default=1500,
+                    help="the head-of-line check's prompt, in words (about 1,900 tokens on SmolLM2; 0: skip it)")
     ap.add_argument("--out", type=Path, required=True, help="path without suffix: OUT.json, OUT.md, OUT.log (server)")
     args = ap.parse_args(argv)
 
@@ -336,7 +400,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             run_faults(base, slots=args.slots, max_waiting=args.max_waiting, body_limit=8 * 2**20,
                        disconnects=args.disconnects, sequential=args.sequential, rss=lambda: _rss_bytes(proc.pid),
-                       report=report)
+                       report=report, long_prompt_words=args.long_prompt_words)
             report.figures["seconds"] = round(time.perf_counter() - t0, 1)
             report.figures["rss_mib_start"] = round(rss0 / 2**20, 1)
             report.figures["rss_mib_end"] = round(_rss_bytes(proc.pid) / 2**20, 1)

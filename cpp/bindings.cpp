@@ -6,6 +6,7 @@
 #include "ggml-rpc.h"
 #endif
 
+#include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -177,8 +178,9 @@ PYBIND11_MODULE(_engine, m) {
              py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("type_k"), py::arg("type_v"), py::arg("flash_attn"), py::arg("rpc_servers"), py::arg("compact_cells"),
              py::arg("verbose"))
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
-             py::call_guard<py::gil_scoped_release>(),
-             "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says.")
+             py::arg("between_chunks") = std::function<void()>(), py::call_guard<py::gil_scoped_release>(),
+             "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says; between_chunks() is called "
+             "between the chunks of a long feed (it may eval sequences with streams of their own, or raise).")
         .def("sample", &Engine::sample, py::arg("seq_id"), py::arg("sampler"), py::call_guard<py::gil_scoped_release>(),
              "The next token of seq_id, drawn from its last logits in place.")
         .def("set_policy", [](Engine & e, const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,

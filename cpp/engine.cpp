@@ -413,7 +413,8 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
     }
 }
 
-void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool all_logits) {
+void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool all_logits,
+                  const std::function<void()> & between_chunks) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const int32_t n_vocab = model_->n_vocab();
     size_t n_total = 0;
@@ -474,6 +475,9 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     while (n_left > 0) {
         if (n_left < n_total && params_.check_interrupt) {
             params_.check_interrupt();
+        }
+        if (n_left < n_total && between_chunks) {
+            between_chunks();
         }
         size_t take = std::min<size_t>(n_piece, n_left);
         if (!fits && params_.kv_unified) {

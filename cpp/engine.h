@@ -63,8 +63,11 @@ public:
     Engine & operator=(const Engine &) = delete;
 
     // feed tokens to sequences (one batch for all), evicting as the policy says; with all_logits every fed
-    // token's logits are kept (see logits_all), otherwise only each sequence's last
-    void eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool all_logits);
+    // token's logits are kept (see logits_all), otherwise only each sequence's last. between_chunks, when set, is
+    // called between the chunks of a long feed: it may eval other sequences that have a stream of their own
+    // (a server decodes its running requests there), or throw to stop the feed, as check_interrupt may
+    void eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool all_logits,
+              const std::function<void()> & between_chunks = {});
     // the next token of seq, drawn from its last logits where they are (no copy)
     llama_token sample(llama_seq_id seq, Sampler & sampler) const;
 

@@ -68,14 +68,19 @@ def test_a_template_that_rejects_the_messages_says_so():
     assert strict.render(CONVERSATION[1:]) == "ok"
 
 
-def test_jinja_that_does_not_render_falls_back_to_llama_cpp(bare_model):
-    # a template jinja2 cannot parse but llama.cpp recognises (it contains ChatML's markers)
+def test_a_gguf_template_jinja_cannot_render_falls_back_to_llama_cpp(bare_model, tmp_path):
+    # a template jinja2 cannot parse but llama.cpp recognises (it contains ChatML's markers), shipped in the GGUF
     broken = CHATML.replace("{% endfor %}", "{% endfor %}{% bogus_tag %}")
-    llm = Llama(bare_model, budget=16, chat_template=broken)
+    llm = Llama(str(write_tiny_llama(tmp_path / "broken.gguf", chat_template=broken)), budget=16)
     assert not llm.chat_template.is_jinja and "bogus_tag" in llm.chat_template.jinja_error
     assert llm.apply_chat_template(CONVERSATION) == Llama(bare_model, budget=16, chat_template="chatml").apply_chat_template(CONVERSATION)
-    with pytest.raises(ValueError, match="cannot render"):
-        Llama(bare_model, budget=16, chat_template="{% nonsense %}").apply_chat_template(CONVERSATION)
+
+
+def test_a_template_given_by_the_user_that_does_not_render_is_an_error_not_a_guess(bare_model):
+    broken = CHATML.replace("{% endfor %}", "{% endfor %}{% bogus_tag %}")
+    for source in (broken, "{% nonsense %}", CHATML.replace("m['content']", "m['content'] | no_such_filter")):
+        with pytest.raises(ValueError, match="chat template given does not render"):
+            Llama(bare_model, budget=16, chat_template=source).apply_chat_template(CONVERSATION)
 
 
 def test_a_template_that_writes_the_bos_does_not_get_a_second_one(tmp_path):

@@ -175,3 +175,32 @@ def test_wrong_types_give_one_line_errors(tiny_model, call, error, match):
     with pytest.raises(error, match=match):
         call(llm)
     assert isinstance(llm.generate("still usable", max_tokens=2), str)
+
+
+@pytest.mark.parametrize("call", [
+    lambda llm: Llama(llm.model_path, budget=2**31),
+    lambda llm: Llama(llm.model_path, budget=64, heavy=2**40, recent=0),
+    lambda llm: Llama(llm.model_path, policy="snapkv", budget=64, window=2**35),
+    lambda llm: Llama(llm.model_path, n_batch=2**32),
+    lambda llm: llm.set_policy("h2o", 2**31),
+    lambda llm: llm.eval([1, 2**40]),
+    lambda llm: llm.generate([2**31], max_tokens=1),
+    lambda llm: llm.kv_state(seq_id=2**40),
+    lambda llm: llm.generate("x", max_tokens=2**40),
+    lambda llm: llm.tokenize("caf\udce9"),
+    lambda llm: llm.generate("a lone \ud800 surrogate", max_tokens=1),
+])
+def test_values_beyond_the_cpp_seam_are_one_line_errors_not_signature_dumps(tiny_model, call):
+    llm = Llama(tiny_model, budget=32)
+    with pytest.raises((ValueError, TypeError)) as e:
+        call(llm)
+    assert "incompatible function arguments" not in str(e.value) and "\n" not in str(e.value)
+    assert llm.generate("still usable", max_tokens=2, temperature=0) is not None
+
+
+@pytest.mark.parametrize("label", ["h2o-²", "h2o-٣", "h2o-64+s²", "h2o-99999999999", "sink-1e3", "h2o-64+w"])
+def test_labels_take_ascii_digits_within_range(label):
+    from h2o_local.policies import parse
+
+    with pytest.raises(ValueError, match="not a policy label"):
+        parse(label)

@@ -247,9 +247,9 @@ def test_faults_leave_the_server_serving(chat_model):
     afterwards equals the one before."""
     from benchmarks.server_faults import run_faults
 
-    with serving(chat_model, slots=2, max_waiting=2, budget=256) as (port, _):
+    with serving(chat_model, slots=2, max_waiting=2, budget=256, n_batch=16) as (port, _):
         report = run_faults(f"http://127.0.0.1:{port}", slots=2, max_waiting=2, body_limit=64 * 1024,
-                            disconnects=3, sequential=20)
+                            disconnects=3, sequential=20, long_prompt_words=60)
     assert len(report.checks) > 40 and not report.failed, report.failed
 
 
@@ -273,3 +273,107 @@ def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, c
     ids = Llama(chat_model, budget=16).tokenize("Hi there", add_bos=False)
     status, out = post(port, "/v1/completions", {"prompt": ids, "max_tokens": 1, "echo": True})
     assert status == 200 and out["choices"][0]["text"].startswith("Hi there")  # token ids are echoed as text
+
+
+def recorded_jobs(log):
+    """Jobs whose events go to `log` as (name, event), in the order the scheduler thread gives them."""
+    from h2o_local.server.scheduler import Job
+
+    def job(name, tokens, params):
+        j = Job(tokens, params)
+        j.put = lambda item: log.append((name, item))
+        return j
+
+    return job
+
+
+def wait_for(predicate, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_long_prompt_is_read_between_the_running_requests_tokens(chat_model):
+    """Head of line: the running request gets a token between every two chunks of a long prompt, and a long prompt
+    whose client leaves stops at the next chunk."""
+    from h2o_local.sampling import SamplingParams
+    from h2o_local.server.scheduler import Cancelled, Scheduler
+
+    llm = Llama(chat_model, budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1)
+    scheduler = Scheduler(llm, session_bytes=0)
+    log = []
+    job = recorded_jobs(log)
+    try:
+        running = job("running", [1, 5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        scheduler.submit(running)
+        wait_for(lambda: any(n == "running" and getattr(e, "token", None) is not None for n, e in log))
+        long = job("long", list(range(10, 10 + 16 * 12)), SamplingParams(max_tokens=1, temperature=0))
+        mark = len(log)
+        scheduler.submit(long)
+        wait_for(lambda: any(n == "long" for n, _ in log[mark:]))
+        started = next(i for i, (n, _) in enumerate(log) if n == "long")
+        during = [e for n, e in log[mark:started] if n == "running" and e.token is not None]
+        assert len(during) >= 10  # 12 chunks: a token of the running request between every two
+
+        # the next long prompt's client leaves while it is read (once admitted, the running request's next token
+        # comes from between its chunks): it stops at the next chunk and never starts; the other goes on
+        leaving = job("leaving", list(range(10, 10 + 16 * 12)), SamplingParams(max_tokens=1, temperature=0))
+
+        def cancel_once_admitted(item):
+            log.append(("running", item))
+            if leaving in scheduler._active.values():
+                leaving.cancelled = True
+
+        running.put = cancel_once_admitted
+        mark = len(log)
+        scheduler.submit(leaving)
+        wait_for(lambda: any(n == "leaving" for n, _ in log[mark:]))
+        end = next(i for i, (n, _) in enumerate(log) if n == "leaving")
+        assert isinstance(log[end][1], Cancelled)  # it never started
+        assert sum(1 for n, _ in log[mark:end] if n == "running") < 12  # fewer tokens than its chunks
+        wait_for(lambda: scheduler.stats()["slots_processing"] == 1)
+        before = sum(1 for n, _ in log if n == "running")
+        wait_for(lambda: sum(1 for n, _ in log if n == "running") > before + 3)  # still decoding
+    finally:
+        scheduler.close()
+
+
+SLOW = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if 'slow' in m['content'] %}"
+                      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}")
+
+
+def test_a_slow_template_is_rendered_off_the_event_loop_and_stopped(tmp_path):
+    model = str(write_tiny_llama(tmp_path / "slow.gguf", chat_template=SLOW, n_ctx_train=4096))
+    llm = Llama(model, budget=64, n_seq_max=1, kv_unified=False, n_threads=1)
+    app = create_app(llm, model_id="tiny", template_timeout_s=1.0)
+    with serve_in_background(app) as port:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=post(port, "/v1/chat/completions",
+                                                                   {"messages": [{"role": "user", "content": "slow"}]})))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.3)
+        health_started = time.monotonic()
+        status, _ = get(port, "/health")  # the event loop answers while the template runs
+        assert status == 200 and time.monotonic() - health_started < 0.5
+        t.join(30)
+        status, err = result["r"]
+        assert status == 400 and "time limit" in err["error"]["message"] and time.monotonic() - t0 < 10
+        status, _ = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "fast"}],
+                                                        "max_tokens": 2})
+        assert status == 200
+
+
+def test_stop_lists_and_prompts_are_bounded(chat_model):
+    llm = Llama(chat_model, budget=64, n_seq_max=1, kv_unified=False, n_threads=1)
+    app = create_app(llm, model_id="tiny", max_prompt_tokens=100)
+    with serve_in_background(app) as port:
+        status, err = post(port, "/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(17)]})
+        assert status == 400 and "stop" in err["error"]["message"]
+        status, err = post(port, "/v1/completions", {"prompt": "x", "stop": "s" * 257})
+        assert status == 400 and "stop" in err["error"]["message"]
+        status, _ = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": [f"s{i}" for i in range(16)]})
+        assert status == 200
+        status, err = post(port, "/v1/completions", {"prompt": list(range(5, 106)), "max_tokens": 2})
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded"

@@ -8,7 +8,9 @@ of one of llama.cpp's built-in templates ("chatml", "llama3", "gemma", ...).
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import jinja2
 import jinja2.sandbox
@@ -66,11 +68,14 @@ class ChatTemplate:
 
     source: Jinja source, the name of a llama.cpp built-in template, or None (the model has none).
     builtin: renders with llama.cpp's built-in templates: builtin(pairs, add_generation_prompt, name_or_source).
+    given_by_user: Jinja the user wrote is used as written: when jinja2 cannot parse or render it, that is a
+        ValueError, not a built-in guessed from its text (the fallback is for the GGUF's own template).
     """
 
     def __init__(self, source: Optional[str], *, bos_token: str = "", eos_token: str = "",
-                 builtin: Optional[Callable[[List[tuple], bool, str], str]] = None):
+                 builtin: Optional[Callable[[List[tuple], bool, str], str]] = None, given_by_user: bool = False):
         self.source = source
+        self.given_by_user = given_by_user
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._builtin = builtin
@@ -79,7 +84,7 @@ class ChatTemplate:
         if source is not None and _looks_like_jinja(source):
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                                loader=jinja2.BaseLoader())
-            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, range=_timed_range)
             try:
                 self._jinja = env.from_string(source)
             except jinja2.TemplateError as e:
@@ -89,10 +94,19 @@ class ChatTemplate:
     def is_jinja(self) -> bool:
         return self._jinja is not None
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               time_limit_s: Optional[float] = None) -> str:
         """The prompt text for `messages` (normalised first), ending with the assistant's turn opened when
-        `add_generation_prompt`. Raises ValueError when there is no template, or neither renderer accepts it."""
+        `add_generation_prompt`. Raises ValueError when there is no template, or neither renderer accepts it, or
+        (with `time_limit_s`) when the template's loops run past that many seconds."""
         msgs = normalize_messages(messages)
+        _deadline.at = None if time_limit_s is None else time.monotonic() + time_limit_s
+        try:
+            return self._render(msgs, add_generation_prompt)
+        finally:
+            _deadline.at = None
+
+    def _render(self, msgs: List[Message], add_generation_prompt: bool) -> str:
         if self.source is None:
             raise ValueError("this model has no chat template: give one (chat_template='chatml', a built-in name, "
                              "or Jinja source) or use create_completion with your own prompt")
@@ -104,8 +118,12 @@ class ChatTemplate:
                 if _is_raised_by_template(e):
                     raise ValueError(f"the chat template refused these messages: {e}") from None
                 self.jinja_error = f"{type(e).__name__}: {e}"
+            except TimeoutError as e:
+                raise ValueError(str(e)) from None
             except Exception as e:  # a template's own bug (a filter on None, say): the built-in may still know it
                 self.jinja_error = f"{type(e).__name__}: {e}"
+        if self.given_by_user and self.jinja_error is not None:
+            raise ValueError(f"the chat template given does not render ({self.jinja_error})")
         if self._builtin is None:
             raise ValueError(f"cannot render the chat template ({self.jinja_error})")
         pairs = [(m["role"], m["content"]) for m in msgs]
@@ -114,6 +132,18 @@ class ChatTemplate:
         except ValueError as e:
             reason = f" (Jinja: {self.jinja_error})" if self.jinja_error else ""
             raise ValueError(f"cannot render the chat template: {e}{reason}") from None
+
+
+_deadline = threading.local()  # when the render in this thread must stop (None: never)
+
+
+def _timed_range(*args: int) -> Iterator[int]:
+    """The sandbox's range (at most MAX_RANGE items), stopping a render that runs past its time limit."""
+    for i in jinja2.sandbox.safe_range(*args):
+        at = getattr(_deadline, "at", None)
+        if at is not None and time.monotonic() > at:
+            raise TimeoutError("the chat template ran past its time limit")
+        yield i
 
 
 def _looks_like_jinja(source: str) -> bool:

@@ -702,18 +702,22 @@ class Llama:
             self._chat_template = ChatTemplate(
                 self._chat_template_source or self.info.chat_template, bos_token=special(self.info.token_bos),
                 eos_token=special(self.info.token_eos),
-                builtin=lambda pairs, agp, source: self._engine.apply_chat_template(pairs, agp, source))
+                builtin=lambda pairs, agp, source: self._engine.apply_chat_template(pairs, agp, source),
+                given_by_user=self._chat_template_source is not None)
         return self._chat_template
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            time_limit_s: Optional[float] = None) -> str:
         """The prompt text the chat template makes of OpenAI-style `messages` ([{"role": ..., "content": ...}];
-        content may be a string, a list of text parts or None)."""
-        return self.chat_template.render(messages, add_generation_prompt)
+        content may be a string, a list of text parts or None). `time_limit_s`: a template whose loops run longer
+        raises ValueError."""
+        return self.chat_template.render(messages, add_generation_prompt, time_limit_s)
 
-    def chat_tokens(self, messages: Sequence[Message]) -> Tuple[List[int], Optional[int]]:
+    def chat_tokens(self, messages: Sequence[Message],
+                    time_limit_s: Optional[float] = None) -> Tuple[List[int], Optional[int]]:
         """The prompt tokens of a chat, and its protected prefix with `keep="system"` (the tokens of the leading
         system messages; None with another `keep`, which then applies as set)."""
-        tokens = self._template_tokens(self.apply_chat_template(messages))
+        tokens = self._template_tokens(self.apply_chat_template(messages, time_limit_s=time_limit_s))
         if self.keep != "system":
             return tokens, None
         msgs = normalize_messages(messages)
@@ -722,7 +726,8 @@ class Llama:
             n_system += 1
         if n_system == 0:
             return tokens, 0
-        prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False))
+        prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False,
+                                                                time_limit_s=time_limit_s))
         n = 0
         while n < min(len(prefix), len(tokens)) and prefix[n] == tokens[n]:
             n += 1

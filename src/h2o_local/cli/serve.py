@@ -20,6 +20,8 @@ def main(argv=None) -> int:
     ap.add_argument("--session-mib", type=float, default=256,
                     help="memory for saved conversations continued by later requests, MiB (0: off; default 256)")
     ap.add_argument("--model-id", help="the model name /v1/models shows (default: the file name)")
+    ap.add_argument("--max-prompt-tokens", type=int,
+                    help="longer prompts get HTTP 400 (default: the model's trained context)")
     add_model_args(ap, budget=512, keep_default="system")
     args = ap.parse_args(argv)
     try:
@@ -30,8 +32,12 @@ def main(argv=None) -> int:
         ap.error(f"the server needs its extra: pip install \"h2o_local[server]\" ({e})")
     if args.slots < 1 or args.max_waiting < 0 or args.session_mib < 0:
         ap.error("--slots must be >= 1, --max-waiting and --session-mib >= 0")
+    if not 0 <= args.port <= 65535:
+        ap.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     llm = load_llama(ap, args, n_seq_max=args.slots, kv_unified=False)
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        ap.error("--max-prompt-tokens must be >= 1")
     app = create_app(llm, model_id=args.model_id, max_waiting=args.max_waiting,
-                     session_bytes=int(args.session_mib * 2**20))
+                     session_bytes=int(args.session_mib * 2**20), max_prompt_tokens=args.max_prompt_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

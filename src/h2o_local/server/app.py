@@ -7,6 +7,7 @@ malformed or does not fit, 413 for an oversized body, 429 when every slot is bus
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import time
@@ -16,7 +17,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,6 +41,12 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_b
                "grammar": (None, ""), "parallel_tool_calls": (None,)}
 
 
+# stop strings are searched in the text after every token: bounded, as OpenAI bounds them (it takes 4; clients that
+# send a few more to llama-server keep working here)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are kept to be checked against UNSUPPORTED
 
@@ -55,6 +62,16 @@ class _Request(BaseModel):
     stream_options: Optional[Dict[str, Any]] = None
     n: int = Field(default=1, ge=1, le=1)
 
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop):
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        if any(len(x) > MAX_STOP_CHARS for x in strings):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
+        return stop
 
     def refuse_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -117,19 +134,26 @@ class BodyLimit:
 
 
 def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int = 16,
-               session_bytes: int = 256 * 2**20, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+               session_bytes: int = 256 * 2**20, max_body_bytes: int = 8 * 2**20,
+               max_prompt_tokens: Optional[int] = None, template_timeout_s: float = 10.0) -> FastAPI:
     """The app serving `llm` (which it owns: one request thread decodes for all). `model_id` is the name
-    /v1/models shows (default: the file name)."""
+    /v1/models shows (default: the file name). `max_prompt_tokens`: longer prompts are a 400 (default: the model's
+    trained context, or a slot's cells if more). `template_timeout_s`: the longest a chat template may take to
+    render a request's messages (rendered off the event loop) before the request is a 400."""
     import os
 
     model_id = model_id or os.path.basename(llm.model_path)
     default_keep = llm.keep if isinstance(llm.keep, int) else 0  # the protected prefix of a completion
+    if max_prompt_tokens is None:
+        max_prompt_tokens = max(llm.n_ctx_train(), llm._engine.stream_capacity)
+    templates = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h2o-local-template")
     scheduler = Scheduler(llm, max_waiting=max_waiting, session_bytes=session_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         scheduler.close()
+        templates.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache",
                   lifespan=lifespan)
@@ -202,8 +226,13 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
             if m.get("role") not in ROLES:
                 raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
                                     f"{m.get('role')!r}", param=f"messages.{i}.role")
-        try:
-            tokens, n_keep = llm.chat_tokens(body.messages)
+        try:  # a template can be slow on some messages: never on the event loop, and never for long
+            rendering = asyncio.get_running_loop().run_in_executor(templates, llm.chat_tokens, body.messages,
+                                                                   template_timeout_s)
+            tokens, n_keep = await asyncio.wait_for(rendering, template_timeout_s + 1)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"the chat template took more than {template_timeout_s:g} s to render these "
+                                f"messages", param="messages") from None
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), param="messages") from None
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -232,6 +261,9 @@ def create_app(llm: Llama, *, model_id: Optional[str] = None, max_waiting: int =
             raise APIError(400, str(e)) from None
 
     async def _submit(job: Job, request: Request) -> Job:
+        if len(job.prompt_tokens) > max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(job.prompt_tokens)} tokens; this server takes at most "
+                                f"{max_prompt_tokens}", param="messages", code="context_length_exceeded")
         if not llm.policy.bounded and len(job.prompt_tokens) >= llm._engine.stream_capacity:
             raise APIError(400, f"the prompt ({len(job.prompt_tokens)} tokens) does not fit in the context "
                                 f"({llm._engine.stream_capacity} tokens per slot)", param="messages",

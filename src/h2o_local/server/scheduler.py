@@ -3,7 +3,9 @@
 One thread owns the `Llama`. Each step it admits waiting requests into free slots (restoring a saved session when
 a request continues one, then feeding the new prompt tokens), draws one token for every live slot, hands the
 events to the requests' asyncio queues, and feeds the new tokens in one batch. Requests join and leave between
-steps; a request whose client went away is cancelled and its slot freed at the next step.
+steps; a request whose client went away is cancelled and its slot freed at the next step. A long prompt is fed in
+chunks of n_batch tokens with a decode step of the running requests between two chunks (slots with streams of
+their own), so it does not stall them, and a prompt whose client left stops at the next chunk.
 
 Sessions: when a request ends, its slot's cache is saved (a snapshot in host memory) under the tokens it holds (the
 prompt and what was generated) and its protected prefix. A later request whose prompt tokens, tokenized as a fresh
@@ -33,6 +35,14 @@ class Busy(Exception):
 
 class Cancelled(Exception):
     """The job's last event after `Scheduler.cancel`: its request handler ends (its client went away)."""
+
+
+class _StepFailed(Exception):
+    """The running requests' decode step failed between the chunks of another request's prompt."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass
@@ -126,6 +136,9 @@ class Scheduler:
         self._active: Dict[int, Job] = {}        # slot -> job
         self._runs: Dict[int, generation.SeqRun] = {}
         self._batch = generation.Batch(llm._engine, unbounded=not llm.policy.bounded, free_finished=False)
+        # a long prompt is fed in chunks with the running requests decoded between them; only where each slot has
+        # its own stream (in a shared one their cells would move where the prompt is cut)
+        self._interleave = not llm.kv_unified
         self._cv = threading.Condition()
         self._stop = False
         self.served = 0
@@ -191,16 +204,37 @@ class Scheduler:
     def _step(self, cancelled: List[int], admitted: List[Tuple[int, Job]]) -> None:
         """Free the cancelled slots, start the admitted jobs, then sample and feed one token for every live slot."""
         self.llm._take_over()  # nothing else may use the context while the server runs
-        for slot in cancelled:
-            job = self._active[slot]
-            self._batch.cancel(slot)
-            self._release(slot, save=False)
-            job.put(Cancelled())
+        self._free(cancelled)
         for slot, job in admitted:
             self._start(slot, job)
+        self._decode_step()
+
+    def _free(self, slots: List[int]) -> None:
+        for slot in slots:
+            job = self._active.get(slot)
+            if job is not None:
+                self._batch.cancel(slot)
+                self._release(slot, save=False)
+                job.put(Cancelled())
+
+    def _decode_step(self) -> None:
         self.peak_batch = max(self.peak_batch, len(self._batch.live))
         self._deliver(self._batch.sample())
         self._deliver(self._batch.feed())
+
+    def _between_prompt_chunks(self, job: Job) -> None:
+        """Called by the engine between the chunks of a long prompt (slots with streams of their own): the running
+        requests decode a token meanwhile, so a long prompt does not stall them, and a prompt whose client left
+        stops here."""
+        if job.cancelled:
+            raise Cancelled()
+        with self._cv:
+            gone = [s for s, j in self._active.items() if j.cancelled and s in self._runs]
+        try:
+            self._free(gone)
+            self._decode_step()
+        except Exception as e:
+            raise _StepFailed(e) from e
 
     def _fail_active(self, error: Exception) -> None:
         for slot, job in list(self._active.items()):
@@ -228,8 +262,14 @@ class Scheduler:
                 self.llm._set_keep(slot, job.n_keep)
             if not feed:
                 raise ValueError("the prompt is empty")
+            if job.cancelled:
+                raise Cancelled()
             sampler = job.params.sampler(self.llm.n_vocab(), _seed(self.llm, job.params))
-            engine.eval({slot: feed}, False)
+            engine.eval({slot: feed}, False, (lambda: self._between_prompt_chunks(job)) if self._interleave else None)
+        except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
+            job.put(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
+            self._release(slot, save=False)
+            raise e.error
         except Exception as e:
             job.put(e)
             self._release(slot, save=False)
