@@ -155,3 +155,211 @@ def test_random_sessions_keep_the_cache_consistent(tiny_model):
 
 def test_random_sessions_with_position_rolling(tiny_model):
     _run(RollingCacheMachine, tiny_model)
+
+
+# --- the server's saved sessions: whatever clients send through either endpoint, every answer is a fresh request's --
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+words = st.lists(st.sampled_from(["sea", "light", "keeper", "the", "a", "wrote", "?", "!", "é", "\n", "42"]),
+                 min_size=1, max_size=6).map(" ".join)
+
+
+def chatml_text(messages):
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+class SessionStoreMachine(RuleBasedStateMachine):
+    """Two servers on the same model with a budget that never evicts: one saves and continues sessions, the other
+    none. Clients start, continue and edit chats, and send completions that plant a chat's text (cut anywhere) or
+    token ids; every answer must be the one the server without sessions gives."""
+
+    @initialize()
+    def start(self):
+        self.chats = []
+
+    def _both(self, path, body):
+        a, b = (self.post(port, path, body) for port in self.ports)
+        assert a[0] == b[0], (body, a, b)
+        if a[0] == 200:
+            assert a[1]["choices"] == b[1]["choices"], (body, a, b)
+            assert a[1]["usage"]["prompt_tokens"] == b[1]["usage"]["prompt_tokens"]
+        return a
+
+    def _chat(self, messages, max_tokens):
+        status, out = self._both("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens,
+                                                           "temperature": 0})
+        if status == 200:
+            self.chats.append(messages + [out["choices"][0]["message"]])
+
+    @rule(system=st.booleans(), text=words, max_tokens=st.integers(1, 8))
+    def new_chat(self, system, text, max_tokens):
+        self._chat(([{"role": "system", "content": "You are tiny."}] if system else [])
+                   + [{"role": "user", "content": text}], max_tokens)
+
+    @rule(data=st.data(), text=words, max_tokens=st.integers(1, 8))
+    def continue_chat(self, data, text, max_tokens):
+        if self.chats:
+            chat = data.draw(st.sampled_from(self.chats))
+            if len(chat) < 8:
+                self._chat(chat + [{"role": "user", "content": text}], max_tokens)
+
+    @rule(data=st.data(), text=words)
+    def edit_chat(self, data, text):
+        users = [(c, i) for c in self.chats for i, m in enumerate(c) if m["role"] == "user"]
+        if users:
+            chat, i = data.draw(st.sampled_from(users))
+            self._chat(chat[:i] + [{"role": "user", "content": text}], 4)
+
+    @rule(data=st.data(), cut=st.integers(0, 5), max_tokens=st.integers(0, 3))
+    def plant_a_chat_as_a_completion(self, data, cut, max_tokens):
+        if self.chats:
+            chat = data.draw(st.sampled_from(self.chats))
+            text = chatml_text(chat)
+            self._both("/v1/completions", {"prompt": text[:len(text) - cut] or "x", "max_tokens": max_tokens,
+                                            "temperature": 0})
+
+    @rule(ids=st.lists(st.integers(3, 258), min_size=1, max_size=12), max_tokens=st.integers(0, 4))
+    def completion_of_token_ids(self, ids, max_tokens):
+        self._both("/v1/completions", {"prompt": ids, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_random_clients_cannot_change_what_a_conversation_continues(tmp_path):
+    import httpx
+
+    from h2o_local.server import create_app, serve_in_background
+    from tiny_model import write_tiny_llama
+
+    model = str(write_tiny_llama(tmp_path / "chat.gguf", chat_template=CHATML, n_ctx_train=4096))
+
+    def app(session_bytes):
+        llm = Llama(model, budget=2000, n_seq_max=2, kv_unified=False, keep="system", n_threads=1)
+        return create_app(llm, model_id="tiny", session_bytes=session_bytes)
+
+    with serve_in_background(app(64 * 2**20)) as with_sessions, serve_in_background(app(0)) as without, \
+            httpx.Client(timeout=60) as client:
+        SessionStoreMachine.ports = (with_sessions, without)
+        SessionStoreMachine.post = staticmethod(
+            lambda port, path, body: (lambda r: (r.status_code, r.json()))(
+                client.post(f"http://127.0.0.1:{port}{path}", json=body)))
+        run_state_machine_as_test(SessionStoreMachine, settings=settings(
+            max_examples=EXAMPLES, stateful_step_count=STEPS // 2, deadline=None, database=None, phases=PHASES,
+            suppress_health_check=list(hypothesis.HealthCheck)))
+        hits = client.get(f"http://127.0.0.1:{with_sessions}/health").json()["session_hits"]
+    assert hits > 0  # the store was used, not only filled
+
+
+# --- ChatSession: turns, abandoned streams, saves and loads of good and damaged files ---------------------------------
+
+def _held(session):
+    st = session.llm.kv_state()
+    return ([dict(m) for m in session.messages], st.positions.tolist(), list(session.llm.save_state().pending))
+
+
+class ChatSessionMachine(RuleBasedStateMachine):
+    """A chat with a cache that evicts: whatever happens, the history alternates user / assistant after the system
+    prompt; an abandoned answer stream closed late changes nothing; a save loads back to the same history and cache;
+    a damaged file changes nothing."""
+
+    files = Bundle("files")
+
+    @initialize()
+    def start(self):
+        from h2o_local.chat_session import ChatSession
+
+        self.session = ChatSession(Llama(self.model_path, budget=48, n_threads=1, keep="system"),
+                                   system="You are tiny.", max_tokens=6, temperature=0)
+        self.stale = []
+        self.saved = {}
+        self.loads = 0
+
+    @rule(text=words)
+    def send(self, text):
+        shown = "".join(self.session.send(text))
+        last = self.session.messages[-1]
+        # the history holds what the cache holds: the text shown, and the bytes of a character cut at max_tokens
+        assert last["role"] == "assistant" and last["content"].startswith(shown)
+
+    @rule(text=words, shown=st.integers(0, 3))
+    def send_and_leave_the_stream_open(self, text, shown):
+        stream = self.session.send(text)
+        for _ in range(shown):
+            next(stream, None)
+        self.stale.append((stream, self.loads))
+
+    @rule(data=st.data())
+    def close_an_old_stream(self, data):
+        if self.stale:
+            stream, loads = self.stale.pop(data.draw(st.integers(0, len(self.stale) - 1)))
+            newest = stream is self.session._stream and self.session.messages[-1]["role"] == "user"
+            before = _held(self.session)
+            stream.close()
+            if not newest:  # an answer a newer turn, a reset or a load has ended: closing it changes no history,
+                assert self.session.messages == before[0]
+                if loads != self.loads:  # and no cache loaded since it was opened
+                    assert _held(self.session) == before
+
+    @rule(target=files)
+    def save(self):
+        path = self.dir / f"s{len(self.saved)}.session"
+        self.session.save(path)
+        self.saved[path] = _held(self.session)
+        return path
+
+    @rule(path=files)
+    def load(self, path):
+        self.session.load(path)
+        self.loads += 1
+        assert _held(self.session) == self.saved[path]
+
+    @rule(path=files, damage=st.sampled_from(["kv", "json", "cut", "policy"]))
+    def load_a_damaged_file(self, path, damage):
+        import json
+        import zipfile
+
+        with zipfile.ZipFile(path) as z:
+            meta, kv = json.loads(z.read("session.json")), z.read("kv.bin")
+        if damage == "kv":
+            kv = kv[:24] + bytes(len(kv) - 24)
+        elif damage == "json":
+            meta["messages"] = [{"role": "user", "content": 7}]
+        elif damage == "policy":
+            meta["policy"] = "local-48"
+        bad = self.dir / "bad.session"
+        with zipfile.ZipFile(bad, "w") as z:
+            z.writestr("session.json", json.dumps(meta))
+            z.writestr("kv.bin", kv)
+        if damage == "cut":
+            bad.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        before = _held(self.session)
+        with pytest.raises(ValueError):
+            self.session.load(bad)
+        assert _held(self.session) == before
+
+    @rule()
+    def reset(self):
+        self.session.reset()
+
+    @invariant()
+    def history_alternates(self):
+        if hasattr(self, "session"):
+            roles = [m["role"] for m in self.session.messages]
+            assert roles[:1] == ["system"]
+            assert all(r == ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles[1:]))
+            # only an answer being streamed leaves the last message a user's
+            assert roles[-1] != "user" or any(s is self.session._stream for s, _ in self.stale)
+
+    def teardown(self):
+        for stream, _ in getattr(self, "stale", []):
+            stream.close()
+
+
+def test_random_chats_with_saves_loads_and_abandoned_streams(tmp_path):
+    from tiny_model import write_tiny_llama
+
+    ChatSessionMachine.model_path = str(write_tiny_llama(tmp_path / "chat.gguf", chat_template=CHATML,
+                                                         n_ctx_train=4096))
+    ChatSessionMachine.dir = tmp_path
+    run_state_machine_as_test(ChatSessionMachine, settings=settings(
+        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None, phases=PHASES,
+        suppress_health_check=list(hypothesis.HealthCheck)))

@@ -63,6 +63,7 @@ class ChatSession:
         self.last = TurnStats()
         self._fed_text: Optional[str] = None  # the text the cache holds, when it holds this conversation
         self._turn = 0  # bumped by every send / reset / load: an older answer stream may not rewrite the history
+        self._stream: Optional[Iterator[str]] = None  # the last answer stream `send` returned
         self.reset()
 
     def reset(self) -> None:
@@ -74,11 +75,19 @@ class ChatSession:
 
     def send(self, content: str, **sampling: Any) -> Iterator[str]:
         """Add a user message and stream the answer's text pieces. Breaking off (Ctrl-C, `close()`) keeps the part
-        of the answer already shown in the conversation, and the cache in step with it."""
+        of the answer already shown in the conversation, and the cache in step with it. A new `send` ends the
+        previous answer's stream where it stands (its shown part stays in the history), so user and assistant
+        messages alternate; a stream left open across a `reset` or `load` changes nothing when it is closed.
+        A message that is not text raises here, before anything changes."""
         if not isinstance(content, str):
             raise TypeError(f"a message is a string, got {type(content).__name__}")
         check_text("the message", content)
-        params = {**self.sampling, **sampling}
+        if self._stream is not None:
+            self._stream.close()
+        self._stream = stream = self._answer(content, {**self.sampling, **sampling})
+        return stream
+
+    def _answer(self, content: str, params: Dict[str, Any]) -> Iterator[str]:
         messages = self.messages + [{"role": "user", "content": content}]
         prompt_text = self.llm.apply_chat_template(messages)
         tokens, n_keep = self.llm.chat_tokens(messages)
@@ -120,7 +129,7 @@ class ChatSession:
             if stats.finish_reason is not None or stats.completion_tokens > 0:
                 # the cache holds the prompt and every token shown (a session that goes on feeds the last first);
                 # when a stop string cut the text shown, the next turn starts again from the whole conversation
-                held = self.llm.detokenize(generated).decode("utf-8", errors="replace")
+                held = b"".join(self.llm.token_to_piece(t) for t in generated).decode("utf-8", errors="replace")
                 stop_cut = stats.finish_reason == "stop" and self.llm.last_eog_token is None
                 if held != text and not stop_cut:
                     # a character cut short by max_tokens or Ctrl-C: the history keeps what the cache holds
@@ -132,7 +141,10 @@ class ChatSession:
         """Write the conversation and its KV cache to `path` (a zip: session.json + kv.bin). Returns bytes written.
 
         Atomic: the file is written beside `path`, flushed to disk and renamed over it, so a save that fails half
-        way leaves the previous file as it was."""
+        way leaves the previous file as it was. An answer being streamed ends where it stands first (its shown
+        part is saved as the assistant's message)."""
+        if self._stream is not None:
+            self._stream.close()
         snap = self.llm.save_state()
         meta = {"format": SESSION_FORMAT, "messages": self.messages, "system": self.system,
                 "fed_text": self._fed_text, "model": snap.origin, "policy": self.llm.policy.label}

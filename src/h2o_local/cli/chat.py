@@ -68,8 +68,9 @@ def main(argv=None) -> int:
 
 
 def _answer(session: ChatSession, line: str) -> None:
-    pieces = session.send(line)
+    pieces = iter(())
     try:
+        pieces = session.send(line)
         for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -80,7 +81,7 @@ def _answer(session: ChatSession, line: str) -> None:
         note = ""
         print(f"\nerror: {e}", file=sys.stderr)
     finally:
-        pieces.close()
+        getattr(pieces, "close", lambda: None)()
     print()
     s = session.stats()
     budget = "" if s["budget"] is None else f"/{s['budget']}"
