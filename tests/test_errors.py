@@ -188,6 +188,9 @@ def test_wrong_types_give_one_line_errors(tiny_model, call, error, match):
     lambda llm: llm.kv_state(seq_id=2**40),
     lambda llm: llm.generate("x", max_tokens=2**40),
     lambda llm: llm.tokenize("caf\udce9"),
+    lambda llm: llm.token_to_piece(2**40),
+    lambda llm: llm.is_eog(2**33),
+    lambda llm: llm.detokenize([1, 2**35]),
     lambda llm: llm.generate("a lone \ud800 surrogate", max_tokens=1),
 ])
 def test_values_beyond_the_cpp_seam_are_one_line_errors_not_signature_dumps(tiny_model, call):

@@ -281,7 +281,7 @@ class Llama:
 
     def is_eog(self, token: int) -> bool:
         """True for an end-of-generation token (EOS, EOT, ...)."""
-        return bool(self._engine.is_eog(int(token)))
+        return bool(self._engine.is_eog(_token_list([token])[0]))
 
     def eog_tokens(self) -> List[int]:
         """Every end-of-generation token of the vocabulary."""
@@ -304,7 +304,7 @@ class Llama:
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token."""
-        return self._engine.token_to_piece(int(token), special)
+        return self._engine.token_to_piece(_token_list([token])[0], bool(special))
 
     # ------------------------------------------------------------------ low level
     def eval(self, tokens: Sequence[int], *, seq_id: int = 0, logits_all: bool = False) -> Optional[np.ndarray]:
