@@ -35,7 +35,7 @@ def chats(n: int, chars: int):
 
 
 def load(llm, conversations, max_tokens: int, timeout: float):
-    app = create_app(llm, model_id="m", max_waiting=64, session_bytes=0)
+    app = create_app(llm, model_id="m", max_waiting=64, session_mib=0)
     with serve_in_background(app) as port:
         return _load(port, llm, conversations, max_tokens, timeout)
 

@@ -314,10 +314,11 @@ def check_head_of_line(base: str, report: Report, prompt_words: int) -> None:
         "gap_ms_median_while_read": ms(during, statistics.median), "gap_ms_max_while_read": ms(during, max),
         "next_request_seconds_after_a_client_left_its_long_prompt": round(freed + 0.5, 2)}
     report.add("a long prompt does not stall a running stream (no gap between its tokens of half the prompt's time)",
-               r.status_code == 200 and bool(during) and max(during) < (t1 - t0) / 2,
+               r.status_code == 200 and bool(during) and max(during) < max((t1 - t0) / 2, 0.25),
                json.dumps(report.figures["head_of_line"]))
     report.add("a long prompt whose client left does not hold its slot until it is read",
-               freed < (t1 - t0) / 2, f"the next request took {freed:.2f} s; reading the prompt took {t1 - t0:.2f} s")
+               freed < max((t1 - t0) / 2, 1.0),  # 1 s: the server looks for gone clients every 0.5 s
+               f"the next request took {freed:.2f} s; reading the prompt took {t1 - t0:.2f} s")
 
 
 def greedy_answer(base: str) -> str:

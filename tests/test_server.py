@@ -24,10 +24,9 @@ def chat_model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(model, *, slots=3, budget=48, session_bytes=64 * 2**20, max_waiting=8, **llama_kwargs):
+def serving(model, *, slots=3, budget=48, session_mib=64, max_waiting=8, **llama_kwargs):
     llm = Llama(model, budget=budget, n_seq_max=slots, kv_unified=False, keep="system", n_threads=1, **llama_kwargs)
-    app = create_app(llm, model_id="tiny", max_waiting=max_waiting, session_bytes=session_bytes,
-                     max_body_bytes=64 * 1024)
+    app = create_app(llm, model_id="tiny", max_waiting=max_waiting, session_mib=session_mib, max_body_bytes=64 * 1024)
     with serve_in_background(app) as port:
         yield port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
 
@@ -88,7 +87,7 @@ def test_streaming_chat_gives_the_same_text(server):
 
 def test_concurrent_streams_are_decoded_together_and_equal_one_by_one(chat_model):
     prompts = [f"Story number {i}:" for i in range(3)]
-    with serving(chat_model, session_bytes=0) as (port, client):
+    with serving(chat_model, session_mib=0) as (port, client):
         alone = [client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0).choices[0].text
                  for p in prompts]
         results, barrier = [None] * 3, threading.Barrier(3)
@@ -164,7 +163,7 @@ def test_no_request_changes_what_another_conversation_continues(chat_model):
             out.append((c.choices[0].text, c.usage.prompt_tokens))
         return out
 
-    with serving(chat_model, budget=1000, session_bytes=0) as (port, client):
+    with serving(chat_model, budget=1000, session_mib=0) as (port, client):
         fresh = script(port, client)
     with serving(chat_model, budget=1000) as (port, client):
         reused = script(port, client)
@@ -223,7 +222,7 @@ def test_a_prompt_that_does_not_fit_the_full_cache_is_a_400(chat_model):
 
 
 def test_busy_slots_give_429_and_a_client_that_leaves_frees_its_slot(chat_model):
-    with serving(chat_model, slots=1, max_waiting=0, session_bytes=0) as (port, client):
+    with serving(chat_model, slots=1, max_waiting=0, session_mib=0) as (port, client):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "long", "max_tokens": 100000, "stream": True,
                                                                 "temperature": 1.0}),
@@ -377,3 +376,22 @@ def test_stop_lists_and_prompts_are_bounded(chat_model):
         assert status == 200
         status, err = post(port, "/v1/completions", {"prompt": list(range(5, 106)), "max_tokens": 2})
         assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+
+
+def test_one_settings_declaration_for_the_cli_the_environment_and_create_app(chat_model, monkeypatch):
+    from pydantic import ValidationError
+
+    from h2o_local.cli import main
+    from h2o_local.server import ServerSettings
+
+    monkeypatch.setenv("H2O_LOCAL_MAX_WAITING", "3")
+    assert ServerSettings().max_waiting == 3 and ServerSettings(max_waiting=5).max_waiting == 5
+    llm = Llama(chat_model, budget=64, n_threads=1)
+    app = create_app(llm, session_mib=0, model_id="m")
+    assert app.state.server.scheduler.max_waiting == 3 and app.state.server.model_id == "m"
+    app.state.server.scheduler.close()
+    with pytest.raises(ValidationError):
+        create_app(Llama(chat_model, budget=64, n_threads=1), max_waiting=-1)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", chat_model, "--port", "70000"])
+    assert e.value.code == 2

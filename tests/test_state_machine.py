@@ -232,11 +232,11 @@ def test_random_clients_cannot_change_what_a_conversation_continues(tmp_path):
 
     model = str(write_tiny_llama(tmp_path / "chat.gguf", chat_template=CHATML, n_ctx_train=4096))
 
-    def app(session_bytes):
+    def app(session_mib):
         llm = Llama(model, budget=2000, n_seq_max=2, kv_unified=False, keep="system", n_threads=1)
-        return create_app(llm, model_id="tiny", session_bytes=session_bytes)
+        return create_app(llm, model_id="tiny", session_mib=session_mib)
 
-    with serve_in_background(app(64 * 2**20)) as with_sessions, serve_in_background(app(0)) as without, \
+    with serve_in_background(app(64)) as with_sessions, serve_in_background(app(0)) as without, \
             httpx.Client(timeout=60) as client:
         SessionStoreMachine.ports = (with_sessions, without)
         SessionStoreMachine.post = staticmethod(

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-from . import _engine
 from .chat_template import Message, normalize_messages
-from .llama import Llama
+from .llama import Llama, Snapshot
 from .sampling import CHAT
 from .text import check_text
 
@@ -203,7 +202,7 @@ class ChatSession:
                     with z.open(info) as f:
                         parts[name] = f.read(limit + 1)  # zipfile stops at the declared size and checks the CRC
                 meta = json.loads(parts["session.json"].decode("utf-8"))
-                snap = _engine.SeqSnapshot.from_bytes(parts["kv.bin"])
+                snap = Snapshot.from_bytes(parts["kv.bin"])
         except ValueError as e:
             raise e if str(e).startswith(str(path)) else bad(str(e)) from None
         except (OSError, KeyError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile, zlib.error) as e:

@@ -4,15 +4,13 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
-import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _engine, generation, rpc, sampling
+from . import _engine, generation, responses, rpc, sampling
 from .chat_template import ChatTemplate, Message, normalize_messages
 from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
@@ -21,7 +19,14 @@ from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from .slots import Slots
+
 Prompt = Union[str, bytes, Sequence[int]]
+
+# a sequence's saved cache (`Llama.save_state`): KV cells, positions, scores, counters, last logits, the token shown
+# and not fed; `.to_bytes()` and `Snapshot.from_bytes(data)` (ValueError for anything but a well-formed snapshot)
+Snapshot = _engine.SeqSnapshot
 
 
 @dataclass(frozen=True)
@@ -368,6 +373,13 @@ class Llama:
             self._engine.set_policy(args.pop("policy"), **args)
             self.policy = value
 
+    def slots(self) -> "Slots":
+        """The sequences as slots that concurrent generations fill and leave, stepped together (what a server
+        needs; see `h2o_local.slots`). Using them ends any generation of this `Llama` left suspended."""
+        from .slots import Slots
+
+        return Slots(self)
+
     def compress(self, seq_id: int = 0) -> None:
         """Evict now what the current policy does not keep."""
         seq_id = self._check_seq(seq_id)
@@ -377,7 +389,7 @@ class Llama:
 
     def save_state(self, seq_id: int = 0):
         """A snapshot of one sequence: its KV cells, positions, scores, counters and last logits (in memory;
-        `.to_bytes()` / `SeqSnapshot.from_bytes()` for a file), and the token the last generation showed but did
+        `.to_bytes()` / `Snapshot.from_bytes()` for a file), and the token the last generation showed but did
         not feed (fed first when the restored session goes on)."""
         seq_id = self._check_seq(seq_id)
         with self._lock:
@@ -393,7 +405,7 @@ class Llama:
         holds more entries than the sequence has room for, or whose KV cells llama.cpp refuses (damaged): the
         sequence then holds what it held before, and the token the last generation showed stays to be fed."""
         seq_id = self._check_seq(seq_id)
-        if not isinstance(state, _engine.SeqSnapshot):
+        if not isinstance(state, Snapshot):
             raise TypeError(f"state must come from save_state(), got {type(state).__name__}")
         with self._lock:
             self._engine.restore(seq_id, state)  # all or nothing: a refused snapshot leaves the sequence as it was
@@ -538,8 +550,7 @@ class Llama:
         prompt_tokens = self._prompt_tokens(prompt, None)
         events = self._generate_one(prompt_tokens, p, reset=True, want_logits=logprobs is not None,
                                     prompt_logits=echo and logprobs is not None)
-        meta = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_path}
+        meta = responses.completion_meta(self.model_path)
         if stream:
             return self._completion_chunks(events, meta, prompt_tokens, echo, logprobs)
         with self._lock:
@@ -564,18 +575,16 @@ class Llama:
             lp_out = self._logprobs(prompt_tokens if echo else [], tokens, gen_logits, logprobs)
         if echo:
             text = self.detokenize(prompt_tokens).decode("utf-8", errors="replace") + text
-        return {**meta, "choices": [{"text": text, "index": 0, "logprobs": lp_out, "finish_reason": finish}],
-                "usage": _usage(len(prompt_tokens), len(tokens))}
+        return responses.completion(meta, text, finish, responses.usage(len(prompt_tokens), len(tokens)), lp_out)
 
     def _completion_chunks(self, events, meta, prompt_tokens, echo, logprobs) -> Iterator[CompletionChunk]:
         if echo:
-            yield {**meta, "choices": [{"text": self.detokenize(prompt_tokens).decode("utf-8", errors="replace"),
-                                        "index": 0, "logprobs": None, "finish_reason": None}]}
+            yield responses.completion_chunk(meta, self.detokenize(prompt_tokens).decode("utf-8", errors="replace"))
         for e in events:
             lp = None
             if e.token is not None and logprobs is not None:
                 lp = self._logprob_block([e.token], [None], [e.logits], logprobs)
-            yield {**meta, "choices": [{"text": e.text, "index": 0, "logprobs": lp, "finish_reason": e.finish_reason}]}
+            yield responses.completion_chunk(meta, e.text, e.finish_reason, lp)
 
     def _piece_text(self, token: int) -> str:
         return self._engine.token_to_piece(int(token), False).decode("utf-8", errors="replace")
@@ -668,7 +677,7 @@ class Llama:
         p = self._params(_CHAT, sampling, params)
         tokens, n_keep = self.chat_tokens(messages)
         events = self._generate_one(tokens, p, reset=True, n_keep=n_keep)
-        meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": self.model_path}
+        meta = responses.chat_meta(self.model_path)
         if stream:
             return self._chat_chunks(events, meta)
         text, n, finish = [], 0, None
@@ -679,20 +688,15 @@ class Llama:
                     finish = e.finish_reason
                 else:
                     n += 1
-        return {**meta, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                             "logprobs": None, "finish_reason": finish}],
-                "usage": _usage(len(tokens), n)}
+        return responses.chat_completion(meta, "".join(text), finish, responses.usage(len(tokens), n))
 
     def _chat_chunks(self, events, meta) -> Iterator[ChatCompletionChunk]:
-        base = {**meta, "object": "chat.completion.chunk"}
-        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]}
+        yield responses.chat_chunk(meta, {"role": "assistant", "content": ""})
         for e in events:
             if e.text:
-                yield {**base, "choices": [{"index": 0, "delta": {"content": e.text}, "logprobs": None,
-                                            "finish_reason": None}]}
+                yield responses.chat_chunk(meta, {"content": e.text})
             if e.token is None:
-                yield {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": e.finish_reason}]}
+                yield responses.chat_chunk(meta, {}, e.finish_reason)
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -756,10 +760,6 @@ def _token_list(tokens: Sequence[int]) -> List[int]:
             raise ValueError(f"token id {t} is out of range")
         out.append(int(t))
     return out
-
-
-def _usage(n_prompt: int, n_completion: int) -> Dict[str, int]:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

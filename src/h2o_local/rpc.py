@@ -66,3 +66,9 @@ def _receive(sock: socket.socket, n: int) -> bytes:
             raise _NotRPC("it closed the connection during llama.cpp's RPC hello")
         data += part
     return data
+
+
+def serve(endpoint: str, n_threads: int) -> None:
+    """Serve this machine's CPU backend to llama.cpp RPC clients at "host:port" (blocks; returns only when the
+    server could not start, its reason printed by ggml)."""
+    _engine.rpc_serve(endpoint, n_threads)

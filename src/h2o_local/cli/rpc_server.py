@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.port < 65536 or args.threads < 1:
         ap.error("--port must be in 1..65535 and --threads >= 1")
-    from .. import _engine
+    from .. import rpc
 
     # the server loop runs in C and never returns to Python: let Ctrl-C end the process as it would any C server
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -30,5 +30,5 @@ def main(argv=None) -> int:
               f"this machine's backend. llama.cpp's RPC protocol has no authentication or encryption; never expose it "
               f"to an open network.", file=sys.stderr, flush=True)
     print(f"h2o-local rpc-server: serving this CPU on {args.host}:{args.port} ({args.threads} threads)", flush=True)
-    _engine.rpc_serve(f"{args.host}:{args.port}", args.threads)
+    rpc.serve(f"{args.host}:{args.port}", args.threads)
     return 1  # only reached when the server could not start (its reason is printed above)

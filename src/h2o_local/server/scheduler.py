@@ -26,11 +26,17 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 from .. import generation
 from ..llama import Llama
 from ..sampling import SamplingParams
-from ..text import TextAssembler
 
 
 class Busy(Exception):
     """Every slot is taken and the waiting line is full."""
+
+
+@dataclass(frozen=True)
+class Started:
+    """A job's first event: its prompt is in (the response can start)."""
+
+    reused_tokens: int  # prompt tokens found in a saved session
 
 
 class Cancelled(Exception):
@@ -134,11 +140,8 @@ class Scheduler:
         self.sessions = SessionCache(session_bytes)
         self._waiting: Deque[Job] = collections.deque()
         self._active: Dict[int, Job] = {}        # slot -> job
-        self._runs: Dict[int, generation.SeqRun] = {}
-        self._batch = generation.Batch(llm._engine, unbounded=not llm.policy.bounded, free_finished=False)
-        # a long prompt is fed in chunks with the running requests decoded between them; only where each slot has
-        # its own stream (in a shared one their cells would move where the prompt is cut)
-        self._interleave = not llm.kv_unified
+        self._started: set = set()                # slots whose prompt is in
+        self.slots = llm.slots()
         self._cv = threading.Condition()
         self._stop = False
         self.served = 0
@@ -195,7 +198,7 @@ class Scheduler:
                     self._active[slot] = job
                     admitted.append((slot, job))
                 cancelled = [s for s, j in self._active.items() if j.cancelled]
-            with self.llm._lock:
+            with self.slots.owned():  # nothing else may use the Llama during a step
                 try:
                     self._step(cancelled, admitted)
                 except Exception as e:  # a failed step: every request in a slot gets the error, the slots are freed
@@ -203,7 +206,6 @@ class Scheduler:
 
     def _step(self, cancelled: List[int], admitted: List[Tuple[int, Job]]) -> None:
         """Free the cancelled slots, start the admitted jobs, then sample and feed one token for every live slot."""
-        self.llm._take_over()  # nothing else may use the context while the server runs
         self._free(cancelled)
         for slot, job in admitted:
             self._start(slot, job)
@@ -213,23 +215,20 @@ class Scheduler:
         for slot in slots:
             job = self._active.get(slot)
             if job is not None:
-                self._batch.cancel(slot)
                 self._release(slot, save=False)
                 job.put(Cancelled())
 
     def _decode_step(self) -> None:
-        self.peak_batch = max(self.peak_batch, len(self._batch.live))
-        self._deliver(self._batch.sample())
-        self._deliver(self._batch.feed())
+        self.peak_batch = max(self.peak_batch, self.slots.n_live)
+        self._deliver(self.slots.step())
 
     def _between_prompt_chunks(self, job: Job) -> None:
-        """Called by the engine between the chunks of a long prompt (slots with streams of their own): the running
-        requests decode a token meanwhile, so a long prompt does not stall them, and a prompt whose client left
-        stops here."""
+        """Called between the chunks of a long prompt: the running requests decode a token meanwhile, so a long
+        prompt does not stall them, and a prompt whose client left stops here."""
         if job.cancelled:
             raise Cancelled()
         with self._cv:
-            gone = [s for s, j in self._active.items() if j.cancelled and s in self._runs]
+            gone = [s for s, j in self._active.items() if j.cancelled and s in self._started]
         try:
             self._free(gone)
             self._decode_step()
@@ -238,34 +237,23 @@ class Scheduler:
 
     def _fail_active(self, error: Exception) -> None:
         for slot, job in list(self._active.items()):
-            self._batch.cancel(slot)
-            self._runs.pop(slot, None)
             job.put(error)
             try:
-                self.llm._engine.reset_seq(slot)
+                self.slots.release(slot)
             finally:
+                self._started.discard(slot)
                 with self._cv:
                     self._active.pop(slot, None)
 
     def _start(self, slot: int, job: Job) -> None:
-        """Fill the slot with the job's prompt (continuing a saved session when one matches) and join the batch."""
-        engine = self.llm._engine
-        engine.reset_seq(slot)
-        feed = job.prompt_tokens
+        """Fill the slot with the job's prompt (continuing a saved session when one matches) and join the steps."""
         try:
-            session = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep) if self.sessions.limit_bytes else None
-            if session is not None:
-                engine.restore(slot, session.snapshot)
-                feed = job.prompt_tokens[session.n_fed:]  # the token shown last and not fed comes first
-                job.reused_tokens = session.n_fed
-            else:
-                self.llm._set_keep(slot, job.n_keep)
-            if not feed:
-                raise ValueError("the prompt is empty")
             if job.cancelled:
                 raise Cancelled()
-            sampler = job.params.sampler(self.llm.n_vocab(), _seed(self.llm, job.params))
-            engine.eval({slot: feed}, False, (lambda: self._between_prompt_chunks(job)) if self._interleave else None)
+            session = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep) if self.sessions.limit_bytes else None
+            resume = None if session is None else (session.snapshot, session.n_fed)
+            events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
+                                      between_chunks=lambda: self._between_prompt_chunks(job))
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
             job.put(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)
@@ -274,13 +262,13 @@ class Scheduler:
             job.put(e)
             self._release(slot, save=False)
             return
+        job.reused_tokens = 0 if session is None else session.n_fed
+        self._started.add(slot)
         # the prompt alone is saved too: a client whose next request re-tokenizes this answer differently from the
-        # tokens generated (BPE often does) still continues the whole conversation before it
+        # tokens generated (BPE sometimes does) still continues the whole conversation before it
         self._save(slot, job.prompt_tokens, len(job.prompt_tokens), job.n_keep)
-        run = generation.SeqRun(slot, slot, sampler, TextAssembler(job.params.stop), job.params.max_tokens)
-        self._runs[slot] = run
-        job.put(("start", job.reused_tokens, time.perf_counter()))
-        self._deliver(self._batch.add(run))
+        job.put(Started(job.reused_tokens))
+        self._deliver(events)
 
     def _deliver(self, events: List[generation.Event]) -> None:
         for e in events:
@@ -293,22 +281,19 @@ class Scheduler:
 
     def _release(self, slot: int, *, save: bool) -> None:
         """Free the slot (its cache saved as a session first, when asked)."""
-        job, run = self._active.get(slot), self._runs.pop(slot, None)
-        if save and job is not None and run is not None:
-            held = job.prompt_tokens + run.tokens  # a client that resends other tokens (a cut text) will not match
-            self._save(slot, held, len(held) - (run.unfed is not None), job.n_keep)
-        self.llm._engine.reset_seq(slot)
+        job = self._active.get(slot)
+        if save and job is not None and slot in self._started:
+            generated, n_unfed = self.slots.generated(slot)
+            held = job.prompt_tokens + generated  # a client that resends other tokens (a cut text) will not match
+            self._save(slot, held, len(held) - n_unfed, job.n_keep)
+        self.slots.release(slot)
+        self._started.discard(slot)
         with self._cv:
             if self._active.pop(slot, None) is not None:
                 self.served += 1
-
 
     def _save(self, slot: int, tokens: List[int], n_fed: int, n_keep: int) -> None:
         """Save the slot's cache as the session of `tokens` (of which it holds the first `n_fed`), when it fits."""
         n_cells = min(n_fed, self.llm.budget or n_fed)
         if 0 < n_cells * self.llm.kv_bytes_per_cell <= self.sessions.limit_bytes:
-            self.sessions.put(tokens, n_fed, n_keep, self.llm._engine.snapshot(slot))
-
-
-def _seed(llm: Llama, params: SamplingParams) -> int:
-    return llm._rng.getrandbits(32) if params.seed is None else int(params.seed)
+            self.sessions.put(tokens, n_fed, n_keep, self.slots.save(slot))

@@ -1,0 +1,59 @@
+"""The OpenAI-shaped responses, built in one place for `Llama` and the server (types: `llama_types`)."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, Optional
+
+from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs, CompletionUsage
+
+
+def completion_meta(model: str) -> Dict[str, Any]:
+    """id, object, created and model of one text completion (shared by its chunks)."""
+    return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()), "model": model}
+
+
+def chat_meta(model: str) -> Dict[str, Any]:
+    """id, created and model of one chat completion (shared by its chunks)."""
+    return {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": model}
+
+
+def usage(n_prompt: int, n_completion: int, cached: Optional[int] = None) -> CompletionUsage:
+    """Token counts; `cached`: prompt tokens found in a saved cache (`prompt_tokens_details.cached_tokens`)."""
+    out: Dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                           "total_tokens": n_prompt + n_completion}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out  # type: ignore[return-value]
+
+
+def completion(meta: Dict[str, Any], text: str, finish_reason: Optional[str], use: CompletionUsage,
+               logprobs: Optional[CompletionLogprobs] = None) -> Completion:
+    return {**meta, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": use}  # type: ignore[return-value]
+
+
+def completion_chunk(meta: Dict[str, Any], text: str, finish_reason: Optional[str] = None,
+                     logprobs: Optional[CompletionLogprobs] = None) -> CompletionChunk:
+    return {**meta, "choices": [{"text": text, "index": 0, "logprobs": logprobs,
+                                 "finish_reason": finish_reason}]}  # type: ignore[return-value]
+
+
+def chat_completion(meta: Dict[str, Any], content: str, finish_reason: Optional[str],
+                    use: CompletionUsage) -> ChatCompletion:
+    return {**meta, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                         "finish_reason": finish_reason}], "usage": use}  # type: ignore[return-value]
+
+
+def chat_chunk(meta: Dict[str, Any], delta: Dict[str, Any], finish_reason: Optional[str] = None) -> ChatCompletionChunk:
+    """One streamed piece: the first has delta {"role": "assistant", "content": ""}, then {"content": text}, the
+    last {} with the finish reason."""
+    return {**meta, "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "finish_reason": finish_reason}]}  # type: ignore[return-value]
+
+
+def usage_chunk(meta: Dict[str, Any], use: CompletionUsage, chat: bool) -> Dict[str, Any]:
+    """The last streamed piece when `stream_options.include_usage` is asked: no choices, the usage."""
+    return {**meta, **({"object": "chat.completion.chunk"} if chat else {}), "choices": [], "usage": use}

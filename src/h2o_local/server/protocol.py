@@ -1,0 +1,86 @@
+"""The requests the server takes and the errors it gives, in OpenAI's shapes: pydantic request models (with the
+limits and the fields it refuses), and `APIError` / `error_response` ({"error": {"message", "type", "param",
+"code"}})."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+
+# the roles OpenAI's chat API knows
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+# OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
+# many clients send them with their defaults); any other value is a 400 naming the field
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "repetition_penalty": (None, 1, 1.0), "repeat_penalty": (None, 1, 1.0),
+               "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
+               "grammar": (None, ""), "parallel_tool_calls": (None,)}
+
+
+# stop strings are searched in the text after every token: bounded, as OpenAI bounds them (it takes 4; clients that
+# send a few more to llama-server keep working here)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are kept to be checked against UNSUPPORTED
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    stop: Union[str, List[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[Dict[str, Any]] = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop):
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        if any(len(x) > MAX_STOP_CHARS for x in strings):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
+        return stop
+
+    def refuse_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and not any(value == ok and type(value) is type(ok) or (value is ok)
+                                               for ok in UNSUPPORTED[name]):
+                raise APIError(400, f"{name} is not supported by this server (got {value!r})", param=name,
+                               code="unsupported_parameter")
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, List[str], List[StrictInt]]  # a JSON true is not token 1
+    echo: bool = False
+
+
+class ChatCompletionRequest(_Request):
+    messages: List[Dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+           code: Optional[str] = None, headers: Optional[Dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status,
+                        headers=headers)

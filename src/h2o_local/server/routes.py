@@ -1,0 +1,226 @@
+"""The HTTP routes: /health, /v1/models, /v1/completions, /v1/chat/completions, as importable functions on a
+module-level FastAPI router. Each request becomes a `Job` for the app's `Scheduler`; the response starts once its
+prompt is in, so an error in the prompt is an HTTP error, not a broken stream."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+
+from fastapi import APIRouter, Depends, Request
+from sse_starlette.sse import EventSourceResponse
+
+from .. import generation, responses
+from ..llama import Llama
+from ..sampling import CHAT, COMPLETION, SamplingParams
+from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
+from .scheduler import Busy, Cancelled, Job, Scheduler, Started
+from .settings import ServerSettings
+
+router = APIRouter()
+
+
+@dataclass
+class ServerState:
+    """What the routes share, kept on `app.state.server` by `create_app`."""
+
+    llm: Llama
+    scheduler: Scheduler
+    settings: ServerSettings
+    model_id: str
+    max_prompt_tokens: int
+    default_keep: int                                 # the protected prefix of a completion (tokens)
+    templates: concurrent.futures.ThreadPoolExecutor  # chat templates render here, off the event loop
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.get("/health")
+async def health(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    return {"status": "ok", **state.scheduler.stats()}
+
+
+@router.get("/v1/models")
+async def list_models(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(time.time()),
+                                        "owned_by": "h2o_local", "policy": state.llm.policy.label}]}
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
+    body.refuse_unsupported()
+    llm = state.llm
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, "one prompt per request (n=1)", param="prompt")
+        prompt = prompt[0]
+    try:
+        if isinstance(prompt, str):  # special tokens parsed, as llama-cpp-python and llama-server do
+            tokens, text = llm.tokenize(prompt, add_bos=llm.info.add_bos, special=True), prompt
+        else:
+            tokens, text = [int(t) for t in prompt], None
+            if any(not 0 <= t < llm.n_vocab() for t in tokens):
+                raise ValueError(f"token ids must be in [0, {llm.n_vocab()})")
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="prompt") from None
+    job = await _submit(state, Job(tokens, _sampling(state, COMPLETION, body, body.max_tokens),
+                                   n_keep=state.default_keep), request)
+    meta = responses.completion_meta(state.model_id)
+    if body.echo and text is None:  # token ids: their text, as llama-cpp-python echoes it
+        text = llm.detokenize(tokens).decode("utf-8", errors="replace")
+    echo = text if body.echo else ""
+    if body.stream:
+        return EventSourceResponse(_completion_stream(state, job, meta, echo, _include_usage(body)), ping=15)
+    pieces, n, finish = await _collect(state, job, request)
+    return responses.completion(meta, echo + "".join(pieces), finish, _usage(job, n))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 state: ServerState = Depends(server_state)):
+    body.refuse_unsupported()
+    for i, m in enumerate(body.messages):
+        if m.get("role") not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
+                                f"{m.get('role')!r}", param=f"messages.{i}.role")
+    limit_s = state.settings.template_timeout_s
+    try:  # a template can be slow on some messages: never on the event loop, and never for long
+        rendering = asyncio.get_running_loop().run_in_executor(state.templates, state.llm.chat_tokens,
+                                                               body.messages, limit_s)
+        tokens, n_keep = await asyncio.wait_for(rendering, limit_s + 1)
+    except asyncio.TimeoutError:
+        raise APIError(400, f"the chat template took more than {limit_s:g} s to render these messages",
+                       param="messages") from None
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="messages") from None
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    job = await _submit(state, Job(tokens, _sampling(state, CHAT, body, limit),
+                                   n_keep=state.default_keep if n_keep is None else n_keep), request)
+    meta = responses.chat_meta(state.model_id)
+    if body.stream:
+        return EventSourceResponse(_chat_stream(state, job, meta, _include_usage(body)), ping=15)
+    pieces, n, finish = await _collect(state, job, request)
+    return responses.chat_completion(meta, "".join(pieces), finish, _usage(job, n))
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int]) -> SamplingParams:
+    changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
+                               if getattr(body, k) is not None}
+    if body.stop is not None:
+        changes["stop"] = body.stop
+    if max_tokens is not None:
+        changes["max_tokens"] = max_tokens
+    elif defaults.max_tokens is None and not state.llm.policy.bounded:
+        changes["max_tokens"] = None  # the full cache stops at the end of the context
+    try:
+        return defaults.replace(**changes)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _submit(state: ServerState, job: Job, request: Request) -> Job:
+    n = len(job.prompt_tokens)
+    if n > state.max_prompt_tokens:
+        raise APIError(400, f"the prompt has {n} tokens; this server takes at most {state.max_prompt_tokens}",
+                       param="messages", code="context_length_exceeded")
+    cells = state.scheduler.slots.cells_per_slot
+    if not state.llm.policy.bounded and n >= cells:
+        raise APIError(400, f"the prompt ({n} tokens) does not fit in the context ({cells} tokens per slot)",
+                       param="messages", code="context_length_exceeded")
+    job.loop = asyncio.get_running_loop()
+    job.queue = asyncio.Queue()
+    try:
+        state.scheduler.submit(job)
+    except Busy as e:
+        raise APIError(429, str(e), kind="rate_limit_error", code="slots_busy") from None
+    watcher = asyncio.ensure_future(_disconnected(state, request, job))  # a client may leave while it waits
+    try:
+        first = await job.queue.get()  # the prompt is in (or it failed): only now does the response start
+    finally:
+        watcher.cancel()
+    if isinstance(first, Cancelled):
+        raise APIError(499, "the client closed the request", code="client_closed")
+    if isinstance(first, BaseException):
+        raise APIError(400, str(first)) if isinstance(first, ValueError) else APIError(500, str(first), "server_error")
+    assert isinstance(first, Started)
+    return job
+
+
+async def _events(state: ServerState, job: Job) -> AsyncIterator[generation.Event]:
+    try:
+        while True:
+            item = await job.queue.get()
+            if isinstance(item, Cancelled):
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.token is None:
+                return
+    finally:
+        state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
+
+
+async def _collect(state: ServerState, job: Job, request: Request) -> Tuple[List[str], int, Optional[str]]:
+    pieces: List[str] = []
+    n, finish = 0, None
+    events = _events(state, job)
+    watcher = asyncio.ensure_future(_disconnected(state, request, job))
+    try:
+        async for e in events:
+            pieces.append(e.text)
+            n += e.token is not None
+            finish = e.finish_reason
+    except RuntimeError as e:
+        raise APIError(500, str(e), "server_error") from None
+    finally:
+        watcher.cancel()
+        await events.aclose()
+    return pieces, n, finish
+
+
+async def _disconnected(state: ServerState, request: Request, job: Job) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.5)
+    state.scheduler.cancel(job)
+
+
+async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any], echo: str, usage: bool):
+    n = 0
+    if echo:
+        yield json.dumps(responses.completion_chunk(meta, echo))
+    async for e in _events(state, job):
+        n += e.token is not None
+        yield json.dumps(responses.completion_chunk(meta, e.text, e.finish_reason))
+    if usage:
+        yield json.dumps(responses.usage_chunk(meta, _usage(job, n), chat=False))
+    yield "[DONE]"
+
+
+async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool):
+    yield json.dumps(responses.chat_chunk(meta, {"role": "assistant", "content": ""}))
+    n = 0
+    async for e in _events(state, job):
+        n += e.token is not None
+        if e.text:
+            yield json.dumps(responses.chat_chunk(meta, {"content": e.text}))
+        if e.token is None:
+            yield json.dumps(responses.chat_chunk(meta, {}, e.finish_reason))
+    if usage:
+        yield json.dumps(responses.usage_chunk(meta, _usage(job, n), chat=True))
+    yield "[DONE]"
+
+
+def _include_usage(body: _Request) -> bool:
+    return bool(body.stream_options and body.stream_options.get("include_usage"))
+
+
+def _usage(job: Job, n_completion: int):
+    return responses.usage(len(job.prompt_tokens), n_completion, cached=job.reused_tokens)

@@ -1,0 +1,28 @@
+"""The server's settings, declared once: `h2o-local serve` options, H2O_LOCAL_* environment variables and
+`create_app(...)` keywords all come from these fields (the model and cache options are the CLI's shared ones)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServerSettings(BaseSettings):
+    """How `h2o-local serve` listens and schedules. Each field is `--field-name` on the command line and
+    `H2O_LOCAL_FIELD_NAME` in the environment (the command line wins)."""
+
+    model_config = SettingsConfigDict(env_prefix="H2O_LOCAL_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on (default: 127.0.0.1, this machine only)")
+    port: int = Field(8000, ge=0, le=65535, description="port (0: any free one)")
+    slots: int = Field(4, ge=1, description="requests decoded at once, each in its own KV stream")
+    max_waiting: int = Field(16, ge=0, description="requests that may wait for a slot; more get 429")
+    session_mib: float = Field(256, ge=0, description="memory for saved conversations that later requests "
+                                                      "continue, MiB (0: off)")
+    model_id: Optional[str] = Field(None, description="the model name /v1/models shows (default: the file name)")
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="longer prompts get HTTP 400 (default: the "
+                                                                     "model's trained context)")
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies get HTTP 413")
+    template_timeout_s: float = Field(10.0, gt=0, description="longest a chat template may render a request's "
+                                                              "messages, seconds (then HTTP 400)")

@@ -1,0 +1,86 @@
+"""Slots: the sequences of one `Llama` that concurrent generations fill and leave, decoded together.
+
+What a server needs of a `Llama`, on its public side: start a prompt in a slot (fresh, or continuing a saved
+session), step every live slot by one token, save a slot's cache, release it. The owner holds the `Llama` while it
+steps (`with slots.owned(): ...`), so no other call interleaves with a step.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+from . import generation
+from .sampling import SamplingParams
+from .text import TextAssembler
+
+
+class Slots:
+    """The `llm.n_seq_max` sequences of `llm` as slots, each with its own budget, scores and sampler."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+        self._engine = llm._engine
+        self.n_slots: int = llm.n_seq_max
+        self.cells_per_slot: int = self._engine.stream_capacity  # KV cells a slot's prompt and answer can take
+        # a long prompt can be read in chunks with the other slots stepped in between: only where each slot has a
+        # stream of its own (in a shared one their cells would move where the prompt is cut)
+        self.interleaves: bool = not llm.kv_unified
+        self._batch = generation.Batch(self._engine, unbounded=not llm.policy.bounded, free_finished=False)
+        self._runs: dict = {}
+
+    @contextlib.contextmanager
+    def owned(self) -> Iterator[None]:
+        """Hold the `Llama` for one step of the owner: its lock, and a generation of it left suspended ends."""
+        with self.llm._lock:
+            self.llm._take_over()
+            yield
+
+    def start(self, slot: int, tokens: List[int], params: SamplingParams, *, n_keep: int = 0,
+              resume: Optional[Tuple[Any, int]] = None,
+              between_chunks: Optional[Callable[[], None]] = None) -> List[generation.Event]:
+        """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
+        `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
+        `between_chunks()` runs between the chunks of a long prompt (with `interleaves`: it may `step()`).
+        Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
+        self._engine.reset_seq(slot)
+        feed = tokens
+        if resume is not None:
+            snapshot, n_fed = resume
+            self._engine.restore(slot, snapshot)
+            feed = tokens[n_fed:]
+        else:
+            self.llm._set_keep(slot, n_keep)
+        if not feed:
+            raise ValueError("the prompt is empty")
+        sampler = self.llm._sampler(params)
+        self._engine.eval({slot: feed}, False, between_chunks if self.interleaves else None)
+        run = generation.SeqRun(slot, slot, sampler, TextAssembler(params.stop), params.max_tokens)
+        self._runs[slot] = run
+        return self._batch.add(run)
+
+    def step(self) -> List[generation.Event]:
+        """One token (or its end) for every live slot, then the new tokens fed in one decode."""
+        return self._batch.sample() + self._batch.feed()
+
+    @property
+    def n_live(self) -> int:
+        """Slots generating now."""
+        return len(self._batch.live)
+
+    def generated(self, slot: int) -> Tuple[List[int], int]:
+        """The tokens `slot` generated (its end-of-generation token not included), and how many of the last of
+        them the cache does not hold yet (0 or 1: the one shown last is fed at the next step)."""
+        run = self._runs.get(slot)
+        if run is None:
+            return [], 0
+        return list(run.tokens), int(run.unfed is not None)
+
+    def save(self, slot: int) -> Any:
+        """A snapshot of the slot's cache (`Llama.load_state` / `start(resume=...)` take it back)."""
+        return self._engine.snapshot(slot)
+
+    def release(self, slot: int) -> None:
+        """The slot leaves the steps and is emptied."""
+        self._batch.cancel(slot)
+        self._runs.pop(slot, None)
+        self._engine.reset_seq(slot)
