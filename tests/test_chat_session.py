@@ -91,7 +91,7 @@ def test_a_bad_file_is_one_value_error_and_changes_nothing(saved, tmp_path, dama
         data[start + 10: start + 200] = bytes(190)  # the compressed stream itself
         bad.write_bytes(bytes(data))
     elif damage == "json_field":
-        rewrite(path, bad, **{"session.json": json.dumps({**meta, "fed_text": 5}).encode()})
+        rewrite(path, bad, **{"session.json": json.dumps({**meta, "tokens": [1, "two"]}).encode()})
     elif damage == "json_type":
         meta["messages"][0]["name"] = ["not", "a", "string"]
         rewrite(path, bad, **{"session.json": json.dumps(meta).encode()})

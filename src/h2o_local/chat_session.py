@@ -22,9 +22,10 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 from .chat_template import Message, normalize_messages
 from .llama import Llama, Snapshot
 from .sampling import CHAT
+from .sessions import Session, continues
 from .text import check_text
 
-SESSION_FORMAT = 1
+SESSION_FORMAT = 2  # 1: "fed_text" instead of "tokens" (loaded, then fed again from the start)
 MAX_SESSION_JSON_BYTES = 256 * 2**20  # the conversation's text
 
 
@@ -60,7 +61,8 @@ class ChatSession:
         self.sampling = dict(sampling)
         self.messages: List[Message] = []
         self.last = TurnStats()
-        self._fed_text: Optional[str] = None  # the text the cache holds, when it holds this conversation
+        self._live: Optional[Session] = None    # what the cache holds now, when it holds this conversation
+        self._prompt: Optional[Session] = None  # a snapshot of the last turn's prompt
         self._turn = 0  # bumped by every send / reset / load: an older answer stream may not rewrite the history
         self._stream: Optional[Iterator[str]] = None  # the last answer stream `send` returned
         self.reset()
@@ -68,7 +70,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
         self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
-        self._fed_text = None
+        self._live = self._prompt = None
         self._turn += 1
         self.last = TurnStats()
 
@@ -88,28 +90,26 @@ class ChatSession:
 
     def _answer(self, content: str, params: Dict[str, Any]) -> Iterator[str]:
         messages = self.messages + [{"role": "user", "content": content}]
-        prompt_text = self.llm.apply_chat_template(messages)
         tokens, n_keep = self.llm.chat_tokens(messages)
-        fed_text = self._fed_text
-        continuing = fed_text is not None and prompt_text.startswith(fed_text) and len(prompt_text) > len(fed_text)
-        if continuing:
-            feed = self.llm.tokenize(prompt_text[len(fed_text):], add_bos=False, special=True)
-            reused = len(tokens) - len(feed)
-        else:
-            feed, reused = tokens, 0
+        n_keep = n_keep if n_keep is not None else self.llm.keep if isinstance(self.llm.keep, int) else 0
+        base = self._continued(tokens, n_keep)  # the cache state this turn goes on from, or None (from scratch)
+        feed = tokens if base is None else tokens[len(base.tokens):]  # the Llama feeds its pending token first
         self.messages = messages
-        self._fed_text = None  # until this turn is in the cache as far as we know it
+        self._live = None  # until this turn is in the cache as far as we know it
         self._turn += 1
         turn = self._turn
-        stats = TurnStats(prompt_tokens=len(feed), reused_tokens=max(reused, 0))
+        stats = TurnStats(prompt_tokens=len(tokens) - (0 if base is None else base.n_fed),
+                          reused_tokens=0 if base is None else base.n_fed)
         self.last = stats
         answer: List[str] = []
         generated: List[int] = []
         t0 = time.perf_counter()
-        events = self.llm.generate_events(feed, reset=not continuing, keep=None if continuing else n_keep,
+        events = self.llm.generate_events(feed, reset=base is None, keep=n_keep if base is None else None,
                                           sampling=CHAT, **params)
         try:
             for e in events:
+                if self._prompt is None or self._prompt.tokens != tuple(tokens):
+                    self._save_prompt(tokens, n_keep)  # the cache holds the prompt, the first token not fed yet
                 if e.token is not None:
                     stats.completion_tokens += 1
                     generated.append(e.token)
@@ -123,17 +123,28 @@ class ChatSession:
             if turn != self._turn:
                 return  # a newer turn (or a reset, a load) owns the history and the cache now
             stats.seconds = time.perf_counter() - t0
-            text = "".join(answer)
-            self.messages = messages + [{"role": "assistant", "content": text}]
+            self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
             if stats.finish_reason is not None or stats.completion_tokens > 0:
-                # the cache holds the prompt and every token shown (a session that goes on feeds the last first);
-                # when a stop string cut the text shown, the next turn starts again from the whole conversation
-                held = b"".join(self.llm.token_to_piece(t) for t in generated).decode("utf-8", errors="replace")
-                stop_cut = stats.finish_reason == "stop" and self.llm.last_eog_token is None
-                if held != text and not stop_cut:
-                    # a character cut short by max_tokens or Ctrl-C: the history keeps what the cache holds
-                    self.messages[-1]["content"] = text = held
-                self._fed_text = prompt_text + text if held == text else None
+                held = tuple(tokens + generated)  # what the cache holds, the pending token last
+                self._live = Session(held, len(held) - len(self.llm.pending), n_keep, None, 0)
+
+    def _continued(self, tokens: List[int], n_keep: int) -> Optional[Session]:
+        """What this turn's prompt continues (`sessions.continues`): the cache as the last turn left it, else the
+        last turn's prompt (restored: its answer did not tokenize back to the tokens generated, or a stop string cut
+        it), else nothing."""
+        if self._live is not None and continues(self._live.tokens, self._live.n_keep, tokens, n_keep):
+            return self._live
+        if self._prompt is not None and continues(self._prompt.tokens, self._prompt.n_keep, tokens, n_keep):
+            self.llm.load_state(self._prompt.snapshot)
+            return self._prompt
+        return None
+
+    def _save_prompt(self, tokens: List[int], n_keep: int) -> None:
+        """Keep a snapshot of the prompt just fed (bounded caches only: a full cache's could be the whole context)."""
+        self._prompt = None
+        if self.llm.budget is not None:
+            snap = self.llm.save_state()
+            self._prompt = Session(tuple(tokens), len(tokens), n_keep, snap, int(snap.nbytes))
 
     # ------------------------------------------------------------------ state on disk
     def save(self, path: Union[str, Path]) -> int:
@@ -145,12 +156,19 @@ class ChatSession:
         if self._stream is not None:
             self._stream.close()
         snap = self.llm.save_state()
+        live = self._live
         meta = {"format": SESSION_FORMAT, "messages": self.messages, "system": self.system,
-                "fed_text": self._fed_text, "model": snap.origin, "policy": self.llm.policy.label}
+                "tokens": None if live is None else list(live.tokens), "n_keep": None if live is None else live.n_keep,
+                "model": snap.origin, "policy": self.llm.policy.label}
         buf = io.BytesIO()
+        prompt = self._prompt
+        if prompt is not None:
+            meta["prompt_tokens"], meta["prompt_n_keep"] = list(prompt.tokens), prompt.n_keep
         with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
             z.writestr("session.json", json.dumps(meta))
             z.writestr("kv.bin", snap.to_bytes())
+            if prompt is not None:  # so that the loaded chat goes on as this one would
+                z.writestr("prompt.bin", prompt.snapshot.to_bytes())
         data = buf.getvalue()
         path = Path(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
@@ -179,7 +197,10 @@ class ChatSession:
             raise ValueError(f"{path}: {e}") from None
         self.messages = meta["messages"]
         self.system = meta["system"]
-        self._fed_text = meta["fed_text"]
+        tokens = meta["tokens"]
+        self._live = None if tokens is None else Session(tuple(tokens), len(tokens) - len(snap.pending),
+                                                         meta["n_keep"], None, 0)
+        self._prompt = meta["prompt"]
         self._turn += 1
 
     def _read_session(self, path: Path):
@@ -192,10 +213,13 @@ class ChatSession:
                   # a sequence's cells, scores and logits can never be larger than the whole allocated cache's
                   "kv.bin": 2 * st.kv_bytes + 16 * st.kv_cells * (self.llm.info.n_head + 4) + 8 * self.llm.n_vocab()
                             + 2**20}
+        limits["prompt.bin"] = limits["kv.bin"]
         try:
             with zipfile.ZipFile(path) as z:
                 parts = {}
                 for name, limit in limits.items():
+                    if name == "prompt.bin" and name not in z.namelist():
+                        continue
                     info = z.getinfo(name)
                     if info.file_size > limit:
                         raise bad(f"{name} declares {info.file_size} bytes, more than the {limit} this cache can hold")
@@ -203,11 +227,12 @@ class ChatSession:
                         parts[name] = f.read(limit + 1)  # zipfile stops at the declared size and checks the CRC
                 meta = json.loads(parts["session.json"].decode("utf-8"))
                 snap = Snapshot.from_bytes(parts["kv.bin"])
+                prompt_snap = Snapshot.from_bytes(parts["prompt.bin"]) if "prompt.bin" in parts else None
         except ValueError as e:
             raise e if str(e).startswith(str(path)) else bad(str(e)) from None
         except (OSError, KeyError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile, zlib.error) as e:
             raise bad(f"{type(e).__name__}: {e}") from None
-        if not isinstance(meta, dict) or meta.get("format") != SESSION_FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") not in (1, SESSION_FORMAT):
             raise bad(f"expected format {SESSION_FORMAT}")
         try:
             messages = normalize_messages(meta.get("messages"))
@@ -216,17 +241,31 @@ class ChatSession:
                     if not isinstance(value, str):
                         raise TypeError(f"message {i}: {key} is not a string")
                     check_text(f"message {i}'s {key}", value)
-            for key in ("system", "fed_text"):
-                if meta.get(key) is not None:
-                    if not isinstance(meta[key], str):
-                        raise TypeError(f"{key} is not a string")
-                    check_text(key, meta[key])
+            if meta.get("system") is not None:
+                if not isinstance(meta["system"], str):
+                    raise TypeError("system is not a string")
+                check_text("system", meta["system"])
+            tokens = meta.get("tokens") if meta["format"] == SESSION_FORMAT else None  # format 1: fed again
+            n_vocab = self.llm.n_vocab()
+            if tokens is not None:
+                if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < n_vocab for t in tokens):
+                    raise TypeError("tokens is not a list of token ids")
+                if type(meta.get("n_keep")) is not int or meta["n_keep"] < 0 or len(tokens) < len(snap.pending):
+                    raise TypeError("n_keep is not a number of tokens")
+            prompt = None
+            if prompt_snap is not None and meta["format"] == SESSION_FORMAT:
+                p_tokens, p_keep = meta.get("prompt_tokens"), meta.get("prompt_n_keep")
+                if not isinstance(p_tokens, list) or not all(type(t) is int and 0 <= t < n_vocab for t in p_tokens) \
+                        or type(p_keep) is not int or p_keep < 0 or prompt_snap.origin != snap.origin:
+                    raise TypeError("the saved prompt's tokens do not match it")
+                prompt = Session(tuple(p_tokens), len(p_tokens), p_keep, prompt_snap, int(prompt_snap.nbytes))
         except (TypeError, ValueError) as e:
             raise bad(str(e)) from None
         if meta.get("policy") != self.llm.policy.label:
             raise ValueError(f"{path}: saved with policy {meta.get('policy')!r}, this chat uses "
                              f"{self.llm.policy.label!r}")
-        return {"messages": messages, "system": meta.get("system"), "fed_text": meta.get("fed_text")}, snap
+        return {"messages": messages, "system": meta.get("system"), "tokens": tokens, "n_keep": meta.get("n_keep"),
+                "prompt": prompt}, snap
 
     # ------------------------------------------------------------------ status
     def stats(self) -> Dict[str, Any]:

@@ -373,6 +373,12 @@ class Llama:
             self._engine.set_policy(args.pop("policy"), **args)
             self.policy = value
 
+    @property
+    def pending(self) -> List[int]:
+        """The token the last generation on sequence 0 showed and did not feed (0 or 1 of them): a session that
+        goes on (`reset=False`) feeds it first; `save_state()` keeps it."""
+        return list(self._unfed)
+
     def slots(self) -> "Slots":
         """The sequences as slots that concurrent generations fill and leave, stepped together (what a server
         needs; see `h2o_local.slots`). Using them ends any generation of this `Llama` left suspended."""

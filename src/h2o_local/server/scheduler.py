@@ -21,9 +21,10 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from .. import generation
+from ..sessions import SessionCache
 from ..llama import Llama
 from ..sampling import SamplingParams
 
@@ -67,63 +68,6 @@ class Job:
     def put(self, item: Any) -> None:
         if self.loop is not None and self.queue is not None:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-@dataclass
-class _Session:
-    tokens: Tuple[int, ...]  # the tokens the cache holds, then the one shown last and not fed (if any)
-    n_fed: int               # how many of them the cache holds
-    n_keep: int              # its protected prefix
-    snapshot: Any            # SeqSnapshot
-    nbytes: int
-
-
-class SessionCache:
-    """Saved slot caches keyed by the tokens they hold and their protected prefix, least recently used first out,
-    within `limit_bytes`."""
-
-    def __init__(self, limit_bytes: int):
-        self.limit_bytes = int(limit_bytes)
-        self._items: "collections.OrderedDict[Tuple[int, Tuple[int, ...]], _Session]" = collections.OrderedDict()
-        self.nbytes = 0
-        self.hits = 0
-        self.misses = 0
-
-    def put(self, tokens: Sequence[int], n_fed: int, n_keep: int, snapshot: Any) -> None:
-        nbytes = int(snapshot.nbytes)
-        if nbytes > self.limit_bytes or n_fed < 1:
-            return
-        key = (int(n_keep), tuple(tokens))
-        self._drop(key)
-        self._items[key] = _Session(key[1], int(n_fed), key[0], snapshot, nbytes)
-        self.nbytes += nbytes
-        while self.nbytes > self.limit_bytes:
-            _, old = self._items.popitem(last=False)
-            self.nbytes -= old.nbytes
-
-    def _drop(self, key) -> None:
-        s = self._items.pop(key, None)
-        if s is not None:
-            self.nbytes -= s.nbytes
-
-    def longest_prefix(self, tokens: Sequence[int], n_keep: int) -> Optional[_Session]:
-        """The saved session with the same protected prefix whose tokens are the longest proper prefix of `tokens`.
-        It stays saved (a conversation may branch from it again) and becomes the most recently used."""
-        tokens = tuple(tokens)
-        best = None
-        for key, s in self._items.items():
-            if (s.n_keep == n_keep and len(s.tokens) < len(tokens) and tokens[:len(s.tokens)] == s.tokens
-                    and (best is None or len(s.tokens) > len(best.tokens))):
-                best = s
-        if best is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._items.move_to_end((best.n_keep, best.tokens))
-        return best
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class Scheduler:

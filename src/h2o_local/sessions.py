@@ -1,0 +1,73 @@
+"""When a prompt continues a cache: the one rule, for the server's saved sessions and for `ChatSession`.
+
+A cache that holds `held` tokens (fed, then at most one shown and not fed) with a protected prefix of `n_keep`
+tokens continues a prompt when the prompt's tokens, as a fresh request tokenizes them, start with `held` and go on,
+and its protected prefix is the same: then only the rest is fed, and (with no eviction) the answer is a fresh
+request's. Text is never compared: a prompt that extends a held text inside a word, or re-tokenizes an answer
+otherwise, or was built with another protected prefix, does not continue it.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+
+def continues(held: Sequence[int], held_keep: int, tokens: Sequence[int], n_keep: int) -> bool:
+    """True when a cache holding `held` (protected prefix `held_keep`) continues the prompt `tokens` (`n_keep`)."""
+    return held_keep == n_keep and len(tokens) > len(held) and tuple(tokens[:len(held)]) == tuple(held)
+
+
+@dataclass
+class Session:
+    tokens: Tuple[int, ...]  # the tokens the cache holds, then the one shown last and not fed (if any)
+    n_fed: int               # how many of them the cache holds
+    n_keep: int              # its protected prefix
+    snapshot: Any            # SeqSnapshot
+    nbytes: int
+
+
+class SessionCache:
+    """Saved slot caches keyed by the tokens they hold and their protected prefix, least recently used first out,
+    within `limit_bytes`."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = int(limit_bytes)
+        self._items: "collections.OrderedDict[Tuple[int, Tuple[int, ...]], Session]" = collections.OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def put(self, tokens: Sequence[int], n_fed: int, n_keep: int, snapshot: Any) -> None:
+        nbytes = int(snapshot.nbytes)
+        if nbytes > self.limit_bytes or n_fed < 1:
+            return
+        key = (int(n_keep), tuple(tokens))
+        self._drop(key)
+        self._items[key] = Session(key[1], int(n_fed), key[0], snapshot, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.limit_bytes:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+    def _drop(self, key) -> None:
+        s = self._items.pop(key, None)
+        if s is not None:
+            self.nbytes -= s.nbytes
+
+    def longest_prefix(self, tokens: Sequence[int], n_keep: int) -> Optional[Session]:
+        """The saved session with the same protected prefix whose tokens are the longest proper prefix of `tokens`.
+        It stays saved (a conversation may branch from it again) and becomes the most recently used."""
+        best = None
+        for s in self._items.values():
+            if continues(s.tokens, s.n_keep, tokens, n_keep) and (best is None or len(s.tokens) > len(best.tokens)):
+                best = s
+        if best is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._items.move_to_end((best.n_keep, best.tokens))
+        return best
+
+    def __len__(self) -> int:
+        return len(self._items)
