@@ -38,19 +38,6 @@ PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t hea
     return cfg;
 }
 
-py::dict describe(const Policy & p) {
-    const BudgetSplit s = p.split();
-    py::dict d;
-    d["name"] = p.name();
-    d["bounded"] = p.bounded();
-    d["needs_scores"] = p.needs_scores();
-    d["sinks"] = s.sinks;
-    d["heavy"] = s.heavy;
-    d["recent"] = s.recent;
-    d["query_window"] = p.query_window();
-    return d;
-}
-
 py::dict facts_dict(const ModelFacts & f) {
     const py::object tmpl = f.chat_template.empty() ? py::object(py::none()) : py::object(py::str(f.chat_template));
     return py::dict("arch"_a = f.arch, "n_ctx_train"_a = f.n_ctx_train, "n_vocab"_a = f.n_vocab, "n_layer"_a = f.n_layer,
@@ -115,14 +102,27 @@ PYBIND11_MODULE(_engine, m) {
     m.doc() = "h2o_local engine: a patched llama.cpp context with per-sequence KV eviction";
 
     m.def("policy_names", &policy_names, "The registered eviction policies, sorted.");
+    m.def("padded_cells", &padded_cells, py::arg("n_cells"), py::arg("n_seq"), py::arg("kv_unified"),
+          "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
+    m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
     m.def("bounded_cells", &bounded_cells, py::arg("n_seq"), py::arg("budget"), py::arg("n_batch"), py::arg("kv_unified"),
           "KV cells a bounded cache needs: budgets + one batch (unified), or a budget + one batch per stream.");
-    m.def("describe_policy", [](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                                int32_t window) {
-        return describe(*make_policy(policy_config(name, budget, heavy, recent, sinks, window)));
-    }, py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1,
-       py::arg("window") = -1,
-       "Validate a policy and return its resolved split: {name, bounded, needs_scores, sinks, heavy, recent, query_window}.");
+    // a resolved policy: validation, defaults and the budget split happen here, once; the engine takes this object
+    py::class_<Policy, std::shared_ptr<Policy>>(m, "Policy", "A resolved eviction policy (see h2o_local.policies).")
+        .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
+                         int32_t window) {
+                 return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, window)));
+             }), py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1,
+             py::arg("sinks") = -1, py::arg("window") = -1)
+        .def_property_readonly("name", &Policy::name)
+        .def_property_readonly("bounded", &Policy::bounded)
+        .def_property_readonly("needs_scores", &Policy::needs_scores)
+        .def_property_readonly("needs_keys", &Policy::needs_keys)
+        .def_property_readonly("query_window", &Policy::query_window)
+        .def_property_readonly("sinks", [](const Policy & p) { return p.split().sinks; })
+        .def_property_readonly("heavy", [](const Policy & p) { return p.split().heavy; })
+        .def_property_readonly("recent", [](const Policy & p) { return p.split().recent; })
+        .def_property_readonly("budget", [](const Policy & p) { return p.bounded() ? p.split().total() : -1; });
 
 #ifdef GGML_USE_RPC
     m.attr("RPC_PROTO_VERSION") = py::make_tuple(RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION, RPC_PROTO_PATCH_VERSION);
@@ -150,18 +150,33 @@ PYBIND11_MODULE(_engine, m) {
     }), py::arg("model_path"));
     def_vocab(model);
 
+    // the engine's settings with their defaults, in one place (llama.cpp's llama_context_params pattern)
+    py::class_<EngineParams>(m, "EngineParams")
+        .def(py::init<>())
+        .def_property("policy", [](const EngineParams & p) { return std::const_pointer_cast<Policy>(p.policy); },
+                      [](EngineParams & p, std::shared_ptr<Policy> v) { p.policy = std::move(v); })
+        .def_readwrite("position_rolling", &EngineParams::position_rolling)
+        .def_readwrite("roll_interval", &EngineParams::roll_interval)
+        .def_readwrite("n_ctx", &EngineParams::n_ctx)
+        .def_readwrite("n_batch", &EngineParams::n_batch)
+        .def_readwrite("n_seq_max", &EngineParams::n_seq_max)
+        .def_readwrite("n_keep", &EngineParams::n_keep)
+        .def_readwrite("kv_unified", &EngineParams::kv_unified)
+        .def_readwrite("n_threads", &EngineParams::n_threads)
+        .def_readwrite("n_gpu_layers", &EngineParams::n_gpu_layers)
+        .def_readwrite("scores_sum_rows", &EngineParams::scores_sum_rows)
+        .def_readwrite("export_scores", &EngineParams::export_scores)
+        .def_readwrite("kv_f32", &EngineParams::kv_f32)
+        .def_readwrite("type_k", &EngineParams::type_k)
+        .def_readwrite("type_v", &EngineParams::type_v)
+        .def_readwrite("flash_attn", &EngineParams::flash_attn)
+        .def_readwrite("rpc_servers", &EngineParams::rpc_servers)
+        .def_readwrite("compact_cells", &EngineParams::compact_cells)
+        .def_readwrite("verbose", &EngineParams::verbose);
+
     py::class_<Engine> engine(m, "Engine");
     engine
-        .def(py::init([](const std::string & model_path, const std::string & policy, int32_t budget, int32_t heavy,
-                         int32_t recent, int32_t sinks, int32_t window, bool position_rolling, int32_t roll_interval, uint32_t n_ctx, uint32_t n_batch,
-                         uint32_t n_seq_max, int32_t n_keep, bool kv_unified, int32_t n_threads, int32_t n_gpu_layers, bool scores_sum_rows,
-                         bool export_scores, bool kv_f32, const std::string & type_k, const std::string & type_v, bool flash_attn,
-                         const std::vector<std::string> & rpc_servers, bool compact_cells, bool verbose) {
-                 EngineParams p;
-                 p.policy = policy_config(policy, budget, heavy, recent, sinks, window);
-                 p.position_rolling = position_rolling; p.roll_interval = roll_interval; p.n_ctx = n_ctx; p.n_batch = n_batch;
-                 p.n_seq_max = n_seq_max; p.n_keep = n_keep; p.kv_unified = kv_unified; p.n_threads = n_threads; p.n_gpu_layers = n_gpu_layers;
-                 p.scores_sum_rows = scores_sum_rows; p.export_scores = export_scores; p.kv_f32 = kv_f32; p.type_k = type_k; p.type_v = type_v; p.flash_attn = flash_attn; p.rpc_servers = rpc_servers; p.compact_cells = compact_cells; p.verbose = verbose;
+        .def(py::init([](const std::string & model_path, EngineParams p) {
                  p.check_interrupt = [] {
                      py::gil_scoped_acquire gil;
                      if (PyErr_CheckSignals() != 0) {
@@ -170,25 +185,15 @@ PYBIND11_MODULE(_engine, m) {
                  };
                  py::gil_scoped_release release;
                  return new Engine(model_path, p);
-             }),
-             // every argument is required: the defaults live in EngineParams (C++) and in Llama (Python)
-             py::arg("model_path"), py::kw_only(), py::arg("policy"), py::arg("budget"), py::arg("heavy"),
-             py::arg("recent"), py::arg("sinks"), py::arg("window"), py::arg("position_rolling"), py::arg("roll_interval"), py::arg("n_ctx"),
-             py::arg("n_batch"), py::arg("n_seq_max"), py::arg("n_keep"), py::arg("kv_unified"), py::arg("n_threads"), py::arg("n_gpu_layers"),
-             py::arg("scores_sum_rows"), py::arg("export_scores"), py::arg("kv_f32"), py::arg("type_k"), py::arg("type_v"), py::arg("flash_attn"), py::arg("rpc_servers"), py::arg("compact_cells"),
-             py::arg("verbose"))
+             }), py::arg("model_path"), py::arg("params"))
         .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
              py::arg("between_chunks") = std::function<void()>(), py::call_guard<py::gil_scoped_release>(),
              "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says; between_chunks() is called "
              "between the chunks of a long feed (it may eval sequences with streams of their own, or raise).")
         .def("sample", &Engine::sample, py::arg("seq_id"), py::arg("sampler"), py::call_guard<py::gil_scoped_release>(),
              "The next token of seq_id, drawn from its last logits in place.")
-        .def("set_policy", [](Engine & e, const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                              int32_t window) {
-            e.set_policy(policy_config(name, budget, heavy, recent, sinks, window));
-        }, py::arg("policy"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1, py::arg("sinks") = -1,
-           py::arg("window") = -1,
-           py::call_guard<py::gil_scoped_release>())
+        .def("set_policy", [](Engine & e, std::shared_ptr<Policy> policy) { e.set_policy(std::move(policy)); },
+             py::arg("policy"), py::call_guard<py::gil_scoped_release>())
         .def("set_keep", &Engine::set_keep, py::arg("seq_id"), py::arg("n_keep"), py::call_guard<py::gil_scoped_release>())
         .def("compress", &Engine::compress, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
         .def("snapshot", &Engine::snapshot, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
@@ -236,7 +241,11 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("kv_bytes", [](const Engine & e) { return without_gil([&] { return e.kv_bytes(); }); })
         .def_property_readonly("cells_used", [](const Engine & e) { return without_gil([&] { return e.cells_used(); }); })
         .def_property_readonly("scores_sum_rows", &Engine::scores_sum_rows)
-        .def_property_readonly("policy", [](const Engine & e) { return describe(e.policy()); });
+        .def_property_readonly("params", [](const Engine & e) {
+            EngineParams p = e.params();
+            p.check_interrupt = nullptr;
+            return p;
+        }, "The settings the engine was created with (its defaults filled in where they were left at theirs).");
     def_vocab(engine);
 
     py::class_<SeqSnapshot, std::shared_ptr<SeqSnapshot>>(m, "SeqSnapshot")

@@ -32,6 +32,21 @@ ggml_type kv_cache_type(const char * what, const std::string & name) {
     throw std::invalid_argument(std::string(what) + " must be one of " + names + ", got '" + name + "'");
 }
 
+} // namespace
+
+uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified) {
+    constexpr uint32_t pad = 256; // llama_context's GGML_PAD(n_ctx, 256) and GGML_PAD(n_ctx_seq, 256)
+    auto up = [](uint32_t n) { return (n + pad - 1)/pad*pad; };
+    return kv_unified ? up(n_cells) : n_seq*up(up(n_cells)/n_seq);
+}
+
+double kv_type_bytes(const std::string & name) {
+    const ggml_type t = kv_cache_type("a KV cache type", name);
+    return (double) ggml_type_size(t)/ggml_blck_size(t);
+}
+
+namespace {
+
 // elements per key head (GGUF's attention.key_length, else n_embd / n_head)
 int32_t key_head_size(const llama_model * model) {
     char arch[64] = {0};
@@ -47,7 +62,10 @@ int32_t key_head_size(const llama_model * model) {
 } // namespace
 
 Engine::Engine(const std::string & model_path, const EngineParams & params) : params_(params) {
-    policy_ = make_policy(params.policy);
+    if (params.policy == nullptr) {
+        throw std::invalid_argument("EngineParams.policy is required");
+    }
+    policy_ = params.policy;
     if (params.n_seq_max < 1 || params.n_seq_max > 256) {
         throw std::invalid_argument("n_seq_max must be in [1, 256]");
     }
@@ -297,17 +315,19 @@ void Engine::reset_seq(llama_seq_id seq) {
     logits_all_.erase(seq);
 }
 
-void Engine::set_policy(const PolicyConfig & cfg) {
+void Engine::set_policy(PolicyPtr policy) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    auto policy = make_policy(cfg);
+    if (policy == nullptr) {
+        throw std::invalid_argument("set_policy needs a policy");
+    }
     if (policy->needs_scores() && scores_path_ < 0) {
-        throw std::invalid_argument("policy '" + cfg.name + "' needs attention scores: " +
+        throw std::invalid_argument("policy '" + policy->name() + "' needs attention scores: " +
                                     (params_.flash_attn ? std::string("flash attention (on) forms no softmax to read them from")
                                                         : "create the engine with a scoring policy or export_scores=True"));
     }
     const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
     if (policy->bounded() && n_seq_stream*policy->split().total() >= stream_capacity()) {
-        throw std::invalid_argument("budget " + std::to_string(cfg.budget) + " leaves no room in the context's " +
+        throw std::invalid_argument("budget " + std::to_string(policy->split().total()) + " leaves no room in the context's " +
                                     std::to_string(capacity_) + " cells");
     }
     if (policy->bounded()) {

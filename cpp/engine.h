@@ -27,7 +27,7 @@
 namespace h2o {
 
 struct EngineParams {
-    PolicyConfig policy;
+    PolicyPtr policy;                // required: make_policy(...), resolved once
     bool     position_rolling = false;
     int32_t  roll_interval = 1;      // with rolling: renumber once the kept positions span this many gaps or more
     uint32_t n_ctx     = 0;          // KV cells; 0: budget + n_batch per sequence (bounded) or the trained context (full)
@@ -54,6 +54,11 @@ struct EngineParams {
 // KV cells a bounded cache needs: the budgets of all sequences + one batch of fresh tokens in one cell space
 // (kv_unified), or a budget + one batch per sequence's stream. The one sizing rule (Python's capacity.py asks it).
 uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool kv_unified);
+// KV cells llama.cpp allocates for n_cells: llama_context rounds n_ctx, and each stream's share, up to a multiple of
+// 256 (llama-context.cpp); what a memory limit has to cover
+uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified);
+// bytes per element of a KV cache type by ggml name ("f16", "q8_0", ...): the type's block bytes over its values
+double kv_type_bytes(const std::string & name);
 
 class Engine {
 public:
@@ -75,7 +80,7 @@ public:
     void reset_seq(llama_seq_id seq);
 
     // switch the policy for what follows (the engine keeps exporting scores if the new policy needs them)
-    void set_policy(const PolicyConfig & cfg);
+    void set_policy(PolicyPtr policy);
     // never evict the n_keep oldest entries of seq (a system prompt, say; llama.cpp's --keep): they count inside the
     // budget, and the policy decides over the rest; reset_seq / reset clear it
     void set_keep(llama_seq_id seq, int32_t n_keep);
@@ -96,6 +101,7 @@ public:
 
     const Model  & model()  const { return *model_; }
     const Policy & policy() const { return *policy_; }
+    const EngineParams & params() const { return params_; }
     llama_context * ctx()   const { return ctx_; }
     uint32_t n_ctx()    const { return llama_n_ctx(ctx_); }
     uint32_t n_batch()  const { return llama_n_batch(ctx_); }
@@ -122,7 +128,7 @@ private:
 
     EngineParams params_;
     std::unique_ptr<Model>  model_;
-    std::unique_ptr<Policy> policy_;
+    PolicyPtr policy_;
     llama_context * ctx_ = nullptr;
     llama_batch     batch_ {};
     int32_t  n_head_ = 0;

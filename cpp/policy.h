@@ -149,6 +149,9 @@ struct PolicyRegistration {
     PolicyRegistration(const char * name, PolicyFactory factory);
 };
 
+// a resolved policy, shared by the engine and the Python value that made it (policies hold no state of their own)
+using PolicyPtr = std::shared_ptr<const Policy>;
+
 // throws std::invalid_argument for an unknown name or an impossible split
 std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg);
 std::vector<std::string> policy_names(); // sorted

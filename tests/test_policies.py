@@ -169,7 +169,7 @@ def test_a_window_is_only_for_policies_that_have_one():
     with pytest.raises(ValueError, match="takes no query window"):
         policies.parse("h2o-256+w8")
     with pytest.raises(ValueError, match="takes no query window"):
-        _engine.describe_policy("h2o", 256, window=8)
+        _engine.Policy("h2o", 256, window=8)
 
 
 @pytest.mark.parametrize("rule", ["tova", "snapkv"])

@@ -2,8 +2,8 @@
 
 One KV cell holds one token's K and V in every layer. The full cache needs prompt + generation cells per
 sequence; a bounded policy needs its budget per sequence plus one batch of fresh tokens, shared by all sequences
-in a unified cache and per sequence when each has its own stream. llama.cpp rounds the context up to a multiple of
-`CELL_PAD` cells, and each stream too, so that is what a limit has to cover.
+in a unified cache and per sequence when each has its own stream. llama.cpp rounds the context up (to a multiple
+of 256 cells, and each stream too; `padded_cells`), so that is what a limit has to cover.
 """
 from __future__ import annotations
 
@@ -11,18 +11,9 @@ from typing import Optional
 
 from . import _engine
 
-CELL_PAD = 256  # llama.cpp rounds n_ctx (and each stream's share of it) up to a multiple of this
-
-
-def _pad(n: int) -> int:
-    return -(-n // CELL_PAD) * CELL_PAD
-
-
 def padded_cells(n_cells: int, n_seq: int = 1, kv_unified: bool = True) -> int:
-    """Cells llama.cpp allocates for a context of `n_cells` cells and `n_seq` sequences."""
-    if kv_unified:
-        return _pad(n_cells)
-    return n_seq * _pad(_pad(n_cells) // n_seq)
+    """Cells llama.cpp allocates for a context of `n_cells` cells and `n_seq` sequences (asked of C++)."""
+    return int(_engine.padded_cells(int(n_cells), int(n_seq), bool(kv_unified)))
 
 
 def cells_needed(n_seq: int, *, prompt_tokens: int, max_tokens: int, budget: Optional[int], n_batch: int,
@@ -60,15 +51,10 @@ def largest_batch(kv_limit_bytes: int, *, bytes_per_cell: int, prompt_tokens: in
     return n
 
 
-# bytes per element of the KV cache types (ggml block size / bytes per block)
-KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-                 "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
-
-
 def kv_bytes_per_cell(f16_bytes_per_cell: int, *, kv_f32: bool = False, type_k: Optional[str] = None,
                       type_v: Optional[str] = None) -> int:
     """One token's K and V bytes with these cache types, from its F16 size (K and V are half of it each)."""
     base = 4.0 if kv_f32 else 2.0
-    k = KV_TYPE_BYTES.get(type_k, base) if type_k else base
-    v = KV_TYPE_BYTES.get(type_v, base) if type_v else base
+    k = _engine.kv_type_bytes(type_k) if type_k else base  # ggml's block sizes, asked of C++
+    v = _engine.kv_type_bytes(type_v) if type_v else base
     return max(1, round(f16_bytes_per_cell / 4 * (k + v)))

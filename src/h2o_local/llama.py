@@ -156,28 +156,27 @@ class Llama:
             raise TypeError(f"chat_template must be a string (Jinja source or a built-in name), got {chat_template!r}")
         self.keep: Union[int, str, None] = keep
 
-        self._engine = _engine.Engine(
-            self.model_path,
-            **self.policy.engine_args(),
-            position_rolling=bool(position_rolling),
-            roll_interval=int(roll_interval),
-            n_ctx=int(n_ctx),
-            n_batch=int(n_batch),
-            n_seq_max=int(n_seq_max),
-            n_keep=keep if isinstance(keep, int) else 0,
-            kv_unified=bool(kv_unified),
-            n_threads=int(n_threads or 0),
-            n_gpu_layers=int(n_gpu_layers),
-            scores_sum_rows=bool(_scores_sum_rows),
-            export_scores=bool(export_scores),
-            kv_f32=bool(kv_f32),
-            type_k="" if type_k is None else type_k,
-            type_v="" if type_v is None else type_v,
-            flash_attn=bool(flash_attn),
-            rpc_servers=rpc.parse_endpoints(rpc_servers),
-            compact_cells=bool(compact_cells),
-            verbose=bool(verbose),
-        )
+        params = _engine.EngineParams()  # the defaults live there, in C++
+        params.policy = self.policy.cpp
+        params.position_rolling = bool(position_rolling)
+        params.roll_interval = int(roll_interval)
+        params.n_ctx = int(n_ctx)
+        params.n_batch = int(n_batch)
+        params.n_seq_max = int(n_seq_max)
+        params.n_keep = keep if isinstance(keep, int) else 0
+        params.kv_unified = bool(kv_unified)
+        params.n_threads = int(n_threads or 0)
+        params.n_gpu_layers = int(n_gpu_layers)
+        params.scores_sum_rows = bool(_scores_sum_rows)
+        params.export_scores = bool(export_scores)
+        params.kv_f32 = bool(kv_f32)
+        params.type_k = "" if type_k is None else type_k
+        params.type_v = "" if type_v is None else type_v
+        params.flash_attn = bool(flash_attn)
+        params.rpc_servers = rpc.parse_endpoints(rpc_servers)
+        params.compact_cells = bool(compact_cells)
+        params.verbose = bool(verbose)
+        self._engine = _engine.Engine(self.model_path, params)
         self.info = ModelInfo.from_facts(self.model_path, self._engine.facts())
         self.position_rolling = bool(position_rolling)
         self.roll_interval = int(roll_interval)
@@ -367,10 +366,9 @@ class Llama:
         were accumulated.
         """
         value = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
-        args = value.engine_args()
         with self._lock:
             self._take_over(())
-            self._engine.set_policy(args.pop("policy"), **args)
+            self._engine.set_policy(value.cpp)
             self.policy = value
 
     @property

@@ -64,13 +64,25 @@ class Policy:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_int(f.name, getattr(self, f.name), minimum=0)
-        resolved = _engine.describe_policy(self.name, *map(_engine_int, self._request()))
+        self._adopt(_engine.Policy(self.name, *map(_engine_int, self._request())))
+
+    def _adopt(self, cpp: "_engine.Policy") -> None:
+        """Hold the resolved C++ policy and show its resolution (the split, the window) in the fields."""
         for key in ("sinks", "heavy", "recent"):
             if key in self._field_names():
-                object.__setattr__(self, key, resolved[key])
+                object.__setattr__(self, key, getattr(cpp, key))
         if "window" in self._field_names():
-            object.__setattr__(self, "window", resolved["query_window"])
-        object.__setattr__(self, "_resolved", resolved)
+            object.__setattr__(self, "window", cpp.query_window)
+        object.__setattr__(self, "_cpp", cpp)
+
+    @classmethod
+    def _of(cls, cpp: "_engine.Policy", given: Dict[str, Any]) -> "Policy":
+        """The value of an already resolved C++ policy (no second resolution)."""
+        value = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            object.__setattr__(value, f.name, given.get(f.name, f.default))
+        value._adopt(cpp)
+        return value
 
     @classmethod
     def _field_names(cls) -> Tuple[str, ...]:
@@ -81,32 +93,32 @@ class Policy:
         out."""
         return tuple(getattr(self, k, None) for k in ENGINE_FIELDS)
 
-    def engine_args(self) -> Dict[str, Any]:
-        """The keyword arguments of the C++ engine for this policy (resolved split, -1 for none)."""
-        return {"policy": self.name, **dict(zip(ENGINE_FIELDS, map(_engine_int, self._request())))}
+    @property
+    def cpp(self) -> "_engine.Policy":
+        """The resolved C++ policy this value stands for (what the engine runs)."""
+        return self._cpp  # type: ignore[attr-defined]
 
     @property
     def bounded(self) -> bool:
         """True when the cache holds at most `budget` entries per sequence."""
-        return bool(self._resolved["bounded"])  # type: ignore[attr-defined]
+        return bool(self.cpp.bounded)
 
     @property
     def needs_scores(self) -> bool:
         """True when the policy ranks entries by attention scores (the engine then exports them)."""
-        return bool(self._resolved["needs_scores"])  # type: ignore[attr-defined]
+        return bool(self.cpp.needs_scores)
 
     @property
     def query_window(self) -> int:
         """Tokens at the end of a prompt that are decoded on their own to score it (0: none; tova 1, snapkv 16).
         Such a policy ranks a prompt by what it observed while the prompt was fed under it, so switching to it with
         `set_policy` + `compress` after a prompt was fed under another policy does not give its own ranking."""
-        return int(self._resolved["query_window"])  # type: ignore[attr-defined]
+        return int(self.cpp.query_window)
 
     @property
     def split(self) -> Tuple[int, int, int]:
         """(sinks, heavy, recent): entries kept per sequence by each rule."""
-        r = self._resolved  # type: ignore[attr-defined]
-        return int(r["sinks"]), int(r["heavy"]), int(r["recent"])
+        return int(self.cpp.sinks), int(self.cpp.heavy), int(self.cpp.recent)
 
     @property
     def label(self) -> str:
@@ -117,7 +129,7 @@ class Policy:
         sinks = getattr(self, "sinks", 0)
         extra = f"+s{sinks}" if isinstance(self, Scored) and sinks else ""
         window = getattr(self, "window", None)
-        if window is not None and window != type(self).default_window:  # type: ignore[attr-defined]
+        if window is not None and window != _engine.Policy(self.name, self.budget).query_window:  # C++'s default
             extra += f"+w{window}"
         recent = getattr(self, "recent", None)
         if isinstance(self, Scored) and recent is not None:
@@ -223,7 +235,6 @@ class SnapKV(Scored):
     generation then accumulates on top as H2O does. Default recent = min(window, half of what the sinks leave)."""
 
     name: ClassVar[str] = "snapkv"
-    default_window: ClassVar[int] = 16
     window: Optional[int] = None
 
 
@@ -256,10 +267,10 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
         check_int(key, value, minimum=1 if key == "budget" else 0)
     if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and window is None:
         return Full()
-    # the C++ policy validates every combination (with its own messages) before the value keeps its own fields
-    _engine.describe_policy(policy, *map(_engine_int, given.values()))
+    # the C++ policy validates every combination (with its own messages) and resolves it, once
+    cpp = _engine.Policy(policy, *map(_engine_int, given.values()))
     cls = REGISTRY[policy]
-    return cls(**{k: v for k, v in given.items() if k in cls._field_names() and v is not None})
+    return cls._of(cpp, {k: v for k, v in given.items() if k in cls._field_names() and v is not None})
 
 
 _DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True), and below 2^31
