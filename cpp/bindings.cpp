@@ -96,6 +96,32 @@ void def_vocab(C & cls) {
         .def("facts", [](const T & o) { return facts_dict(model_of(o).facts()); });
 }
 
+// A scorer written in Python (research): a subclass of _engine.RankedPolicy overrides rank(total, head, queries)
+// with NumPy arrays in and one number per entry out (larger = more worth keeping); sinks, heavy and recent are
+// chosen from that ranking in C++ as for every RankedPolicy. Called with the GIL taken, inside eval.
+class PyRankedPolicy : public RankedPolicy {
+public:
+    using RankedPolicy::RankedPolicy;
+
+protected:
+    std::vector<float> rank(const SeqScores & scores) const override {
+        py::gil_scoped_acquire gil;
+        const py::function override = py::get_override(static_cast<const RankedPolicy *>(this), "rank");
+        if (!override) {
+            return RankedPolicy::rank(scores);
+        }
+        const auto n = (py::ssize_t) scores.size();
+        const py::object out = override(to_numpy(scores.total.data(), {n}),
+                                        to_numpy(scores.head.data(), {n, (py::ssize_t) scores.n_head}),
+                                        to_numpy(scores.queries.data(), {n}));
+        const auto ranks = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(out);
+        if (!ranks || ranks.ndim() != 1 || ranks.shape(0) != n) {
+            throw std::invalid_argument("rank() must return one number per entry (" + std::to_string(n) + ")");
+        }
+        return std::vector<float>(ranks.data(), ranks.data() + n);
+    }
+};
+
 } // namespace
 
 PYBIND11_MODULE(_engine, m) {
@@ -123,6 +149,14 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("heavy", [](const Policy & p) { return p.split().heavy; })
         .def_property_readonly("recent", [](const Policy & p) { return p.split().recent; })
         .def_property_readonly("budget", [](const Policy & p) { return p.bounded() ? p.split().total() : -1; });
+
+    py::class_<RankedPolicy, PyRankedPolicy, Policy, std::shared_ptr<RankedPolicy>>(
+        m, "RankedPolicy", "Subclass it and define rank(total, head, queries) to score entries in Python.")
+        .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
+                 PolicyConfig cfg = policy_config(name, budget, heavy, recent, sinks, -1);
+                 return std::make_shared<PyRankedPolicy>(name, ranked_split(cfg, half_recent));
+             }), py::arg("name"), py::arg("budget"), py::arg("heavy") = -1, py::arg("recent") = -1,
+             py::arg("sinks") = -1);
 
 #ifdef GGML_USE_RPC
     m.attr("RPC_PROTO_VERSION") = py::make_tuple(RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION, RPC_PROTO_PATCH_VERSION);

@@ -58,7 +58,7 @@ class Policy:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.name:
+        if cls.name and not getattr(cls, "_in_python", False):  # the registry names the C++ policies
             REGISTRY[cls.name] = cls
 
     def __post_init__(self) -> None:
@@ -245,6 +245,55 @@ class KeyDiff(Scored):
     before each eviction; needs no attention scores. Split as H2O's."""
 
     name: ClassVar[str] = "keydiff"
+
+
+@dataclass(frozen=True)
+class PythonRanked(Scored):
+    """A scorer written in Python, for research (kvpress's shape: one scoring method over a shared base). Subclass it
+    and define `rank(total, head, queries)`: NumPy arrays of the kept entries' accumulated attention ([n], and [n,
+    n_head] per query head) and of the queries that attended each ([n]) in, one number per entry out (larger = more
+    worth keeping). The engine keeps the first `sinks`, the `recent` newest and the `heavy` best-ranked of the rest,
+    as for every C++ scorer, and accumulates the scores as H2O does. It runs inside every eviction with the GIL
+    taken: docs/performance.md measures what that costs.
+
+        class MeanAttention(PythonRanked):
+            name = "mean"
+            def rank(self, total, head, queries):
+                return total / queries
+
+        Llama(path, policy=MeanAttention(budget=128))
+    """
+
+    name: ClassVar[str] = "python"
+    _in_python: ClassVar[bool] = True
+
+    def rank(self, total: np.ndarray, head: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        return total  # H2O's ranking
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_int(f.name, getattr(self, f.name), minimum=0)
+        if self.budget is None:
+            if self.heavy is None or self.recent is None:
+                raise ValueError(f"policy {self.name!r} needs a budget (KV entries kept per sequence), or heavy and recent")
+            object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
+        # resolved once, in C++ (the split), as a RankedPolicy whose rank() is this value's
+        self._adopt(_PythonRank(self, self.name, *map(_engine_int, (self.budget, self.heavy, self.recent, self.sinks))))
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.budget}" + (f"+s{self.sinks}" if self.sinks else "")
+
+
+class _PythonRank(_engine.RankedPolicy):
+    """The C++ RankedPolicy whose rank() calls the Python value's (which holds it, and so keeps it alive)."""
+
+    def __init__(self, owner: PythonRanked, *args: Any):
+        super().__init__(*args)
+        self._rank = owner.rank  # a bound method: no cycle through the frozen value's fields
+
+    def rank(self, total: np.ndarray, head: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        return self._rank(total, head, queries)
 
 
 def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,
