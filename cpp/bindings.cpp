@@ -1,5 +1,7 @@
 // pybind11 bindings: h2o_local._engine. The Python package (h2o_local/) is the user API; this is its engine room.
 #include "engine.h"
+#include "prefill_plan.h"
+#include "snapshot_format.h"
 
 #include "ggml-backend.h"
 #ifdef GGML_USE_RPC
@@ -131,6 +133,26 @@ PYBIND11_MODULE(_engine, m) {
     m.def("padded_cells", &padded_cells, py::arg("n_cells"), py::arg("n_seq"), py::arg("kv_unified"),
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
+    m.def("plan_prefill", [](const std::map<llama_seq_id, size_t> & sizes, const std::map<llama_seq_id, int32_t> & cells,
+                             int32_t capacity, bool kv_unified, bool defer_eviction, bool bounded, int32_t budget,
+                             size_t n_batch, size_t window) {
+        PrefillInput in;
+        in.sizes = sizes; in.cells = cells; in.capacity = capacity; in.kv_unified = kv_unified;
+        in.defer_eviction = defer_eviction; in.bounded = bounded; in.budget = budget; in.n_batch = n_batch; in.window = window;
+        const PrefillPlan plan = plan_prefill(in);
+        py::list steps;
+        for (const PrefillStep & s : plan.steps) {
+            py::dict chunk;
+            for (const auto & [seq, part] : s.chunk) {
+                chunk[py::int_(seq)] = py::make_tuple(part.first, part.second);
+            }
+            steps.append(py::make_tuple(chunk, std::vector<llama_seq_id>(s.windows.begin(), s.windows.end()),
+                                        s.evict_after));
+        }
+        return py::make_tuple(plan.fits, steps);
+    }, py::arg("sizes"), py::arg("cells"), py::arg("capacity"), py::arg("kv_unified"), py::arg("defer_eviction"),
+       py::arg("bounded"), py::arg("budget"), py::arg("n_batch"), py::arg("window"),
+       "How a feed is cut (cpp/prefill_plan.h): (fits, [({seq: (offset, n)}, window seqs, seqs evicting after), ...]).");
     m.def("bounded_cells", &bounded_cells, py::arg("n_seq"), py::arg("budget"), py::arg("n_batch"), py::arg("kv_unified"),
           "KV cells a bounded cache needs: budgets + one batch (unified), or a budget + one batch per stream.");
     // a resolved policy: validation, defaults and the budget split happen here, once; the engine takes this object

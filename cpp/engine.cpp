@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "prefill_plan.h"
 
 #include "llama-attn-scores.h"
 #include "llama-ext.h"
@@ -455,104 +456,50 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     }
 
     // the capacity, not llama.cpp's padded n_ctx, decides: the same prompt is fed the same way whatever the padding
-    bool fits = params_.kv_unified ? (int64_t) n_total <= room(0) : true;
+    PrefillInput in;
     for (const auto & [seq, toks] : tokens) {
-        fits = fits && (int64_t) toks.size() <= room(seq);
+        in.sizes[seq] = toks.size();
     }
-    if (!fits && !policy_->bounded()) {
+    for (const auto & kv : seqs_) {
+        in.cells[kv.first] = kv.second.size();
+    }
+    in.capacity       = (int32_t) stream_capacity();
+    in.kv_unified     = params_.kv_unified;
+    in.defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
+    in.bounded        = policy_->bounded();
+    in.budget         = in.bounded ? policy_->split().total() : 0;
+    in.n_batch        = n_batch();
+    in.window         = (size_t) std::max(policy_->query_window(), 0);
+    const PrefillPlan plan = plan_prefill(in);
+    if (!plan.fits && !policy_->bounded()) {
         throw std::invalid_argument("cannot feed " + std::to_string(n_total) + " tokens: " + std::to_string(cells_used()) +
                                     " of the context's " + std::to_string(capacity_) + " KV cells are in use and policy "
                                     "'full' never evicts (use a larger n_ctx or a bounded policy)");
     }
 
-    // fits: the reference mode, attend everything then compress once; otherwise a bounded prefill that feeds what
-    // fits beside the kept entries and evicts when the next piece needs the cells, so the cache never holds more than
-    // budget + n_batch.
-    // Each sequence is cut into pieces of n_batch tokens from its own start, and a chunk takes whole pieces only, so
-    // a sequence is fed (and evicted) at the same boundaries alone or beside others.
-    const size_t n_piece = n_batch();
-    // the policy's query window: the last `window` tokens of a prompt go into a decode of their own, whole
-    const size_t window = std::min<size_t>(std::max(policy_->query_window(), 0), n_piece);
-    auto window_start = [&](size_t size) { return window > 0 && size > 1 ? size - std::min(window, size) : size; };
-    std::map<llama_seq_id, size_t> fed;
-    // the tokens of seq's next piece (0 when it is all fed): up to the next multiple of n_batch, or the window whole
-    auto next_piece = [&](llama_seq_id seq) -> size_t {
-        const size_t size = tokens.at(seq).size();
-        const size_t off  = fed[seq];
-        const size_t ws   = window_start(size);
-        return off < ws ? std::min(n_piece - off % n_piece, ws - off) : size - off;
-    };
-    // a sequence evicts between chunks only when its next piece needs the cells, so the end of a prompt (the last
-    // piece and the query window) is ranked together, as a prompt that fits is; not in a cache shared by several
-    // sequences, where the cells one keeps would change where the others are cut
-    const bool defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
     std::map<llama_seq_id, int64_t> n_evicted;
     for (const auto & kv : tokens) {
         n_evicted[kv.first] = seqs_.at(kv.first).state().n_evicted;
     }
-    std::set<llama_seq_id> windows; // sequences whose window is in the current chunk
-    size_t n_left = n_total;
-    while (n_left > 0) {
-        if (n_left < n_total && params_.check_interrupt) {
+    for (size_t i = 0; i < plan.steps.size(); ++i) {
+        if (i > 0 && params_.check_interrupt) {
             params_.check_interrupt();
         }
-        if (n_left < n_total && between_chunks) {
+        if (i > 0 && between_chunks) {
             between_chunks();
         }
-        size_t take = std::min<size_t>(n_piece, n_left);
-        if (!fits && params_.kv_unified) {
-            take = std::min<size_t>(take, (size_t) std::max(room(0), 0));
-        }
-
+        const PrefillStep & step = plan.steps[i];
         std::map<llama_seq_id, std::vector<llama_token>> chunk;
-        windows.clear();
-        for (const auto & [seq, toks] : tokens) {
-            size_t & off = fed[seq];
-            size_t n = std::min(take, toks.size() - off);
-            if (!fits && !params_.kv_unified) {
-                n = std::min<size_t>(n, (size_t) std::max(room(seq), 0));
-            }
-            const size_t ws = window_start(toks.size());
-            if (off < ws) {
-                n = std::min(n, ws - off);
-            } else if (n < toks.size() - off && !chunk.empty()) {
-                break; // the window goes into the next chunk, whole
-            }
-            if (!fits) {
-                const size_t piece = next_piece(seq);
-                if (n < piece) {
-                    if (!chunk.empty()) {
-                        break; // the next piece goes into the next chunk, whole
-                    }
-                } else {
-                    n = piece;
-                }
-            }
-            if (n == 0) {
-                continue;
-            }
-            if (off >= ws) {
-                windows.insert(seq);
-            }
-            chunk[seq].assign(toks.begin() + off, toks.begin() + off + n);
-            off  += n;
-            take -= n;
-            n_left -= n;
+        for (const auto & [seq, part] : step.chunk) {
+            const auto & toks = tokens.at(seq);
+            chunk[seq].assign(toks.begin() + part.first, toks.begin() + part.first + part.second);
         }
-        if (chunk.empty()) {
-            throw std::logic_error("no KV cell is free for the next chunk");
-        }
-        decode(chunk, all_logits, windows);
-        if (!fits) {
-            for (const auto & kv : chunk) {
-                const size_t piece = next_piece(kv.first);
-                if (!defer_eviction || piece == 0 || (int64_t) piece > room(kv.first)) {
-                    evict(kv.first);
-                }
-            }
+        decode(chunk, all_logits, step.windows);
+        for (const llama_seq_id seq : step.evict_after) {
+            evict(seq);
         }
     }
-    if (fits) {
+    if (plan.fits) {
         for (const auto & kv : tokens) {
             evict(kv.first);
         }

@@ -38,6 +38,17 @@ struct BudgetSplit {
 
 // One sequence's scores, aligned with its kept positions (ascending). The engine appends an entry per fed token and
 // moves entries along when it evicts; what the numbers mean is the policy's business (see Policy::observe).
+// the rows of a [n][width] array at `indices`, in that order
+template <typename T>
+std::vector<T> gather_rows(const std::vector<T> & rows, size_t width, const std::vector<size_t> & indices) {
+    std::vector<T> out;
+    out.reserve(indices.size()*width);
+    for (const size_t i : indices) {
+        out.insert(out.end(), rows.begin() + i*width, rows.begin() + (i + 1)*width);
+    }
+    return out;
+}
+
 struct SeqScores {
     int32_t n_head = 0;
     std::vector<float>   total;   // [n]: the score the policy ranks by
@@ -45,6 +56,16 @@ struct SeqScores {
     std::vector<int64_t> queries; // [n]: queries that have attended the entry so far (its own included)
 
     size_t size() const { return total.size(); }
+
+    // the entries at `indices`, in that order
+    SeqScores gather(const std::vector<size_t> & indices) const {
+        SeqScores out;
+        out.n_head  = n_head;
+        out.total   = gather_rows(total, 1, indices);
+        out.head    = gather_rows(head, (size_t) n_head, indices);
+        out.queries = gather_rows(queries, 1, indices);
+        return out;
+    }
 };
 
 // The scores the patched llama.cpp exported for one sequence in one llama_decode: per kept entry and query head,

@@ -5,112 +5,10 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <stdexcept>
 
 namespace h2o {
-
-namespace {
-
-constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '1'};
-
-struct ByteWriter {
-    std::vector<uint8_t> out;
-
-    void raw(const void * p, size_t n) {
-        const auto * b = (const uint8_t *) p;
-        out.insert(out.end(), b, b + n);
-    }
-    template <typename T> void value(T v) { raw(&v, sizeof(v)); }
-    template <typename T> void array(const std::vector<T> & v) {
-        value<uint64_t>(v.size());
-        raw(v.data(), v.size()*sizeof(T));
-    }
-};
-
-struct ByteReader {
-    const uint8_t * p;
-    size_t left;
-
-    void raw(void * dst, size_t n) {
-        if (n > left) {
-            throw std::invalid_argument("not a session snapshot: the data ends early");
-        }
-        memcpy(dst, p, n);
-        p += n;
-        left -= n;
-    }
-    template <typename T> T value() {
-        T v;
-        raw(&v, sizeof(v));
-        return v;
-    }
-    template <typename T> std::vector<T> array() {
-        const uint64_t n = value<uint64_t>();
-        if (n > left/sizeof(T)) {
-            throw std::invalid_argument("not a session snapshot: an array is longer than the data");
-        }
-        std::vector<T> v(n);
-        raw(v.data(), n*sizeof(T));
-        return v;
-    }
-};
-
-} // namespace
-
-std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
-    ByteWriter w;
-    w.raw(kSnapshotMagic, sizeof(kSnapshotMagic));
-    w.array(std::vector<char>(snap.origin.begin(), snap.origin.end()));
-    w.array(snap.kv);
-    const SeqState & st = snap.state;
-    w.array(st.positions);
-    w.value(st.scores.n_head);
-    w.array(st.scores.total);
-    w.array(st.scores.head);
-    w.array(st.scores.queries);
-    w.value(st.next_pos);
-    w.value(st.n_seen);
-    w.value(st.n_evicted);
-    w.value(st.peak_cells);
-    w.value(st.n_keep);
-    w.array(snap.logits);
-    w.array(snap.pending);
-    return w.out;
-}
-
-SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
-    ByteReader r {data, size};
-    char magic[sizeof(kSnapshotMagic)] = {};
-    if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), memcmp(magic, kSnapshotMagic, sizeof(magic)) != 0)) {
-        throw std::invalid_argument("not a session snapshot (wrong magic)");
-    }
-    SeqSnapshot snap;
-    const std::vector<char> origin = r.array<char>();
-    snap.origin.assign(origin.begin(), origin.end());
-    snap.kv = r.array<uint8_t>();
-    SeqState & st = snap.state;
-    st.positions      = r.array<llama_pos>();
-    st.scores.n_head  = r.value<int32_t>();
-    st.scores.total   = r.array<float>();
-    st.scores.head    = r.array<float>();
-    st.scores.queries = r.array<int64_t>();
-    st.next_pos   = r.value<llama_pos>();
-    st.n_seen     = r.value<int64_t>();
-    st.n_evicted  = r.value<int64_t>();
-    st.peak_cells = r.value<int32_t>();
-    st.n_keep     = r.value<int32_t>();
-    snap.logits   = r.array<float>();
-    snap.pending  = r.array<llama_token>();
-    const size_t n = st.positions.size();
-    const bool ascending = std::adjacent_find(st.positions.begin(), st.positions.end(),
-                                              [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();
-    if (r.left != 0 || st.scores.n_head < 0 || st.scores.total.size() != n || st.scores.queries.size() != n ||
-        st.scores.head.size() != n*st.scores.n_head || !ascending || (n > 0 && (st.positions.front() < 0 ||
-        st.positions.back() >= st.next_pos)) || st.n_keep < 0 || st.n_seen < (int64_t) n || st.n_evicted < 0) {
-        throw std::invalid_argument("not a session snapshot: its parts do not agree");
-    }
-    return snap;
-}
 
 SeqCache::SeqCache(llama_context * ctx, llama_seq_id seq, int32_t n_head)
     : ctx_(ctx), mem_(llama_get_memory(ctx)), seq_(seq) {
@@ -177,32 +75,11 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
         i = e + 1;
     }
 
-    const SeqScores & s = st_.scores;
-    const size_t n_head = s.n_head;
-    std::vector<llama_pos> positions;
-    SeqScores kept_scores;
-    kept_scores.n_head = s.n_head;
-    positions.reserve(keep.size());
-    kept_scores.total.reserve(keep.size());
-    kept_scores.head.reserve(keep.size()*n_head);
-    kept_scores.queries.reserve(keep.size());
-    for (const size_t k : keep) {
-        positions.push_back(st_.positions[k]);
-        kept_scores.total.push_back(s.total[k]);
-        kept_scores.head.insert(kept_scores.head.end(), s.head.begin() + k*n_head, s.head.begin() + (k + 1)*n_head);
-        kept_scores.queries.push_back(s.queries[k]);
-    }
-    st_.positions.swap(positions);
-    st_.scores = std::move(kept_scores);
+    st_.positions = gather_rows(st_.positions, 1, keep);
+    st_.scores    = st_.scores.gather(keep);
     if (key_rows_ == n && !keys_.empty()) {
         for (auto & rows : keys_) {
-            const size_t n_embd = rows.size()/n;
-            std::vector<float> kept_rows;
-            kept_rows.reserve(keep.size()*n_embd);
-            for (const size_t k : keep) {
-                kept_rows.insert(kept_rows.end(), rows.begin() + k*n_embd, rows.begin() + (k + 1)*n_embd);
-            }
-            rows.swap(kept_rows);
+            rows = gather_rows(rows, rows.size()/n, keep);
         }
         key_rows_ = keep.size();
     } else {
@@ -222,20 +99,13 @@ std::vector<size_t> SeqCache::kept_indices(const Policy & policy) const {
         return policy.keep(st_.positions, st_.scores, policy.split());
     }
     // the policy decides over the entries after the prefix, within what the prefix leaves of the budget
-    const SeqScores & s = st_.scores;
-    const size_t n_head = s.n_head;
-    std::vector<llama_pos> tail(st_.positions.begin() + n_keep, st_.positions.end());
-    SeqScores tail_scores;
-    tail_scores.n_head  = s.n_head;
-    tail_scores.total   .assign(s.total.begin() + n_keep, s.total.end());
-    tail_scores.head    .assign(s.head.begin() + n_keep*n_head, s.head.end());
-    tail_scores.queries .assign(s.queries.begin() + n_keep, s.queries.end());
+    std::vector<size_t> after(st_.positions.size() - n_keep);
+    std::iota(after.begin(), after.end(), n_keep);
+    const std::vector<llama_pos> tail = gather_rows(st_.positions, 1, after);
 
     std::vector<size_t> keep(n_keep);
-    for (size_t i = 0; i < n_keep; ++i) {
-        keep[i] = i;
-    }
-    for (const size_t k : policy.keep(tail, tail_scores, policy.split().after_prefix((int32_t) n_keep))) {
+    std::iota(keep.begin(), keep.end(), 0);
+    for (const size_t k : policy.keep(tail, st_.scores.gather(after), policy.split().after_prefix((int32_t) n_keep))) {
         keep.push_back(n_keep + k);
     }
     return keep;

@@ -31,10 +31,6 @@ struct SeqSnapshot {
     std::vector<llama_token> pending; // shown to the user but not fed yet (fed first when the session goes on)
 };
 
-// A snapshot as bytes (to save a session to disk), and back; from_bytes throws std::invalid_argument for anything
-// that is not a well-formed snapshot (restore() then checks that it matches the engine)
-std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap);
-SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size);
 
 class SeqCache {
 public:
