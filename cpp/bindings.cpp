@@ -170,7 +170,22 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("sinks", [](const Policy & p) { return p.split().sinks; })
         .def_property_readonly("heavy", [](const Policy & p) { return p.split().heavy; })
         .def_property_readonly("recent", [](const Policy & p) { return p.split().recent; })
-        .def_property_readonly("budget", [](const Policy & p) { return p.bounded() ? p.split().total() : -1; });
+        .def_property_readonly("budget", [](const Policy & p) { return p.bounded() ? p.split().total() : -1; })
+        .def("keep", [](const Policy & p, const std::vector<llama_pos> & positions, const std::vector<float> & total,
+                        py::array_t<float, py::array::c_style | py::array::forcecast> head,
+                        const std::vector<int64_t> & queries) {
+            SeqScores s;
+            s.n_head  = head.ndim() == 2 ? (int32_t) head.shape(1) : 0;
+            s.total   = total;
+            s.head.assign(head.data(), head.data() + head.size());
+            s.queries = queries;
+            if (total.size() != positions.size() || queries.size() != positions.size() ||
+                s.head.size() != positions.size()*(size_t) s.n_head) {
+                throw std::invalid_argument("positions, total, head [n, n_head] and queries must describe n entries");
+            }
+            return p.keep(positions, s, p.split());
+        }, py::arg("positions"), py::arg("total"), py::arg("head"), py::arg("queries"),
+           "The indices the policy keeps of n entries with these scores (its rule alone, on synthetic scores).");
 
     py::class_<RankedPolicy, PyRankedPolicy, Policy, std::shared_ptr<RankedPolicy>>(
         m, "RankedPolicy", "Subclass it and define rank(total, head, queries) to score entries in Python.")
