@@ -354,14 +354,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.server_faults", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -378,6 +370,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="path without suffix: OUT.json, OUT.md, OUT.log (server)")
     args = ap.parse_args(argv)
 
+    from experiments.common import resident_bytes
     from experiments.models import model_path
 
     model = model_path(args.model)
@@ -402,14 +395,14 @@ def main(argv=None) -> int:
                         print(f"the server did not start (see {log_path})", file=sys.stderr)
                         return 1
                     time.sleep(0.5)
-            rss0 = _rss_bytes(proc.pid)
+            rss0 = resident_bytes(proc.pid)
             t0 = time.perf_counter()
             run_faults(base, slots=args.slots, max_waiting=args.max_waiting, body_limit=8 * 2**20,
-                       disconnects=args.disconnects, sequential=args.sequential, rss=lambda: _rss_bytes(proc.pid),
+                       disconnects=args.disconnects, sequential=args.sequential, rss=lambda: resident_bytes(proc.pid),
                        report=report, long_prompt_words=args.long_prompt_words)
             report.figures["seconds"] = round(time.perf_counter() - t0, 1)
             report.figures["rss_mib_start"] = round(rss0 / 2**20, 1)
-            report.figures["rss_mib_end"] = round(_rss_bytes(proc.pid) / 2**20, 1)
+            report.figures["rss_mib_end"] = round(resident_bytes(proc.pid) / 2**20, 1)
             report.figures["health"] = httpx.get(base + "/health", timeout=30).json()
             report.add("the server still runs", proc.poll() is None)
         finally:

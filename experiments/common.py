@@ -140,3 +140,10 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def resident_bytes(pid: Optional[int] = None) -> int:
+    """Resident memory of a process (this one by default), from /proc (Linux): the one reader for experiments and
+    benchmarks."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)

@@ -22,12 +22,9 @@ from pathlib import Path
 from h2o_local import Llama
 from experiments.models import model_path
 from h2o_local import ModelInfo
-from .common import experiment_parser, parse_setting, save_figure
+from .common import experiment_parser, parse_setting, resident_bytes, save_figure
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def make(model: str, setting: str, threads) -> Llama:
@@ -62,7 +59,7 @@ def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) ->
             st = llm.kv_state()
             rec.update({"generated": n, "finish": reason, "prompt_tok_s": len(tokens) / t_prompt,
                         "decode_tok_s": n / t_gen if n else None, "kv_cells": st.n_cells, "kv_bytes": st.kv_bytes,
-                        "n_seen": st.n_seen, "n_evicted": st.n_evicted, "rss": rss_bytes()})
+                        "n_seen": st.n_seen, "n_evicted": st.n_evicted, "rss": resident_bytes()})
             transcript.write(f"### turn {k}\nUSER: {turn}\nASSISTANT: {''.join(text)}\n\n")
         except (ValueError, RuntimeError) as e:
             rec.update({"error": f"{type(e).__name__}: {e}", "n_seen": llm.kv_state().n_seen})

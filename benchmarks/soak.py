@@ -1,7 +1,7 @@
 """Soak: one rolling chat session generating N tokens (default 200,000), sampling resident memory, KV cells and
 speed every 10,000 tokens, and checking that the output stays text. Writes as it goes (OUT.jsonl), then OUT.md.
 
-    python scripts/soak.py --out results/soak-smollm2 [--tokens 200000] [--budget 256]
+    python -m benchmarks.soak --out results/soak-smollm2 [--tokens 200000] [--budget 256]
 """
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.common import resident_bytes
+
 QUESTIONS = ["Tell me a long story about a lighthouse keeper.", "Explain how tides work, in detail.",
              "Write a letter to a friend about your travels.", "Describe a city you would like to visit.",
              "What makes a good recipe? Give examples.", "Summarize what we talked about so far."]
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def text_share(s: str) -> float:
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
             if generated >= next_mark:
                 st = llm.kv_state()
                 now = time.perf_counter()
-                rec = {"generated": generated, "turn": turn, "rss": rss_bytes(), "kv_cells": st.n_cells,
+                rec = {"generated": generated, "turn": turn, "rss": resident_bytes(), "kv_cells": st.n_cells,
                        "kv_bytes": st.kv_bytes, "n_seen": st.n_seen, "max_position": int(st.positions.max()),
                        "tok_s": (generated - gen_at_mark) / max(now - t_mark, 1e-9), "text_share": text_share(tail),
                        "elapsed_s": now - t0}
