@@ -56,9 +56,11 @@ class Llama:
     Args:
         model_path: the GGUF file.
         budget: KV entries (tokens) kept per sequence; None keeps everything (the full cache).
-        policy: a policy value (`h2o_local.policies.H2O(...)`, `Sink(...)`, ...) or a registered name: "h2o"
-            (heavy hitters by accumulated attention + a recent window), "local" (recent window), "sink" (first
-            `sinks` tokens + recent window, StreamingLLM) or "full".
+        policy: a policy value (`h2o_local.policies.H2O(...)`, `Sink(...)`, a `PythonRanked` subclass, ...) or a
+            registered name (`h2o_local.policies.REGISTRY`): "h2o" (heavy hitters by accumulated attention + a
+            recent window), "local" (recent window), "sink" (first `sinks` tokens + recent window, StreamingLLM),
+            "full", and the other scorers "h2o_norm", "h2o_maxhead", "h2o_headnorm", "tova", "snapkv", "keydiff"
+            (docs/policies.md).
         heavy / recent / sinks: with a policy name, the split of the budget; h2o defaults to heavy = budget // 2,
             recent = the rest, sinks = 0; sink defaults to 4 sinks.
         position_rolling: renumber the kept positions 0..n-1 after each eviction, so that generation can run past
