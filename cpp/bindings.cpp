@@ -171,7 +171,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("heavy", [](const Policy & p) { return p.split().heavy; })
         .def_property_readonly("recent", [](const Policy & p) { return p.split().recent; })
         .def_property_readonly("budget", [](const Policy & p) { return p.bounded() ? p.split().total() : -1; })
-        .def("keep", [](const Policy & p, const std::vector<llama_pos> & positions, const std::vector<float> & total,
+        .def("select", [](const Policy & p, const std::vector<llama_pos> & positions, const std::vector<float> & total,
                         py::array_t<float, py::array::c_style | py::array::forcecast> head,
                         const std::vector<int64_t> & queries) {
             SeqScores s;
@@ -183,7 +183,7 @@ PYBIND11_MODULE(_engine, m) {
                 s.head.size() != positions.size()*(size_t) s.n_head) {
                 throw std::invalid_argument("positions, total, head [n, n_head] and queries must describe n entries");
             }
-            return p.keep(positions, s, p.split());
+            return p.select(positions, s, p.split());
         }, py::arg("positions"), py::arg("total"), py::arg("head"), py::arg("queries"),
            "The indices the policy keeps of n entries with these scores (its rule alone, on synthetic scores).");
 
@@ -257,7 +257,7 @@ PYBIND11_MODULE(_engine, m) {
                  py::gil_scoped_release release;
                  return new Engine(model_path, p);
              }), py::arg("model_path"), py::arg("params"))
-        .def("eval", &Engine::eval, py::arg("tokens"), py::arg("all_logits") = false,
+        .def("eval", &Engine::eval, py::arg("tokens"), py::arg("logits_all") = false,
              py::arg("between_chunks") = std::function<void()>(), py::call_guard<py::gil_scoped_release>(),
              "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says; between_chunks() is called "
              "between the chunks of a long feed (it may eval sequences with streams of their own, or raise).")

@@ -434,7 +434,7 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
     }
 }
 
-void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool all_logits,
+void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool logits_all,
                   const std::function<void()> & between_chunks) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const int32_t n_vocab = model_->n_vocab();
@@ -447,7 +447,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             }
         }
         n_total += toks.size();
-        if (all_logits) {
+        if (logits_all) {
             logits_all_[seq].clear();
         }
     }
@@ -494,7 +494,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             const auto & toks = tokens.at(seq);
             chunk[seq].assign(toks.begin() + part.first, toks.begin() + part.first + part.second);
         }
-        decode(chunk, all_logits, step.windows);
+        decode(chunk, logits_all, step.windows);
         for (const llama_seq_id seq : step.evict_after) {
             evict(seq);
         }
@@ -513,7 +513,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     }
 }
 
-void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits,
+void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
                     const std::set<llama_seq_id> & windows) {
     batch_.n_tokens = 0;
     for (const auto & [seq, toks] : chunk) {
@@ -524,7 +524,7 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             batch_.pos[j]       = p0 + (llama_pos) i;
             batch_.n_seq_id[j]  = 1;
             batch_.seq_id[j][0] = seq;
-            batch_.logits[j]    = all_logits || i + 1 == toks.size();
+            batch_.logits[j]    = logits_all || i + 1 == toks.size();
         }
     }
 
@@ -543,7 +543,7 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
     for (const auto & [seq, toks] : chunk) {
         SeqCache & sc = seqs_.at(seq);
         const int32_t n_new = (int32_t) toks.size();
-        if (all_logits) {
+        if (logits_all) {
             auto & rows = logits_all_[seq];
             for (int32_t i = 0; i < n_new; ++i) {
                 const float * row = llama_get_logits_ith(ctx_, j + i);

@@ -67,11 +67,11 @@ public:
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
-    // feed tokens to sequences (one batch for all), evicting as the policy says; with all_logits every fed
+    // feed tokens to sequences (one batch for all), evicting as the policy says; with logits_all every fed
     // token's logits are kept (see logits_all), otherwise only each sequence's last. between_chunks, when set, is
     // called between the chunks of a long feed: it may eval other sequences that have a stream of their own
     // (a server decodes its running requests there), or throw to stop the feed, as check_interrupt may
-    void eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool all_logits,
+    void eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool logits_all,
               const std::function<void()> & between_chunks = {});
     // the next token of seq, drawn from its last logits where they are (no copy)
     llama_token sample(llama_seq_id seq, Sampler & sampler) const;
@@ -121,7 +121,7 @@ private:
     std::string origin() const; // what a snapshot must match to be restored here
     std::string kv_types() const; // "F16", "q8_0/F16", ...
     // windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
-    void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool all_logits,
+    void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
                 const std::set<llama_seq_id> & windows = {});
     void evict(llama_seq_id seq);
     void compact(llama_seq_id seq);

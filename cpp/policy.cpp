@@ -101,7 +101,7 @@ BudgetSplit BudgetSplit::after_prefix(int32_t n_keep) const {
     return sp;
 }
 
-std::vector<size_t> RankedPolicy::keep(const std::vector<llama_pos> & positions, const SeqScores & scores,
+std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                                        const BudgetSplit & split) const {
     const size_t n = positions.size();
     std::vector<size_t> cand;

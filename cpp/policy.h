@@ -110,7 +110,7 @@ public:
 
     // indices into positions to keep, ascending, following `split` (split(), or what a protected prefix leaves of
     // it); only called with more entries than split.total()
-    virtual std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores,
+    virtual std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                                      const BudgetSplit & split) const = 0;
 };
 
@@ -125,7 +125,7 @@ public:
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
     // ties go to the older position
-    std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores & scores,
+    std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                              const BudgetSplit & split) const override;
 
 protected:

@@ -96,7 +96,7 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
 std::vector<size_t> SeqCache::kept_indices(const Policy & policy) const {
     const size_t n_keep = std::min<size_t>(st_.n_keep, st_.positions.size());
     if (n_keep == 0) {
-        return policy.keep(st_.positions, st_.scores, policy.split());
+        return policy.select(st_.positions, st_.scores, policy.split());
     }
     // the policy decides over the entries after the prefix, within what the prefix leaves of the budget
     std::vector<size_t> after(st_.positions.size() - n_keep);
@@ -105,7 +105,7 @@ std::vector<size_t> SeqCache::kept_indices(const Policy & policy) const {
 
     std::vector<size_t> keep(n_keep);
     std::iota(keep.begin(), keep.end(), 0);
-    for (const size_t k : policy.keep(tail, st_.scores.gather(after), policy.split().after_prefix((int32_t) n_keep))) {
+    for (const size_t k : policy.select(tail, st_.scores.gather(after), policy.split().after_prefix((int32_t) n_keep))) {
         keep.push_back(n_keep + k);
     }
     return keep;

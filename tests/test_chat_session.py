@@ -33,7 +33,7 @@ def talk(session, text):
 
 def what_it_holds(session):
     st = session.llm.kv_state()
-    return [m.copy() for m in session.messages], st.positions.tolist(), st.scores.tolist(), list(session.llm._unfed)
+    return [m.copy() for m in session.messages], st.positions.tolist(), st.scores.tolist(), list(session.llm.pending)
 
 
 def rewrite(path, out, **parts):
@@ -109,7 +109,7 @@ def test_a_bad_file_is_one_value_error_and_changes_nothing(saved, tmp_path, dama
 
 def test_a_refused_snapshot_keeps_the_token_shown_last(saved, tmp_path):
     s, path = saved
-    assert s.llm._unfed, "the last answer ended with a token shown but not fed"
+    assert s.llm.pending, "the last answer ended with a token shown but not fed"
     before = what_it_holds(s)
     bad = rewrite(path, tmp_path / "bad.session", **{"kv.bin": damaged_kv(zipfile.ZipFile(path).read("kv.bin"))})
     with pytest.raises(ValueError):

@@ -1,4 +1,4 @@
-"""Each policy's rule on synthetic scores, without a model (as kvpress tests its presses): what `Policy.keep`
+"""Each policy's rule on synthetic scores, without a model (as kvpress tests its presses): what `Policy.select`
 returns equals an independent NumPy selection by the policy's ranking."""
 import numpy as np
 import pytest
@@ -33,7 +33,7 @@ def test_a_ranked_policy_keeps_its_best_ranked_entries(name, seed):
     queries = rng.integers(1, 100, size=n).astype(np.int64)
     positions = np.sort(rng.choice(1000, n, replace=False)).astype(np.int32)
     policy = _engine.Policy(name, 24, sinks=2)
-    kept = policy.keep(positions, total, head, queries)
+    kept = policy.select(positions, total, head, queries)
     rank = RANKS[name](total, head, queries).astype(np.float32)
     assert kept == reference_keep(n, policy.sinks, policy.heavy, policy.recent, rank)
 
@@ -42,12 +42,12 @@ def test_a_ranked_policy_keeps_its_best_ranked_entries(name, seed):
 def test_window_policies_keep_the_first_sinks_and_the_newest(name, sinks):
     policy = _engine.Policy(name, 16)
     n = 40
-    kept = policy.keep(np.arange(n, dtype=np.int32), np.ones(n, np.float32), np.ones((n, 1), np.float32),
+    kept = policy.select(np.arange(n, dtype=np.int32), np.ones(n, np.float32), np.ones((n, 1), np.float32),
                        np.ones(n, np.int64))
     assert policy.sinks == sinks and kept == list(range(sinks)) + list(range(n - (16 - sinks), n))
 
 
 def test_scores_that_do_not_describe_the_entries_are_an_error():
     with pytest.raises(ValueError, match="n entries"):
-        _engine.Policy("h2o", 8).keep(np.arange(10, dtype=np.int32), np.ones(9, np.float32),
+        _engine.Policy("h2o", 8).select(np.arange(10, dtype=np.int32), np.ones(9, np.float32),
                                       np.ones((10, 2), np.float32), np.ones(10, np.int64))

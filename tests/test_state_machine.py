@@ -63,9 +63,9 @@ class CacheMachine(RuleBasedStateMachine):
                 shown += 1
         # each shown token is fed before the next is drawn; after "length" the last one waits for the next call
         # (an end-of-generation token is drawn after the last shown one was fed, and is itself not fed)
-        last_unfed = 1 if shown and reason == "length" else 0
-        self._fed(0, self.pending + len(prompt) + shown - last_unfed)
-        self.pending = last_unfed
+        last_pending = 1 if shown and reason == "length" else 0
+        self._fed(0, self.pending + len(prompt) + shown - last_pending)
+        self.pending = last_pending
         assert shown <= max_tokens
 
     @rule(seq=st.one_of(st.none(), seqs))

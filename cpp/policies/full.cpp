@@ -12,7 +12,7 @@ public:
     std::string name() const override { return "full"; }
     bool bounded() const override { return false; }
     BudgetSplit split() const override { return {}; }
-    std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores &, const BudgetSplit &) const override {
+    std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores &, const BudgetSplit &) const override {
         std::vector<size_t> all(positions.size());
         std::iota(all.begin(), all.end(), 0);
         return all;

@@ -14,7 +14,7 @@ public:
 
     std::string name() const override { return name_; }
     BudgetSplit split() const override { return {sinks_, 0, recent_}; }
-    std::vector<size_t> keep(const std::vector<llama_pos> & positions, const SeqScores &,
+    std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores &,
                              const BudgetSplit & split) const override {
         return sinks_middle_recent(positions.size(), split.sinks, split.recent, {});
     }

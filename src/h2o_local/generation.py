@@ -24,7 +24,7 @@ class SeqRun:
     max_tokens: Optional[int]
     n_generated: int = 0
     eog_token: Optional[int] = None  # the end-of-generation token sampled (not fed)
-    unfed: Optional[int] = None      # the last token shown but not yet fed (fed first when the session goes on)
+    pending: Optional[int] = None    # the last token shown but not yet fed (fed first when the session goes on)
     finish_reason: Optional[str] = None
     tokens: List[int] = field(default_factory=list)
 
@@ -87,7 +87,7 @@ class Batch:
             else:
                 r.n_generated += 1
                 r.tokens.append(token)
-                r.unfed = token
+                r.pending = token
                 out.append(Event(r.index, token, r.text.push(engine.token_to_piece(token, False)), None, logits))
                 if r.text.stopped:
                     finish = "stop"
@@ -112,7 +112,7 @@ class Batch:
                 return out
         self.engine.eval(feed, False)
         for seq_id in feed:
-            self.live[seq_id].unfed = None
+            self.live[seq_id].pending = None
         return out
 
     def _stop_what_does_not_fit(self, feed: Dict[int, List[int]]) -> List[Event]:

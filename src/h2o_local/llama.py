@@ -192,7 +192,7 @@ class Llama:
         # the context over since its last step (then it raises RuntimeError instead of going on on a changed cache)
         self._lock = threading.RLock()
         self._generation: Optional[object] = None  # the generation that owns the context now
-        self._unfed: List[int] = []                # shown to the user, not yet fed: a continued session feeds it
+        self._pending: List[int] = []                # shown to the user, not yet fed: a continued session feeds it
         self._warned_past_context = False
         self._chat_template_source = chat_template
         self._chat_template: Optional[ChatTemplate] = None
@@ -377,7 +377,7 @@ class Llama:
     def pending(self) -> List[int]:
         """The token the last generation on sequence 0 showed and did not feed (0 or 1 of them): a session that
         goes on (`reset=False`) feeds it first; `save_state()` keeps it."""
-        return list(self._unfed)
+        return list(self._pending)
 
     def slots(self) -> "Slots":
         """The sequences as slots that concurrent generations fill and leave, stepped together (what a server
@@ -401,7 +401,7 @@ class Llama:
         with self._lock:
             snap = self._engine.snapshot(seq_id)
             if seq_id == 0:
-                snap.pending = list(self._unfed)
+                snap.pending = list(self._pending)
             return snap
 
     def load_state(self, state, seq_id: int = 0) -> None:
@@ -417,7 +417,7 @@ class Llama:
             self._engine.restore(seq_id, state)  # all or nothing: a refused snapshot leaves the sequence as it was
             self._take_over([seq_id])
             if seq_id == 0:
-                self._unfed = list(state.pending)
+                self._pending = list(state.pending)
 
     def _take_over(self, seq_ids: Optional[Iterable[int]] = None) -> Optional[object]:
         """A call that changes the cache of `seq_ids` (None: all): a suspended generation may not go on after it.
@@ -425,7 +425,7 @@ class Llama:
         Returns the new owner."""
         self._generation = owner = object()
         if seq_ids is None or 0 in seq_ids:
-            self._unfed = []
+            self._pending = []
         return owner
 
     def _set_keep(self, seq_id: int, n_keep: int) -> None:
@@ -482,7 +482,7 @@ class Llama:
         run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), params.max_tokens)
         with self._lock:
             # the token the last generation showed but did not feed goes first when the session goes on
-            feed = prompt_tokens if reset else self._unfed + prompt_tokens
+            feed = prompt_tokens if reset else self._pending + prompt_tokens
             owner = self._take_over([0])
             if reset:
                 self._engine.reset()
@@ -499,7 +499,7 @@ class Llama:
             events.close()
             with self._lock:
                 if self._generation is owner:
-                    self._unfed = [run.unfed] if run.unfed is not None else []
+                    self._pending = [run.pending] if run.pending is not None else []
         self.last_eog_token = run.eog_token  # sampled, not fed: a session that goes on feeds it first
 
     def _owned_steps(self, events: Iterator[Any], owner: object) -> Iterator[Any]:

@@ -73,7 +73,7 @@ class Slots:
         run = self._runs.get(slot)
         if run is None:
             return [], 0
-        return list(run.tokens), int(run.unfed is not None)
+        return list(run.tokens), int(run.pending is not None)
 
     def save(self, slot: int) -> Any:
         """A snapshot of the slot's cache (`Llama.load_state` / `start(resume=...)` take it back)."""

@@ -227,9 +227,9 @@ class Scheduler:
         """Free the slot (its cache saved as a session first, when asked)."""
         job = self._active.get(slot)
         if save and job is not None and slot in self._started:
-            generated, n_unfed = self.slots.generated(slot)
+            generated, n_pending = self.slots.generated(slot)
             held = job.prompt_tokens + generated  # a client that resends other tokens (a cut text) will not match
-            self._save(slot, held, len(held) - n_unfed, job.n_keep)
+            self._save(slot, held, len(held) - n_pending, job.n_keep)
         self.slots.release(slot)
         self._started.discard(slot)
         with self._cv:
