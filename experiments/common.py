@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from h2o_local.policies import Policy, resolve
+from h2o_local.policies import Policy, parse, resolve
 
 
 def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParser:
@@ -53,6 +54,12 @@ class Setting:
         return max(1, round(prompt_tokens * self.percent / 100))
 
     @property
+    def policy_label(self) -> str:
+        """The policy's part of the label (`tova-256+s4+r192` of `tova-256+s4+r192+roll`): `policies.parse` reads it."""
+        head, *suffixes = self.label.split("+")
+        return "+".join([head] + [x for x in suffixes if x[:1] in "swr" and x[1:].isdigit()])
+
+    @property
     def family(self) -> str:
         """The label without its size: `tova+r50%` for `tova-25%+r50%` (a line in a plot across sizes)."""
         head, _, suffixes = self.label.partition("+")
@@ -64,6 +71,8 @@ class Setting:
         return self.sinks is None and self.window is None and self.recent is None and self.recent_percent is None
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
+        if self.percent is None and self.recent_percent is None:
+            return parse(self.policy_label)  # the library's own label parser: one reading of +sN, +wN, +rN
         budget = self.budget_for(prompt_tokens)
         recent = self.recent
         if self.recent_percent is not None:
@@ -147,3 +156,22 @@ def resident_bytes(pid: Optional[int] = None) -> int:
     benchmarks."""
     with open(f"/proc/{pid or 'self'}/status") as f:
         return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+
+
+class JsonlRecords:
+    """A jsonl of result records, written as they come (a long run can stop at any time) and read back on a rerun,
+    which then skips what `done` holds: the key of every record (`key(record)`; default: its "key" field). The one
+    resume helper of experiments and benchmarks."""
+
+    def __init__(self, path: Path, key: Callable[[Dict[str, Any]], Any] = lambda r: r["key"]):
+        self.path, self.key = Path(path), key
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows: List[Dict[str, Any]] = ([json.loads(line) for line in open(self.path)]
+                                           if self.path.is_file() else [])
+        self.done = {key(r) for r in self.rows}
+
+    def add(self, record: Dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.rows.append(record)
+        self.done.add(self.key(record))

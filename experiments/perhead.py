@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from experiments.models import model_path
 from .common import experiment_parser
-from .summarization import GEN, decodings, rouge_scores, rows_and_done, summarize
+from .summarization import GEN, decodings, rouge_scores, rows_and_records, summarize
 
 
 class PerHeadH2O:
@@ -179,10 +179,10 @@ class HFModel:
 def run(args) -> None:
     from h2o_local import Llama, SamplingParams
 
-    rows, out_path, done = rows_and_done(args)
-    model_path = model_path(args.model)
-    vocab = Llama(model_path, budget=None, n_ctx=256)  # llama.cpp's tokenizer and sampler chain
-    hf = HFModel(model_path, threads=args.threads)
+    rows, records = rows_and_records(args)
+    path = model_path(args.model)
+    vocab = Llama(path, budget=None, n_ctx=256)  # llama.cpp's tokenizer and sampler chain
+    hf = HFModel(path, threads=args.threads)
     budgets = [None if b == "full" else int(b) for b in args.budgets]
     # the full cache does not depend on the GQA reduction: run it once, under the first variant
     todo = [(f"hf-h2o-{g}" if b is not None else "hf-full", g, b) for g in args.gqa for b in budgets
@@ -190,34 +190,32 @@ def run(args) -> None:
     decs = decodings(args.seeds, args.greedy)
     greedy_only = set(args.greedy_only_gqa or [])
     t0, n_new = time.time(), 0
-    with open(out_path, "a") as out:
-        for i, row in enumerate(rows):
-            tokens = vocab.tokenize(row["article"], add_bos=False)
-            for gqa in args.gqa:
-                pending = [(p, b, d, s) for p, g, b in todo if g == gqa for d, s in decs
-                           if (i, p, b, d) not in done and not (g in greedy_only and s is not None)]
-                if not pending:
-                    continue
-                cache0, h2o0, logits0 = hf.prefill(tokens, gqa)
-                for policy, budget, dec, seed in pending:
-                    h2o = h2o0.with_budget(budget)
-                    kept = h2o.kept()
-                    temperature = 0.0 if seed is None else float(row.get("temperature", 0.3))
-                    params = SamplingParams(temperature=temperature, top_p=GEN["top_p"], top_k=GEN["top_k"],
-                                            min_p=GEN["min_p"])
-                    sampler = params.sampler(vocab.n_vocab(), seed or 0)
-                    text = hf.decode(copy.deepcopy(cache0), h2o, logits0.clone(), sampler, vocab.is_eog,
-                                     vocab.token_to_piece, GEN["max_tokens"],
-                                     row.get("stop", GEN["stop"]))
-                    rec = {"row": i, "policy": policy, "budget": budget, "decoding": dec,
-                           "prompt_tokens": len(tokens), "output": text, "summary_gt": row["summary_gt"],
-                           "kept_after_prompt": kept[0], **rouge_scores(text, row["summary_gt"])}
-                    out.write(json.dumps(rec) + "\n")
-                    out.flush()
-                    n_new += 1
-                    rate = (time.time() - t0) / n_new
-                    print(f"\r[{n_new}] row {i} {policy}-{budget} {dec}: R2 {rec['rouge2']:.3f} "
-                          f"({rate:.1f} s/sample)   ", end="", file=sys.stderr, flush=True)
+    for i, row in enumerate(rows):
+        tokens = vocab.tokenize(row["article"], add_bos=False)
+        for gqa in args.gqa:
+            pending = [(p, b, d, s) for p, g, b in todo if g == gqa for d, s in decs
+                       if (i, p, b, d) not in records.done and not (g in greedy_only and s is not None)]
+            if not pending:
+                continue
+            cache0, h2o0, logits0 = hf.prefill(tokens, gqa)
+            for policy, budget, dec, seed in pending:
+                h2o = h2o0.with_budget(budget)
+                kept = h2o.kept()
+                temperature = 0.0 if seed is None else float(row.get("temperature", 0.3))
+                params = SamplingParams(temperature=temperature, top_p=GEN["top_p"], top_k=GEN["top_k"],
+                                        min_p=GEN["min_p"])
+                sampler = params.sampler(vocab.n_vocab(), seed or 0)
+                text = hf.decode(copy.deepcopy(cache0), h2o, logits0.clone(), sampler, vocab.is_eog,
+                                 vocab.token_to_piece, GEN["max_tokens"],
+                                 row.get("stop", GEN["stop"]))
+                rec = {"row": i, "policy": policy, "budget": budget, "decoding": dec,
+                       "prompt_tokens": len(tokens), "output": text, "summary_gt": row["summary_gt"],
+                       "kept_after_prompt": kept[0], **rouge_scores(text, row["summary_gt"])}
+                records.add(rec)
+                n_new += 1
+                rate = (time.time() - t0) / n_new
+                print(f"\r[{n_new}] row {i} {policy}-{budget} {dec}: R2 {rec['rouge2']:.3f} "
+                      f"({rate:.1f} s/sample)   ", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
 
 

@@ -49,7 +49,7 @@ import numpy as np
 
 from h2o_local import Llama
 from experiments.models import model_path
-from .common import experiment_parser, parse_setting, save_figure, table
+from .common import JsonlRecords, experiment_parser, parse_setting, save_figure, table
 
 FIDELITY, PASSKEY, CHAT = "fidelity", "passkey", "chat"
 
@@ -66,22 +66,6 @@ def mean_se(values: Sequence[float]) -> Tuple[float, float]:
         return float("nan"), float("nan")
     m = float(np.mean(values))
     return m, (float(np.std(values, ddof=1)) / math.sqrt(n) if n > 1 else float("nan"))
-
-
-class Records:
-    """A jsonl of result records keyed by their "key" field: written as they come, read back on a rerun."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.rows: List[dict] = [json.loads(line) for line in open(path)] if path.exists() else []
-        self.done = {r["key"] for r in self.rows}
-
-    def add(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.rows.append(record)
-        self.done.add(record["key"])
 
 
 def modes(label: str, prefill: Sequence[str]) -> List[str]:
@@ -123,7 +107,7 @@ def teacher_forced(llm: Llama, prompt: List[int], tokens: List[int], logps: List
     return {"agree": agree, "kl": kl}
 
 
-def rows_to_run(task: str, args, records: Records):
+def rows_to_run(task: str, args, records: JsonlRecords):
     """The first --rows rows of --input-path that still have settings to run, as (index, row, [(label, mode), ...],
     bar): a progress bar over every job of the task, to `update(1)` after each."""
     from tqdm import tqdm
@@ -138,7 +122,7 @@ def rows_to_run(task: str, args, records: Records):
                 yield i, row, todo, bar
 
 
-def run_fidelity(args, records: Records) -> None:
+def run_fidelity(args, records: JsonlRecords) -> None:
     tok = Llama(args.model, budget=8, n_threads=args.threads)
     for i, row, todo, bar in rows_to_run(FIDELITY, args, records):
         prompt = tok.tokenize(row["article"], add_bos=args.add_bos)[-args.max_prompt:]
@@ -192,7 +176,7 @@ def passkey_prompt(llm: Llama, filler: List[int], length: int, depth: float, key
     return head + filler[:at] + needle + filler[at:n_fill] + question
 
 
-def run_passkey(args, records: Records) -> None:
+def run_passkey(args, records: JsonlRecords) -> None:
     from tqdm import tqdm
 
     tok = Llama(args.model, budget=8, n_threads=args.threads)
@@ -258,7 +242,7 @@ def full_answer(llm: Llama, tokens: List[int], limit: int) -> Tuple[List[int], L
     return out, logps
 
 
-def run_chat(args, records: Records) -> None:
+def run_chat(args, records: JsonlRecords) -> None:
     tok = Llama(args.model, budget=8, n_threads=args.threads, chat_template=args.chat_template)
     system = system_prompt(tok, args.system_path, args.system_tokens)
     for i, row, todo, bar in rows_to_run(CHAT, args, records):
@@ -333,7 +317,7 @@ def paired_with(records: Sequence[dict], settings: Sequence[str], base_policy: s
     return out
 
 
-def write_report(args, records: Records) -> None:
+def write_report(args, records: JsonlRecords) -> None:
     metrics = {FIDELITY: ["agree", "kl"], CHAT: ["agree", "kl", "agree1", "kl1"], PASSKEY: ["right"]}[args.task]
     lines = [f"# {args.task}: {Path(args.model).name}", "", f"`{' '.join(sys.argv)}`", "",
              "Means ± standard errors over " + ("trials" if args.task == PASSKEY else "prompts") + "; n = rows.", ""]
@@ -363,7 +347,7 @@ def write_report(args, records: Records) -> None:
     plot(args, records, metrics[0])
 
 
-def plot(args, records: Records, metric: str) -> None:
+def plot(args, records: JsonlRecords, metric: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -424,7 +408,7 @@ def main(argv=None) -> int:
     for label in args.settings:
         parse_setting(label)
     args.model = model_path(args.model)
-    records = Records(args.out.with_suffix(".jsonl"))
+    records = JsonlRecords(args.out.with_suffix(".jsonl"))
     if not args.report_only:
         {FIDELITY: run_fidelity, PASSKEY: run_passkey, CHAT: run_chat}[args.task](args, records)
     write_report(args, records)

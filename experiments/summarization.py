@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from h2o_local import Llama
 from h2o_local.policies import REGISTRY, resolve
 from experiments.models import model_path
-from .common import experiment_parser, parse_setting, save_figure
+from .common import JsonlRecords, experiment_parser, parse_setting, save_figure
 
 GEN = dict(max_tokens=64, top_p=1.0, top_k=0, min_p=0.0, stop=["###"])
 
@@ -56,19 +56,15 @@ def decodings(seeds: List[int], greedy: bool) -> List[Tuple[str, Optional[int]]]
     return ([("greedy", None)] if greedy else []) + [(f"seed{s}", s) for s in seeds]
 
 
-def rows_and_done(args) -> Tuple[List[dict], Path, set]:
-    """The first `--sample-num` rows, the output path, and the (row, policy, budget, decoding) it already holds."""
+def rows_and_records(args) -> Tuple[List[dict], JsonlRecords]:
+    """The first `--sample-num` rows, and the output's records keyed by (row, policy, budget, decoding)."""
     rows = [json.loads(line) for line in open(args.input_path)][: args.sample_num]
-    out_path = Path(args.output_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if out_path.is_file():
-        done = {(r["row"], r["policy"], r["budget"], r["decoding"]) for r in map(json.loads, open(out_path))}
-    return rows, out_path, done
+    return rows, JsonlRecords(Path(args.output_path), key=lambda r: (r["row"], r["policy"], r["budget"], r["decoding"]))
 
 
 def run(args) -> None:
-    rows, out_path, done = rows_and_done(args)
+    rows, records = rows_and_records(args)
+    n_resumed = len(records.done)
     model = model_path(args.model)
     # one context big enough for the whole prompt: every setting starts from the attended prompt
     llm = Llama(model, budget=args.n_ctx - args.n_batch, n_ctx=args.n_ctx, n_batch=args.n_batch,
@@ -76,45 +72,43 @@ def run(args) -> None:
     todo_settings = settings(args.policies, args.budgets)
     todo_dec = decodings(args.seeds, args.greedy)
     total = len(rows) * len(todo_settings) * len(todo_dec)
-    n_done, t0 = len(done), time.time()
-    with open(out_path, "a") as out:
-        for i, row in enumerate(rows):
-            if i < args.first_row:
-                continue
-            pending = [(p, b, d, s) for p, b in todo_settings for d, s in todo_dec if (i, p, b, d) not in done]
-            if not pending:
-                continue
-            tokens = llm.tokenize(row["article"], add_bos=args.add_bos)
-            if len(tokens) + GEN["max_tokens"] > args.n_ctx:
-                raise SystemExit(f"row {i}: {len(tokens)} prompt tokens do not fit n_ctx={args.n_ctx}")
-            llm.set_policy("h2o", args.n_ctx - args.n_batch)
-            llm.reset()
-            llm.eval(tokens)
-            snap = llm.save_state()
-            for policy, budget, dec, seed in pending:
-                if resolve(policy, budget).query_window:
-                    # a prompt scored by its last queries must be fed under that policy (its window decoded alone)
-                    llm.reset()
-                    llm.set_policy(policy, budget)
-                    llm.eval(tokens)
-                else:
-                    llm.load_state(snap)
-                    llm.set_policy(policy, budget)
-                    llm.compress()
-                temperature = 0.0 if seed is None else float(row.get("temperature", 0.3))
-                text = llm.generate([], max_tokens=GEN["max_tokens"], temperature=temperature, top_p=GEN["top_p"],
-                                    top_k=GEN["top_k"], min_p=GEN["min_p"], stop=row.get("stop", GEN["stop"]),
-                                    seed=seed, reset=False)
-                st = llm.kv_state()
-                rec = {"row": i, "policy": policy, "budget": budget, "decoding": dec, "prompt_tokens": len(tokens),
-                       "output": text, "summary_gt": row["summary_gt"], "n_evicted": st.n_evicted,
-                       **rouge_scores(text, row["summary_gt"])}
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-                n_done += 1
-                rate = (time.time() - t0) / max(1, n_done - len(done))
-                print(f"\r[{n_done}/{total}] row {i} {policy}-{budget} {dec}: R2 {rec['rouge2']:.3f} "
-                      f"(eta {rate * (total - n_done) / 60:.0f} min)   ", end="", file=sys.stderr, flush=True)
+    n_done, t0 = n_resumed, time.time()
+    for i, row in enumerate(rows):
+        if i < args.first_row:
+            continue
+        pending = [(p, b, d, s) for p, b in todo_settings for d, s in todo_dec if (i, p, b, d) not in records.done]
+        if not pending:
+            continue
+        tokens = llm.tokenize(row["article"], add_bos=args.add_bos)
+        if len(tokens) + GEN["max_tokens"] > args.n_ctx:
+            raise SystemExit(f"row {i}: {len(tokens)} prompt tokens do not fit n_ctx={args.n_ctx}")
+        llm.set_policy("h2o", args.n_ctx - args.n_batch)
+        llm.reset()
+        llm.eval(tokens)
+        snap = llm.save_state()
+        for policy, budget, dec, seed in pending:
+            if resolve(policy, budget).query_window:
+                # a prompt scored by its last queries must be fed under that policy (its window decoded alone)
+                llm.reset()
+                llm.set_policy(policy, budget)
+                llm.eval(tokens)
+            else:
+                llm.load_state(snap)
+                llm.set_policy(policy, budget)
+                llm.compress()
+            temperature = 0.0 if seed is None else float(row.get("temperature", 0.3))
+            text = llm.generate([], max_tokens=GEN["max_tokens"], temperature=temperature, top_p=GEN["top_p"],
+                                top_k=GEN["top_k"], min_p=GEN["min_p"], stop=row.get("stop", GEN["stop"]),
+                                seed=seed, reset=False)
+            st = llm.kv_state()
+            rec = {"row": i, "policy": policy, "budget": budget, "decoding": dec, "prompt_tokens": len(tokens),
+                   "output": text, "summary_gt": row["summary_gt"], "n_evicted": st.n_evicted,
+                   **rouge_scores(text, row["summary_gt"])}
+            records.add(rec)
+            n_done += 1
+            rate = (time.time() - t0) / max(1, n_done - n_resumed)
+            print(f"\r[{n_done}/{total}] row {i} {policy}-{budget} {dec}: R2 {rec['rouge2']:.3f} "
+                  f"(eta {rate * (total - n_done) / 60:.0f} min)   ", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
 
 

@@ -32,7 +32,7 @@ from h2o_local.capacity import cells_needed, padded_cells
 from h2o_local import Llama
 from experiments.models import model_path
 from h2o_local import ModelInfo
-from .common import experiment_parser, parse_setting, save_figure
+from .common import JsonlRecords, experiment_parser, parse_setting, save_figure
 
 PREFIX = "###\nArticle: "
 SUFFIX = "\n\nSummarize the above article in 1 sentence.\n"
@@ -134,10 +134,6 @@ def quality_check(model: str, spec: str, rows: List[Tuple[List[int], str]], max_
             "rouge_batched": rouge(got), "rouge_single": rouge(alone), "batched": got, "single": alone}
 
 
-def load(path: Path) -> List[Dict[str, Any]]:
-    return [json.loads(line) for line in open(path)] if path.is_file() else []
-
-
 def main(argv=None) -> int:
     ap = experiment_parser("experiments.throughput", __doc__)
     ap.add_argument("--lengths", nargs="+", default=["512:512", "1024:1024"], help="PROMPT:GENERATED tokens")
@@ -158,9 +154,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     model = model_path(args.model)
-    out = args.output.with_suffix(".jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["key"] for r in load(out)}
+    records = JsonlRecords(args.output.with_suffix(".jsonl"))
+    done = records.done
     probe = Llama(model, n_ctx=256)
     per_cell = ModelInfo.load(model).kv_bytes_per_cell
     banned = probe.eog_tokens()
@@ -168,9 +163,7 @@ def main(argv=None) -> int:
     def record(key: str, **fields) -> None:
         fields.update(key=key, model=os.path.basename(model), threads=args.threads, n_batch=args.n_batch,
                       kv_unified=args.kv_unified)
-        with open(out, "a") as f:
-            f.write(json.dumps(fields) + "\n")
-        done.add(key)
+        records.add(fields)
         print(f"{key}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()
                                      if k in ("tok_s", "decode_tok_s", "latency_s", "kv_bytes", "batch", "identical")),
               file=sys.stderr, flush=True)
@@ -215,7 +208,7 @@ def main(argv=None) -> int:
                     record(key, kind="quality", prompt=P, policy=spec, batch=args.quality,
                            **quality_check(model, spec, rows[: args.quality], P, args))
 
-    write_report(load(out), args.output)
+    write_report(records.rows, args.output)
     return 0
 
 
