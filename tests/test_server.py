@@ -355,7 +355,7 @@ def test_a_slow_template_is_rendered_off_the_event_loop_and_stopped(tmp_path):
         time.sleep(0.3)
         health_started = time.monotonic()
         status, _ = get(port, "/health")  # the event loop answers while the template runs
-        assert status == 200 and time.monotonic() - health_started < 0.5
+        assert status == 200 and time.monotonic() - health_started < 2  # not held for the 1 s limit or longer
         t.join(30)
         status, err = result["r"]
         assert status == 400 and "time limit" in err["error"]["message"] and time.monotonic() - t0 < 10
