@@ -321,6 +321,31 @@ def check_head_of_line(base: str, report: Report, prompt_words: int) -> None:
                f"the next request took {freed:.2f} s; reading the prompt took {t1 - t0:.2f} s")
 
 
+def check_planted_session(base: str, report: Report, render: Callable[[List[Dict[str, str]]], str]) -> None:
+    """A client sends another's chat text and answer as a completion that generates nothing (it would have replaced
+    that chat's saved cache when sessions were keyed by text): the chat's next answer must not change. The first
+    message is long enough that the cache evicts, so a lost protected prefix (the system prompt) would show."""
+    facts = " ".join(f"Fact {i}: the lighthouse keeper wrote letter {i}." for i in range(40))
+    first = [{"role": "system", "content": "You are a terse assistant."},
+             {"role": "user", "content": facts + " What did the keeper write?"}]
+
+    def chat(messages: List[Dict[str, str]], n: int) -> str:
+        r = httpx.post(base + CHAT, json={"messages": messages, "max_tokens": n, "temperature": 0}, timeout=300)
+        r.raise_for_status()
+        return r.json()["choices"][0]["message"]["content"]
+
+    answers = []
+    for plant in (False, True):
+        answer = chat(first, 24)
+        if plant:
+            httpx.post(base + COMPLETIONS, json={"prompt": render(first) + answer, "max_tokens": 0},
+                       timeout=300).raise_for_status()
+        answers.append(chat(first + [{"role": "assistant", "content": answer},
+                                     {"role": "user", "content": "And then?"}], 16))
+    report.add("a completion that plants a chat's text does not change the chat's next answer",
+               answers[0] == answers[1], f"{answers[0]!r} / {answers[1]!r}")
+
+
 def greedy_answer(base: str) -> str:
     r = httpx.post(base + CHAT, json={"messages": HELLO, "max_tokens": 24, "temperature": 0}, timeout=120)
     r.raise_for_status()
@@ -329,13 +354,17 @@ def greedy_answer(base: str) -> str:
 
 def run_faults(base: str, *, slots: int, max_waiting: int, body_limit: int, disconnects: int, sequential: int,
                rss: Optional[Callable[[], int]] = None, report: Optional[Report] = None,
-               long_prompt_words: int = 0) -> Report:
+               long_prompt_words: int = 0,
+               render: Optional[Callable[[List[Dict[str, str]]], str]] = None) -> Report:
     """Every check against the server at `base`; the report says which held. `long_prompt_words`: the head-of-line
-    check's prompt (0: not run; it needs a server with 2 slots or more and prompts longer than a batch)."""
+    check's prompt (0: not run; it needs a server with 2 slots or more and prompts longer than a batch). `render`:
+    the server's chat template as text (the planted-session check; not run without it)."""
     report = report or Report()
     before = greedy_answer(base)
     if long_prompt_words:
         check_head_of_line(base, report, long_prompt_words)
+    if render is not None:
+        check_planted_session(base, report, render)
     check_malformed(base, report)
     check_oversized(base, report, body_limit)
     check_disconnects(base, report, disconnects, slots)
@@ -372,6 +401,7 @@ def main(argv=None) -> int:
 
     from experiments.common import resident_bytes
     from experiments.models import model_path
+    from h2o_local import Llama
 
     model = model_path(args.model)
     port = _free_port()
@@ -399,7 +429,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             run_faults(base, slots=args.slots, max_waiting=args.max_waiting, body_limit=8 * 2**20,
                        disconnects=args.disconnects, sequential=args.sequential, rss=lambda: resident_bytes(proc.pid),
-                       report=report, long_prompt_words=args.long_prompt_words)
+                       report=report, long_prompt_words=args.long_prompt_words,
+                       render=Llama(model, budget=64, n_ctx=256, n_threads=1).apply_chat_template)
             report.figures["seconds"] = round(time.perf_counter() - t0, 1)
             report.figures["rss_mib_start"] = round(rss0 / 2**20, 1)
             report.figures["rss_mib_end"] = round(resident_bytes(proc.pid) / 2**20, 1)

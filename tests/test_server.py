@@ -248,7 +248,8 @@ def test_faults_leave_the_server_serving(chat_model):
 
     with serving(chat_model, slots=2, max_waiting=2, budget=256, n_batch=16) as (port, _):
         report = run_faults(f"http://127.0.0.1:{port}", slots=2, max_waiting=2, body_limit=64 * 1024,
-                            disconnects=3, sequential=20, long_prompt_words=60)
+                            disconnects=3, sequential=20, long_prompt_words=60,
+                            render=Llama(chat_model, budget=64).apply_chat_template)
     assert len(report.checks) > 40 and not report.failed, report.failed
 
 
