@@ -34,9 +34,10 @@ py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
 }
 
 PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                           int32_t window) {
+                           int32_t window, int32_t probe = -1) {
     PolicyConfig cfg;
     cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks; cfg.window = window;
+    cfg.probe = probe;
     return cfg;
 }
 
@@ -158,10 +159,12 @@ PYBIND11_MODULE(_engine, m) {
     // a resolved policy: validation, defaults and the budget split happen here, once; the engine takes this object
     py::class_<Policy, std::shared_ptr<Policy>>(m, "Policy", "A resolved eviction policy (see h2o_local.policies).")
         .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                         int32_t window) {
-                 return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, window)));
+                         int32_t window, int32_t probe) {
+                 return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, window,
+                                                                          probe)));
              }), py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1,
-             py::arg("sinks") = -1, py::arg("window") = -1)
+             py::arg("sinks") = -1, py::arg("window") = -1, py::arg("probe") = -1)
+        .def_property_readonly("probe_tokens", &Policy::probe_tokens)
         .def_property_readonly("name", &Policy::name)
         .def_property_readonly("bounded", &Policy::bounded)
         .def_property_readonly("needs_scores", &Policy::needs_scores)

@@ -85,7 +85,8 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     uint32_t n_ctx = params.n_ctx;
     if (n_ctx == 0) {
         const uint32_t n_ctx_train = (uint32_t) std::max(llama_model_n_ctx_train(model_->get()), 1);
-        n_ctx = policy_->bounded() ? bounded_cells(params.n_seq_max, policy_->split().total(), params.n_batch, params.kv_unified)
+        n_ctx = policy_->bounded() ? bounded_cells(params.n_seq_max, policy_->split().total(), params.n_batch, params.kv_unified) +
+                                         n_stream*std::max(policy_->probe_tokens(), 0) // a probe's cells beside a piece
                                    : n_stream*n_ctx_train;
     }
     if (policy_->bounded() && n_ctx/n_stream <= kept_per_stream) {
@@ -327,7 +328,7 @@ void Engine::set_policy(PolicyPtr policy) {
                                                         : "create the engine with a scoring policy or export_scores=True"));
     }
     const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
-    if (policy->bounded() && n_seq_stream*policy->split().total() >= stream_capacity()) {
+    if (policy->bounded() && n_seq_stream*(policy->split().total() + std::max(policy->probe_tokens(), 0)) >= stream_capacity()) {
         throw std::invalid_argument("budget " + std::to_string(policy->split().total()) + " leaves no room in the context's " +
                                     std::to_string(capacity_) + " cells");
     }
@@ -463,7 +464,9 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     for (const auto & kv : seqs_) {
         in.cells[kv.first] = kv.second.size();
     }
-    in.capacity       = (int32_t) stream_capacity();
+    // a question probe needs its cells beside a piece before the piece is evicted
+    const int32_t n_probe = policy_->bounded() ? std::max(policy_->probe_tokens(), 0) : 0;
+    in.capacity       = (int32_t) stream_capacity() - n_probe*(params_.kv_unified ? (int32_t) tokens.size() : 1);
     in.kv_unified     = params_.kv_unified;
     in.defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
     in.bounded        = policy_->bounded();
@@ -481,6 +484,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     for (const auto & kv : tokens) {
         n_evicted[kv.first] = seqs_.at(kv.first).state().n_evicted;
     }
+    std::map<llama_seq_id, size_t> fed;
     for (size_t i = 0; i < plan.steps.size(); ++i) {
         if (i > 0 && params_.check_interrupt) {
             params_.check_interrupt();
@@ -495,7 +499,14 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             chunk[seq].assign(toks.begin() + part.first, toks.begin() + part.first + part.second);
         }
         decode(chunk, logits_all, step.windows);
+        for (const auto & [seq, part] : step.chunk) {
+            fed[seq] = part.first + part.second;
+        }
         for (const llama_seq_id seq : step.evict_after) {
+            const auto & toks = tokens.at(seq);
+            if (n_probe > 0 && fed[seq] + (size_t) n_probe < toks.size()) { // the question is not reached yet
+                probe(seq, std::vector<llama_token>(toks.end() - n_probe, toks.end()));
+            }
             evict(seq);
         }
     }
@@ -561,6 +572,19 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             const int32_t n = llama_attn_scores_get(ctx_, seq, &pos, &sums);
             sc.observe(*policy_, pos, sums, n, n_new, windows.count(seq) > 0);
         }
+    }
+}
+
+void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & question) {
+    const auto it = last_logits_.find(seq);
+    const bool had_logits = it != last_logits_.end();
+    const std::vector<float> logits = had_logits ? it->second : std::vector<float>();
+    decode({{seq, question}}, false, {seq});
+    seqs_.at(seq).drop_newest((int32_t) question.size());
+    if (had_logits) {
+        last_logits_[seq] = logits;
+    } else {
+        last_logits_.erase(seq);
     }
 }
 

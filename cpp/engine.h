@@ -124,6 +124,8 @@ private:
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
                 const std::set<llama_seq_id> & windows = {});
     void evict(llama_seq_id seq);
+    // decode `question` after what seq holds as a probe (observed as a query window), then remove it
+    void probe(llama_seq_id seq, const std::vector<llama_token> & question);
     void compact(llama_seq_id seq);
 
     EngineParams params_;

@@ -33,6 +33,12 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
     auto policy = it->second(cfg);
     check_policy(cfg.window < 0 || policy->query_window() == cfg.window,
                  "policy '" + cfg.name + "' takes no query window (window=" + std::to_string(cfg.window) + ")");
+    if (cfg.probe > 0) {
+        auto * ranked = dynamic_cast<RankedPolicy *>(policy.get());
+        check_policy(ranked != nullptr && policy->needs_scores(),
+                     "policy '" + cfg.name + "' ranks by no attention scores: it takes no question probe");
+        ranked->set_probe_tokens(cfg.probe);
+    }
     return policy;
 }
 

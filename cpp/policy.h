@@ -22,6 +22,7 @@ struct PolicyConfig {
     int32_t recent = -1;
     int32_t sinks  = -1;
     int32_t window = -1; // queries at a prompt's end that score it (Policy::query_window); < 0: the policy's own
+    int32_t probe  = -1; // the question probe: a prompt's last N tokens rank each piece of a bounded prefill; <= 0: none
 };
 
 // Entries kept per sequence: the first `sinks` positions, the `heavy` best-scored older ones, the `recent` newest.
@@ -100,6 +101,11 @@ public:
     // sees their attention alone (ScoreUpdate::window); single tokens (generation) never form a window
     virtual int32_t query_window() const { return 0; }
 
+    // > 0: in a bounded prefill, before a piece of a prompt is evicted, the prompt's last N tokens (its question) are
+    // decoded after it as a probe, observed as a query window, and removed (cells, positions, scores, logits): the
+    // piece is ranked by the question before the question is reached
+    virtual int32_t probe_tokens() const { return 0; }
+
     // fold one decode's exported scores into the sequence's scores; the default is H2O's accumulation (the raw
     // probabilities added up, summed over heads in head order, no decay)
     virtual void observe(SeqScores & scores, const ScoreUpdate & update) const;
@@ -122,6 +128,8 @@ public:
     RankedPolicy(std::string name, BudgetSplit split) : name_(std::move(name)), split_(split) {}
 
     std::string name() const override { return name_; }
+    int32_t probe_tokens() const override { return probe_; }
+    void set_probe_tokens(int32_t n) { probe_ = n; } // by make_policy, before the policy is shared
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
     // ties go to the older position
@@ -135,6 +143,7 @@ protected:
 private:
     std::string name_;
     BudgetSplit split_;
+    int32_t     probe_ = 0;
 };
 
 // A scorer that only ranks differently is one function: `make_ranked<RankedBy<mean_per_query>, half_recent>`

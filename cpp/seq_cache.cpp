@@ -179,6 +179,18 @@ void SeqCache::set_keep(const Policy & policy, int32_t n) {
     st_.n_keep = n;
 }
 
+void SeqCache::drop_newest(int32_t n) {
+    const size_t kept = st_.positions.size() - (size_t) n;
+    llama_memory_seq_rm(mem_, seq_, st_.positions[kept], -1);
+    std::vector<size_t> older(kept);
+    std::iota(older.begin(), older.end(), 0);
+    st_.positions.resize(kept);
+    st_.scores    = st_.scores.gather(older);
+    st_.next_pos -= n;
+    st_.n_seen   -= n;
+    forget_keys();
+}
+
 void SeqCache::drop_unfinished() {
     forget_keys();
     llama_memory_seq_rm(mem_, seq_, st_.next_pos, -1);

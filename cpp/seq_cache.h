@@ -49,6 +49,8 @@ public:
     void evict(const Policy & policy, bool rolling, int32_t roll_interval);
     // drop the entries at next_pos and above (a decode that failed half-way)
     void drop_unfinished();
+    // remove the n newest entries (a probe's): their cells, positions and scores; the position goes back
+    void drop_newest(int32_t n);
     void clear();
 
     std::vector<uint8_t> save_kv() const;

@@ -36,6 +36,7 @@ class Setting:
     window: Optional[int] = None
     recent: Optional[int] = None
     recent_percent: Optional[float] = None
+    probe: Optional[int] = None
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
@@ -57,7 +58,7 @@ class Setting:
     def policy_label(self) -> str:
         """The policy's part of the label (`tova-256+s4+r192` of `tova-256+s4+r192+roll`): `policies.parse` reads it."""
         head, *suffixes = self.label.split("+")
-        return "+".join([head] + [x for x in suffixes if x[:1] in "swr" and x[1:].isdigit()])
+        return "+".join([head] + [x for x in suffixes if x[:1] in "swrq" and x[1:].isdigit()])
 
     @property
     def family(self) -> str:
@@ -68,7 +69,8 @@ class Setting:
     @property
     def is_plain(self) -> bool:
         """The policy with its own defaults: no sinks, window or recent given."""
-        return self.sinks is None and self.window is None and self.recent is None and self.recent_percent is None
+        return (self.sinks is None and self.window is None and self.recent is None and self.recent_percent is None
+                and self.probe is None)
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
         if self.percent is None and self.recent_percent is None:
@@ -78,10 +80,10 @@ class Setting:
         if self.recent_percent is not None:
             recent = round(budget * self.recent_percent / 100)
         if recent is None:
-            return resolve(self.policy, budget, sinks=self.sinks, window=self.window)
+            return resolve(self.policy, budget, sinks=self.sinks, window=self.window, probe=self.probe)
         # an explicit recent share: the heavy entries are what the sinks and the recent window leave
         return resolve(self.policy, budget, heavy=max(0, budget - (self.sinks or 0) - recent), recent=recent,
-                       sinks=self.sinks, window=self.window)
+                       sinks=self.sinks, window=self.window, probe=self.probe)
 
     def llama_kwargs(self, prompt_tokens: Optional[int] = None) -> Dict[str, Any]:
         """Keyword arguments of `Llama(...)` for this setting."""
@@ -113,6 +115,8 @@ def parse_setting(label: str) -> Setting:
             fields["sinks"] = int(s[1:])
         elif s.startswith("w") and s[1:].isdigit():
             fields["window"] = int(s[1:])
+        elif s.startswith("q") and s[1:].isdigit():
+            fields["probe"] = int(s[1:])
         elif s.startswith("r") and s[1:].isdigit():
             fields["recent"] = int(s[1:])
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():

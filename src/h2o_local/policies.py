@@ -26,7 +26,7 @@ from . import _engine
 
 REGISTRY: Dict[str, Type["Policy"]] = {}
 # the fields a policy value passes to its C++ factory (PolicyConfig), in order
-ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "window")
+ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "window", "probe")
 
 
 INT32_MAX = 2**31 - 1  # the C++ side takes 32-bit ints
@@ -73,6 +73,8 @@ class Policy:
                 object.__setattr__(self, key, getattr(cpp, key))
         if "window" in self._field_names():
             object.__setattr__(self, "window", cpp.query_window)
+        if "probe" in self._field_names():
+            object.__setattr__(self, "probe", cpp.probe_tokens or None)
         object.__setattr__(self, "_cpp", cpp)
 
     @classmethod
@@ -131,9 +133,11 @@ class Policy:
         window = getattr(self, "window", None)
         if window is not None and window != _engine.Policy(self.name, self.budget).query_window:  # C++'s default
             extra += f"+w{window}"
+        if getattr(self, "probe", None):
+            extra += f"+q{self.probe}"  # type: ignore[attr-defined]
         recent = getattr(self, "recent", None)
         if isinstance(self, Scored) and recent is not None:
-            default = resolve(self.name, self.budget, sinks=sinks or None, window=window)
+            default = resolve(self.name, self.budget, sinks=sinks or None, window=window)  # the probe splits nothing
             if default.recent != recent:  # type: ignore[attr-defined]
                 extra += f"+r{recent}"
         return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
@@ -176,6 +180,9 @@ class Scored(Policy):
     heavy: Optional[int] = None
     recent: Optional[int] = None
     sinks: Optional[int] = None
+    # the question probe: in a bounded prefill each piece is ranked by the prompt's last `probe` tokens (its
+    # question), decoded after the piece and removed, before the piece is evicted; None: no probe
+    probe: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -277,6 +284,8 @@ class PythonRanked(Scored):
             if self.heavy is None or self.recent is None:
                 raise ValueError(f"policy {self.name!r} needs a budget (KV entries kept per sequence), or heavy and recent")
             object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
+        if self.probe is not None:
+            raise ValueError("a PythonRanked policy takes no question probe (yet)")
         # resolved once, in C++ (the split), as a RankedPolicy whose rank() is this value's
         self._adopt(_PythonRank(self, self.name, *map(_engine_int, (self.budget, self.heavy, self.recent, self.sinks))))
 
@@ -297,13 +306,14 @@ class _PythonRank(_engine.RankedPolicy):
 
 
 def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,
-            recent: Optional[int] = None, sinks: Optional[int] = None, window: Optional[int] = None) -> Policy:
+            recent: Optional[int] = None, sinks: Optional[int] = None, window: Optional[int] = None,
+            probe: Optional[int] = None) -> Policy:
     """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split
-    (and, for snapkv, a query `window` in tokens).
+    (and, for snapkv, a query `window` in tokens; for a scorer, a question `probe` in tokens).
 
     `policy="h2o"` with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
-    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "window": window}
+    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "window": window, "probe": probe}
     if isinstance(policy, Policy):
         if any(v is not None for v in given.values()):
             raise ValueError("give budget, heavy, recent and sinks inside the policy value, not beside it")
@@ -314,7 +324,8 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
         raise ValueError(f"unknown policy {policy!r} (expected one of: {', '.join(sorted(REGISTRY))})")
     for key, value in given.items():
         check_int(key, value, minimum=1 if key == "budget" else 0)
-    if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and window is None:
+    if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and window is None \
+            and probe is None:
         return Full()
     # the C++ policy validates every combination (with its own messages) and resolves it, once
     cpp = _engine.Policy(policy, *map(_engine_int, given.values()))
@@ -336,13 +347,13 @@ def parse(text: str) -> Policy:
     budget_text, *suffixes = rest.split("+")
     extra: Dict[str, int] = {}
     for suffix in suffixes:
-        key = {"s": "sinks", "w": "window", "r": "recent"}.get(suffix[:1])
+        key = {"s": "sinks", "w": "window", "r": "recent", "q": "probe"}.get(suffix[:1])
         if key is None or key in extra or not _DIGITS.fullmatch(suffix[1:]):
             budget_text = ""  # not a label
             break
         extra[key] = int(suffix[1:])
     if not _DIGITS.fullmatch(budget_text):
         raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks), +wN "
-                         "(query window) and +rN (recent entries), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
+                         "(query window), +rN (recent entries) and +qN (question probe), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
                          "tova-256+s4+r192)")
     return resolve(name, int(budget_text), **extra)
