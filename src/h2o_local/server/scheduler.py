@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from .. import generation
-from ..sessions import SessionCache
 from ..llama import Llama
 from ..sampling import SamplingParams
+from ..sessions import SessionCache
 
 
 class Busy(Exception):
