@@ -32,6 +32,9 @@ struct ByteReader {
         if (n > left) {
             throw std::invalid_argument("not a session snapshot: the data ends early");
         }
+        if (n == 0) {
+            return; // an empty array's data() may be null, which memcpy must not get
+        }
         memcpy(dst, p, n);
         p += n;
         left -= n;
