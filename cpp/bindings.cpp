@@ -34,10 +34,10 @@ py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
 }
 
 PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                           int32_t window, int32_t probe = -1) {
+                           int32_t window, const std::string & probe = "", int32_t question = -1, int32_t pool = -1) {
     PolicyConfig cfg;
     cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks; cfg.window = window;
-    cfg.probe = probe;
+    cfg.probe = probe; cfg.question = question; cfg.pool = pool;
     return cfg;
 }
 
@@ -57,6 +57,8 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["scores"]      = to_numpy(st.scores.total.data(), {n});
     d["head_scores"] = to_numpy(st.scores.head.data(), {n, (py::ssize_t) e.n_head()});
     d["queries"]     = to_numpy(st.scores.queries.data(), {n});
+    d["probe_scores"] = to_numpy(st.scores.probe.data(), {n});
+    d["tokens"]      = to_numpy(st.tokens.data(), {n});
     d["next_pos"]    = st.next_pos;
     d["n_seen"]      = st.n_seen;
     d["n_evicted"]   = st.n_evicted;
@@ -159,12 +161,18 @@ PYBIND11_MODULE(_engine, m) {
     // a resolved policy: validation, defaults and the budget split happen here, once; the engine takes this object
     py::class_<Policy, std::shared_ptr<Policy>>(m, "Policy", "A resolved eviction policy (see h2o_local.policies).")
         .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                         int32_t window, int32_t probe) {
+                         int32_t window, const std::string & probe, int32_t question, int32_t pool) {
                  return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, window,
-                                                                          probe)));
+                                                                          probe, question, pool)));
              }), py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1,
-             py::arg("sinks") = -1, py::arg("window") = -1, py::arg("probe") = -1)
-        .def_property_readonly("probe_tokens", &Policy::probe_tokens)
+             py::arg("sinks") = -1, py::arg("window") = -1, py::arg("probe") = "", py::arg("question") = -1,
+             py::arg("pool") = -1)
+        .def_property_readonly("probe", [](const Policy & p) { return probe_source_name(p.probe().source); })
+        .def_property_readonly("question", [](const Policy & p) { return p.probe().question; })
+        .def_property_readonly("pool", [](const Policy & p) {
+            const auto * r = dynamic_cast<const RankedPolicy *>(&p);
+            return r != nullptr ? r->pool() : 1;
+        })
         .def_property_readonly("name", &Policy::name)
         .def_property_readonly("bounded", &Policy::bounded)
         .def_property_readonly("needs_scores", &Policy::needs_scores)
@@ -176,18 +184,20 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("budget", [](const Policy & p) { return p.bounded() ? p.split().total() : -1; })
         .def("select", [](const Policy & p, const std::vector<llama_pos> & positions, const std::vector<float> & total,
                         py::array_t<float, py::array::c_style | py::array::forcecast> head,
-                        const std::vector<int64_t> & queries) {
+                        const std::vector<int64_t> & queries, std::vector<float> probe) {
             SeqScores s;
             s.n_head  = head.ndim() == 2 ? (int32_t) head.shape(1) : 0;
             s.total   = total;
             s.head.assign(head.data(), head.data() + head.size());
             s.queries = queries;
+            s.probe   = probe.empty() ? std::vector<float>(positions.size(), 0.0f) : std::move(probe);
             if (total.size() != positions.size() || queries.size() != positions.size() ||
-                s.head.size() != positions.size()*(size_t) s.n_head) {
-                throw std::invalid_argument("positions, total, head [n, n_head] and queries must describe n entries");
+                s.head.size() != positions.size()*(size_t) s.n_head || s.probe.size() != positions.size()) {
+                throw std::invalid_argument("positions, total, head [n, n_head], queries and probe must describe n entries");
             }
             return p.select(positions, s, p.split());
         }, py::arg("positions"), py::arg("total"), py::arg("head"), py::arg("queries"),
+           py::arg("probe") = std::vector<float>(),
            "The indices the policy keeps of n entries with these scores (its rule alone, on synthetic scores).");
 
     py::class_<RankedPolicy, PyRankedPolicy, Policy, std::shared_ptr<RankedPolicy>>(
@@ -197,6 +207,10 @@ PYBIND11_MODULE(_engine, m) {
                  return std::make_shared<PyRankedPolicy>(name, ranked_split(cfg, half_recent));
              }), py::arg("name"), py::arg("budget"), py::arg("heavy") = -1, py::arg("recent") = -1,
              py::arg("sinks") = -1);
+
+    m.attr("PROBE_TEXTS") = py::dict("catalyst"_a = probe_text(ProbeSource::catalyst),
+                                     "repeat"_a = probe_text(ProbeSource::repeat));
+    m.attr("DEFAULT_QUESTION_TOKENS") = kDefaultQuestionTokens;
 
 #ifdef GGML_USE_RPC
     m.attr("RPC_PROTO_VERSION") = py::make_tuple(RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION, RPC_PROTO_PATCH_VERSION);
@@ -313,6 +327,8 @@ PYBIND11_MODULE(_engine, m) {
              "KV cells still free for seq_id: its stream's, or the whole unified cache's (shared by all sequences).")
         .def_property_readonly("n_batch", &Engine::n_batch)
         .def_property_readonly("kv_bytes", [](const Engine & e) { return without_gil([&] { return e.kv_bytes(); }); })
+        .def("probe_cells", [](const Engine & e, const Policy & p) { return e.probe_cells(p); }, py::arg("policy"),
+             "KV cells the policy's probe needs beside a sequence's entries.")
         .def_property_readonly("cells_used", [](const Engine & e) { return without_gil([&] { return e.cells_used(); }); })
         .def_property_readonly("scores_sum_rows", &Engine::scores_sum_rows)
         .def_property_readonly("params", [](const Engine & e) {

@@ -12,6 +12,14 @@
 
 namespace h2o {
 
+std::string probe_text(ProbeSource source) {
+    switch (source) {
+        case ProbeSource::catalyst: return "\n\nSummarize the previous context highlighting the most important parts.";
+        case ProbeSource::repeat:   return "\n\nRepeat the previous context exactly.\n\n";
+        default:                    return "";
+    }
+}
+
 uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool kv_unified) {
     return kv_unified ? n_seq*budget + n_batch : n_seq*(budget + n_batch);
 }
@@ -78,6 +86,8 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     }
 
     model_ = std::make_unique<Model>(model_path, params.n_gpu_layers, false, params.verbose, params.rpc_servers);
+    catalyst_      = model_->tokenize(probe_text(ProbeSource::catalyst), false, false);
+    repeat_prefix_ = model_->tokenize(probe_text(ProbeSource::repeat), false, false);
 
     // cells per stream: the budgets of all sequences + one batch (unified), or a budget + one batch per sequence
     const uint32_t n_stream   = params.kv_unified ? 1 : params.n_seq_max;
@@ -86,7 +96,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     if (n_ctx == 0) {
         const uint32_t n_ctx_train = (uint32_t) std::max(llama_model_n_ctx_train(model_->get()), 1);
         n_ctx = policy_->bounded() ? bounded_cells(params.n_seq_max, policy_->split().total(), params.n_batch, params.kv_unified) +
-                                         n_stream*std::max(policy_->probe_tokens(), 0) // a probe's cells beside a piece
+                                         n_stream*probe_cells(*policy_) // a probe's cells beside a piece
                                    : n_stream*n_ctx_train;
     }
     if (policy_->bounded() && n_ctx/n_stream <= kept_per_stream) {
@@ -328,9 +338,11 @@ void Engine::set_policy(PolicyPtr policy) {
                                                         : "create the engine with a scoring policy or export_scores=True"));
     }
     const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
-    if (policy->bounded() && n_seq_stream*(policy->split().total() + std::max(policy->probe_tokens(), 0)) >= stream_capacity()) {
-        throw std::invalid_argument("budget " + std::to_string(policy->split().total()) + " leaves no room in the context's " +
-                                    std::to_string(capacity_) + " cells");
+    if (policy->bounded() && n_seq_stream*(policy->split().total() + probe_cells(*policy)) >= stream_capacity()) {
+        const int32_t n_probe = probe_cells(*policy);
+        throw std::invalid_argument("budget " + std::to_string(policy->split().total()) +
+                                    (n_probe > 0 ? " and its probe's " + std::to_string(n_probe) + " cells" : std::string()) +
+                                    " leave no room in the context's " + std::to_string(capacity_) + " cells");
     }
     if (policy->bounded()) {
         // protected prefixes, of the sequences held and of those to come, must still fit
@@ -350,7 +362,7 @@ void Engine::set_keep(llama_seq_id seq, int32_t n_keep) {
 void Engine::compress(llama_seq_id seq) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const int64_t n_evicted = seq_cache(seq).state().n_evicted;
-    evict(seq);
+    probe_and_evict(seq, nullptr);
     if (seqs_.at(seq).state().n_evicted > n_evicted) {
         compact(seq);
     }
@@ -464,8 +476,8 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     for (const auto & kv : seqs_) {
         in.cells[kv.first] = kv.second.size();
     }
-    // a question probe needs its cells beside a piece before the piece is evicted
-    const int32_t n_probe = policy_->bounded() ? std::max(policy_->probe_tokens(), 0) : 0;
+    // a probe needs its cells beside a piece before the piece is evicted
+    const int32_t n_probe = policy_->bounded() ? probe_cells(*policy_) : 0;
     in.capacity       = (int32_t) stream_capacity() - n_probe*(params_.kv_unified ? (int32_t) tokens.size() : 1);
     in.kv_unified     = params_.kv_unified;
     in.defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
@@ -503,16 +515,12 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             fed[seq] = part.first + part.second;
         }
         for (const llama_seq_id seq : step.evict_after) {
-            const auto & toks = tokens.at(seq);
-            if (n_probe > 0 && fed[seq] + (size_t) n_probe < toks.size()) { // the question is not reached yet
-                probe(seq, std::vector<llama_token>(toks.end() - n_probe, toks.end()));
-            }
-            evict(seq);
+            probe_and_evict(seq, &tokens.at(seq));
         }
     }
     if (plan.fits) {
         for (const auto & kv : tokens) {
-            evict(kv.first);
+            probe_and_evict(kv.first, &kv.second);
         }
     }
     // a prompt that evicted leaves its kept cells scattered over every cell it went through (single tokens reuse the
@@ -525,7 +533,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
 }
 
 void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
-                    const std::set<llama_seq_id> & windows) {
+                    const std::set<llama_seq_id> & windows, const std::set<llama_seq_id> & probes) {
     batch_.n_tokens = 0;
     for (const auto & [seq, toks] : chunk) {
         const llama_pos p0 = seqs_.at(seq).next_pos();
@@ -565,26 +573,108 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
         last_logits_[seq].assign(last, last + n_vocab);
         j += n_new;
 
-        sc.append(n_new);
+        sc.append(toks);
         if (scores_path_ >= 0) {
             const llama_pos * pos = nullptr;
             const float * sums = nullptr;
             const int32_t n = llama_attn_scores_get(ctx_, seq, &pos, &sums);
-            sc.observe(*policy_, pos, sums, n, n_new, windows.count(seq) > 0);
+            if (probes.count(seq) > 0) {
+                add_probe_sums(sc, pos, sums, n);
+            } else {
+                sc.observe(*policy_, pos, sums, n, n_new, windows.count(seq) > 0);
+            }
         }
     }
 }
 
-void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & question) {
+int32_t Engine::probe_cells(const Policy & policy) const {
+    const ProbeSpec spec = policy.probe();
+    switch (spec.source) {
+        case ProbeSource::question: return spec.question;
+        case ProbeSource::catalyst: return (int32_t) catalyst_.size();
+        case ProbeSource::repeat:   return (int32_t) (repeat_prefix_.size() + params_.n_batch);
+        case ProbeSource::none:     break;
+    }
+    return 0;
+}
+
+void Engine::probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt) {
+    if (policy_->bounded() && seqs_.at(seq).size() > policy_->split().total()) {
+        run_probe(seq, prompt);
+    }
+    evict(seq);
+}
+
+void Engine::run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt) {
+    const ProbeSpec spec = policy_->probe();
+    switch (spec.source) {
+        case ProbeSource::none:
+            return;
+        case ProbeSource::question:
+            if (prompt != nullptr) { // compress() knows no question
+                const size_t n = std::min(prompt->size(), (size_t) spec.question);
+                probe(seq, std::vector<llama_token>(prompt->end() - n, prompt->end()));
+            }
+            return;
+        case ProbeSource::catalyst:
+            probe(seq, catalyst_);
+            return;
+        case ProbeSource::repeat: {
+            // the entries no probe has seen yet, repeated after the instruction in pieces of at most one batch
+            const SeqState & st = seqs_.at(seq).state();
+            std::vector<llama_token> unseen;
+            for (size_t i = 0; i < st.tokens.size(); ++i) {
+                if (st.scores.probe[i] == 0.0f) {
+                    unseen.push_back(st.tokens[i]);
+                }
+            }
+            const int32_t piece = std::min<int32_t>((int32_t) params_.n_batch, room(seq) - (int32_t) repeat_prefix_.size());
+            if (piece < 1) {
+                throw std::invalid_argument("no room for the repeat probe beside sequence " + std::to_string(seq) + "'s " +
+                                            std::to_string(st.positions.size()) + " entries: use a larger n_ctx (or 0)");
+            }
+            for (size_t a = 0; a < unseen.size(); a += (size_t) piece) {
+                std::vector<llama_token> toks = repeat_prefix_;
+                toks.insert(toks.end(), unseen.begin() + a, unseen.begin() + std::min(unseen.size(), a + piece));
+                probe(seq, toks);
+            }
+            return;
+        }
+    }
+}
+
+void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
+    if (toks.empty()) {
+        return;
+    }
     const auto it = last_logits_.find(seq);
     const bool had_logits = it != last_logits_.end();
     const std::vector<float> logits = had_logits ? it->second : std::vector<float>();
-    decode({{seq, question}}, false, {seq});
-    seqs_.at(seq).drop_newest((int32_t) question.size());
+    SeqCache & sc = seqs_.at(seq);
+    const int32_t n_old = sc.size();
+    probe_sums_.assign((size_t) n_old*n_head_, 0.0f);
+    // a batch at a time; the sums of all its queries over the entries it probes, as one decode would give them
+    for (size_t a = 0; a < toks.size(); a += n_batch()) {
+        decode({{seq, std::vector<llama_token>(toks.begin() + a, toks.begin() + std::min(toks.size(), a + n_batch()))}},
+               false, {}, {seq});
+    }
+    sc.drop_newest((int32_t) toks.size());
+    sc.observe_probe(probe_sums_, (int32_t) toks.size());
     if (had_logits) {
         last_logits_[seq] = logits;
     } else {
         last_logits_.erase(seq);
+    }
+}
+
+void Engine::add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n) {
+    const size_t n_old = probe_sums_.size()/n_head_;
+    const auto & kept = sc.state().positions;
+    if ((size_t) n < n_old || !std::equal(kept.begin(), kept.begin() + n_old, pos)) {
+        throw std::logic_error("a probe's attention scores do not cover the entries it probes");
+    }
+    for (size_t i = 0; i < probe_sums_.size(); ++i) {
+        probe_sums_[i] += sums[i];
     }
 }
 

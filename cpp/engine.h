@@ -57,6 +57,9 @@ uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool k
 // KV cells llama.cpp allocates for n_cells: llama_context rounds n_ctx, and each stream's share, up to a multiple of
 // 256 (llama-context.cpp); what a memory limit has to cover
 uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified);
+// the fixed text a probe decodes (InfiniPot's catalyst prompt; KVzip's repeat instruction, before the entries' own
+// tokens); empty for the question probe, whose tokens are the prompt's
+std::string probe_text(ProbeSource source);
 // bytes per element of a KV cache type by ggml name ("f16", "q8_0", ...): the type's block bytes over its values
 double kv_type_bytes(const std::string & name);
 
@@ -112,6 +115,8 @@ public:
     int32_t  n_head()   const { return n_head_; }
     bool     scores_sum_rows() const { return scores_path_ == 1; }
     size_t   kv_bytes() const;    // bytes allocated for the KV cache
+    // cells a policy's probe needs beside a sequence's entries (the repeat probe: its instruction + one batch)
+    int32_t  probe_cells(const Policy & policy) const;
     int32_t  cells_used() const;  // KV entries held by all sequences
 
 private:
@@ -121,11 +126,18 @@ private:
     std::string origin() const; // what a snapshot must match to be restored here
     std::string kv_types() const; // "F16", "q8_0/F16", ...
     // windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
+    // probes: the sequences whose tokens in chunk are a probe's (observed into SeqScores::probe)
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
-                const std::set<llama_seq_id> & windows = {});
+                const std::set<llama_seq_id> & windows = {}, const std::set<llama_seq_id> & probes = {});
     void evict(llama_seq_id seq);
-    // decode `question` after what seq holds as a probe (observed as a query window), then remove it
-    void probe(llama_seq_id seq, const std::vector<llama_token> & question);
+    // before an eviction that will remove entries, the policy's probe ranks them; `prompt` is the prompt being fed
+    // (the question probe's source; null in compress())
+    void probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt);
+    void run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt);
+    // decode toks after what seq holds as a probe, then remove them (cells, positions, scores, logits)
+    void probe(llama_seq_id seq, const std::vector<llama_token> & toks);
+    // add a probe decode's exported sums over the entries it probes to probe_sums_
+    void add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n);
     void compact(llama_seq_id seq);
 
     EngineParams params_;
@@ -137,6 +149,9 @@ private:
     uint32_t capacity_ = 0;
     int32_t  scores_path_ = -1; // llama_attn_scores_enable: 0 out_prod, 1 sum_rows, -1 off
     std::string origin_;
+    std::vector<llama_token> catalyst_;      // the catalyst probe's tokens
+    std::vector<llama_token> repeat_prefix_; // the repeat probe's instruction, before the entries' own tokens
+    std::vector<float> probe_sums_;          // [entries probed][n_head]: the running probe's attention so far
 
     std::map<llama_seq_id, SeqCache> seqs_;
     std::map<llama_seq_id, std::vector<float>> last_logits_;

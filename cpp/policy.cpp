@@ -33,13 +33,46 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
     auto policy = it->second(cfg);
     check_policy(cfg.window < 0 || policy->query_window() == cfg.window,
                  "policy '" + cfg.name + "' takes no query window (window=" + std::to_string(cfg.window) + ")");
-    if (cfg.probe > 0) {
-        auto * ranked = dynamic_cast<RankedPolicy *>(policy.get());
+    const ProbeSource source = probe_source_from_name(cfg.probe);
+    check_policy(source == ProbeSource::question || cfg.question < 0,
+                 "question=" + std::to_string(cfg.question) + " is the question probe's length: it needs probe='question'");
+    auto * ranked = dynamic_cast<RankedPolicy *>(policy.get());
+    if (source != ProbeSource::none) {
         check_policy(ranked != nullptr && policy->needs_scores(),
-                     "policy '" + cfg.name + "' ranks by no attention scores: it takes no question probe");
-        ranked->set_probe_tokens(cfg.probe);
+                     "policy '" + cfg.name + "' ranks by no attention scores: it takes no probe");
+        const int32_t question = cfg.question < 0 ? kDefaultQuestionTokens : cfg.question;
+        check_policy(source != ProbeSource::question || question >= 1,
+                     "the question probe needs question >= 1 (tokens), got " + std::to_string(question));
+        ranked->set_probe({source, source == ProbeSource::question ? question : 0});
+    }
+    if (cfg.pool >= 0) {
+        check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no pool");
+        check_policy(cfg.pool >= 1, "pool must be >= 1 (entries), got " + std::to_string(cfg.pool));
+        ranked->set_pool(cfg.pool);
     }
     return policy;
+}
+
+ProbeSource probe_source_from_name(const std::string & name) {
+    if (name.empty() || name == "none") {
+        return ProbeSource::none;
+    }
+    for (const ProbeSource s : {ProbeSource::question, ProbeSource::repeat, ProbeSource::catalyst}) {
+        if (name == probe_source_name(s)) {
+            return s;
+        }
+    }
+    throw std::invalid_argument("unknown probe '" + name + "' (expected one of: question, repeat, catalyst)");
+}
+
+std::string probe_source_name(ProbeSource source) {
+    switch (source) {
+        case ProbeSource::question: return "question";
+        case ProbeSource::repeat:   return "repeat";
+        case ProbeSource::catalyst: return "catalyst";
+        case ProbeSource::none:     break;
+    }
+    return "";
 }
 
 std::vector<std::string> policy_names() {
@@ -92,6 +125,27 @@ void replace_scores(SeqScores & scores, const ScoreUpdate & update) {
     accumulate_scores(scores, update);
 }
 
+void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_queries) {
+    const float per_query = 1.0f/(float) std::max(n_queries, 1);
+    for (size_t i = 0; i < scores.size(); ++i) {
+        const float * h = head_sums + i*scores.n_head;
+        const float best = *std::max_element(h, h + scores.n_head)*per_query;
+        scores.probe[i] = std::max(scores.probe[i], best);
+    }
+}
+
+std::vector<float> max_pool(const std::vector<float> & v, int32_t width) {
+    const int64_t n = (int64_t) v.size();
+    const int64_t half = std::max(width, 1)/2;
+    std::vector<float> out(v.size());
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t lo = std::max<int64_t>(0, i - half);
+        const int64_t hi = std::min(n - 1, i + half);
+        out[i] = *std::max_element(v.begin() + lo, v.begin() + hi + 1);
+    }
+    return out;
+}
+
 BudgetSplit BudgetSplit::after_prefix(int32_t n_keep) const {
     check_policy(n_keep >= 0 && n_keep < total(), "a protected prefix of " + std::to_string(n_keep) +
                  " tokens does not fit in a budget of " + std::to_string(total()) + " (it must leave room for the newest token)");
@@ -115,8 +169,17 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
         cand.push_back(i);
     }
     const size_t n_heavy = std::min<size_t>(split.heavy, cand.size());
-    const std::vector<float> s = rank(scores);
+    std::vector<float> s = rank(scores);
+    std::vector<float> first; // the probe's scores come before rank() when there is a probe
+    if (probe_.source != ProbeSource::none) {
+        first = pool_ > 1 ? max_pool(scores.probe, pool_) : scores.probe;
+    } else if (pool_ > 1) {
+        s = max_pool(s, pool_);
+    }
     std::partial_sort(cand.begin(), cand.begin() + n_heavy, cand.end(), [&](size_t a, size_t b) {
+        if (!first.empty() && first[a] != first[b]) {
+            return first[a] > first[b];
+        }
         return s[a] > s[b] || (s[a] == s[b] && a < b);
     });
     cand.resize(n_heavy);

@@ -22,8 +22,32 @@ struct PolicyConfig {
     int32_t recent = -1;
     int32_t sinks  = -1;
     int32_t window = -1; // queries at a prompt's end that score it (Policy::query_window); < 0: the policy's own
-    int32_t probe  = -1; // the question probe: a prompt's last N tokens rank each piece of a bounded prefill; <= 0: none
+    std::string probe;   // what ranks the prompt before it is evicted (probe_source_from_name): "" none, "question",
+                         // "repeat", "catalyst"
+    int32_t question = -1; // the question probe's length: a prompt's last N tokens; < 0: kDefaultQuestionTokens
+    int32_t pool   = -1; // rank an entry by the best of the `pool` entries centred on it (a fact's span); < 0: 1
 };
+
+// A probe: tokens decoded after what a sequence holds, whose attention to it ranks it, and which are then removed
+// (cells, positions, scores, logits). It is run before an eviction that ends a piece of a prompt, at a prompt's end
+// and on compress(), so what is evicted before the question arrives is chosen by something that looks like a reader.
+enum class ProbeSource {
+    none,
+    question, // the prompt's own last `question` tokens (FINCH): knows the question, decoded once per piece
+    repeat,   // KVzip: "Repeat the previous context exactly." + the entries' own tokens: query-agnostic, ~2x prefill
+    catalyst, // InfiniPot: a short generic instruction decoded after the piece: query-agnostic and cheap
+};
+
+struct ProbeSpec {
+    ProbeSource source   = ProbeSource::none;
+    int32_t     question = 0; // tokens of the question probe
+};
+
+constexpr int32_t kDefaultQuestionTokens = 32;
+
+// "question" -> ProbeSource::question ...; throws std::invalid_argument for an unknown name
+ProbeSource probe_source_from_name(const std::string & name);
+std::string probe_source_name(ProbeSource source);
 
 // Entries kept per sequence: the first `sinks` positions, the `heavy` best-scored older ones, the `recent` newest.
 struct BudgetSplit {
@@ -55,6 +79,8 @@ struct SeqScores {
     std::vector<float>   total;   // [n]: the score the policy ranks by
     std::vector<float>   head;    // [n][n_head]: per query head
     std::vector<int64_t> queries; // [n]: queries that have attended the entry so far (its own included)
+    std::vector<float>   probe;   // [n]: the most attention a probe gave the entry (per probe query, in the head that
+                                  // gave it the most, largest over probes); 0: never probed
 
     size_t size() const { return total.size(); }
 
@@ -65,6 +91,7 @@ struct SeqScores {
         out.total   = gather_rows(total, 1, indices);
         out.head    = gather_rows(head, (size_t) n_head, indices);
         out.queries = gather_rows(queries, 1, indices);
+        out.probe   = gather_rows(probe, 1, indices);
         return out;
     }
 };
@@ -101,10 +128,9 @@ public:
     // sees their attention alone (ScoreUpdate::window); single tokens (generation) never form a window
     virtual int32_t query_window() const { return 0; }
 
-    // > 0: in a bounded prefill, before a piece of a prompt is evicted, the prompt's last N tokens (its question) are
-    // decoded after it as a probe, observed as a query window, and removed (cells, positions, scores, logits): the
-    // piece is ranked by the question before the question is reached
-    virtual int32_t probe_tokens() const { return 0; }
+    // a probe (see ProbeSource) ranks the entries before a prompt's evictions; its scores go to SeqScores::probe
+    // (observe_probe), never through observe()
+    virtual ProbeSpec probe() const { return {}; }
 
     // fold one decode's exported scores into the sequence's scores; the default is H2O's accumulation (the raw
     // probabilities added up, summed over heads in head order, no decay)
@@ -128,11 +154,15 @@ public:
     RankedPolicy(std::string name, BudgetSplit split) : name_(std::move(name)), split_(split) {}
 
     std::string name() const override { return name_; }
-    int32_t probe_tokens() const override { return probe_; }
-    void set_probe_tokens(int32_t n) { probe_ = n; } // by make_policy, before the policy is shared
+    ProbeSpec probe() const override { return probe_; }
+    int32_t pool() const { return pool_; }
+    // by make_policy, before the policy is shared
+    void set_probe(ProbeSpec probe) { probe_ = probe; }
+    void set_pool(int32_t pool) { pool_ = pool; }
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
-    // ties go to the older position
+    // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties), each entry taking
+    // the best of the pool() entries centred on it; ties go to the older position
     std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                              const BudgetSplit & split) const override;
 
@@ -143,7 +173,8 @@ protected:
 private:
     std::string name_;
     BudgetSplit split_;
-    int32_t     probe_ = 0;
+    ProbeSpec   probe_;
+    int32_t     pool_ = 1;
 };
 
 // A scorer that only ranks differently is one function: `make_ranked<RankedBy<mean_per_query>, half_recent>`
@@ -171,6 +202,11 @@ std::unique_ptr<Policy> make_ranked(const PolicyConfig & cfg) {
 // observe() helpers: add this decode's sums to the scores (H2O), or replace the scores with them
 void accumulate_scores(SeqScores & scores, const ScoreUpdate & update);
 void replace_scores(SeqScores & scores, const ScoreUpdate & update);
+// a probe's attention (head_sums [n][n_head], summed over its n_queries queries): each entry's attention per probe
+// query in the head that gave it the most, kept in scores.probe as the largest over probes (KVzip takes the max)
+void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_queries);
+// out[i] = the largest of v over [i - width/2, i + width/2]
+std::vector<float> max_pool(const std::vector<float> & v, int32_t width);
 
 using PolicyFactory = std::unique_ptr<Policy> (*)(const PolicyConfig & cfg);
 

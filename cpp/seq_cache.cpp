@@ -15,10 +15,12 @@ SeqCache::SeqCache(llama_context * ctx, llama_seq_id seq, int32_t n_head)
     st_.scores.n_head = n_head;
 }
 
-void SeqCache::append(int32_t n_new) {
+void SeqCache::append(const std::vector<llama_token> & tokens) {
+    const int32_t n_new = (int32_t) tokens.size();
     for (int32_t i = 0; i < n_new; ++i) {
         st_.positions.push_back(st_.next_pos + i);
     }
+    st_.tokens.insert(st_.tokens.end(), tokens.begin(), tokens.end());
     SeqScores & s = st_.scores;
     // every old entry is attended by the n_new queries, new token i by the n_new - i from itself on (causal)
     for (auto & q : s.queries) {
@@ -28,6 +30,7 @@ void SeqCache::append(int32_t n_new) {
         s.queries.push_back(n_new - i);
     }
     s.total.resize(st_.positions.size(), 0.0f);
+    s.probe.resize(st_.positions.size(), 0.0f);
     s.head.resize(st_.positions.size()*s.n_head, 0.0f);
     st_.next_pos  += n_new;
     st_.n_seen    += n_new;
@@ -41,6 +44,13 @@ void SeqCache::observe(const Policy & policy, const llama_pos * pos, const float
                                " positions, the engine tracks " + std::to_string(size()));
     }
     policy.observe(st_.scores, {head_sums, n, st_.scores.n_head, n_new, window});
+}
+
+void SeqCache::observe_probe(const std::vector<float> & head_sums, int32_t n_queries) {
+    if (head_sums.size() != (size_t) size()*st_.scores.n_head) {
+        throw std::logic_error("probe scores of sequence " + std::to_string(seq_) + " do not cover its entries");
+    }
+    h2o::observe_probe(st_.scores, head_sums.data(), n_queries);
 }
 
 void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval) {
@@ -76,6 +86,7 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     }
 
     st_.positions = gather_rows(st_.positions, 1, keep);
+    st_.tokens    = gather_rows(st_.tokens, 1, keep);
     st_.scores    = st_.scores.gather(keep);
     if (key_rows_ == n && !keys_.empty()) {
         for (auto & rows : keys_) {
@@ -185,6 +196,7 @@ void SeqCache::drop_newest(int32_t n) {
     std::vector<size_t> older(kept);
     std::iota(older.begin(), older.end(), 0);
     st_.positions.resize(kept);
+    st_.tokens.resize(kept);
     st_.scores    = st_.scores.gather(older);
     st_.next_pos -= n;
     st_.n_seen   -= n;

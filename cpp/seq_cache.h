@@ -14,6 +14,7 @@ namespace h2o {
 
 struct SeqState {
     std::vector<llama_pos> positions;   // kept positions, ascending
+    std::vector<llama_token> tokens;    // the token of each kept entry (aligned with positions)
     SeqScores scores;                   // aligned with positions
     llama_pos next_pos   = 0;           // position of the next token fed
     int64_t   n_seen     = 0;           // tokens fed
@@ -40,11 +41,13 @@ public:
     int32_t size() const { return (int32_t) st_.positions.size(); }
     llama_pos next_pos() const { return st_.next_pos; }
 
-    // n_new tokens were decoded at next_pos.. : add their entries
-    void append(int32_t n_new);
+    // tokens were decoded at next_pos.. : add their entries
+    void append(const std::vector<llama_token> & tokens);
     // fold the scores the patch exported in the last decode (checked against the kept positions)
     void observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new,
                  bool window);
+    // a probe's attention to the entries: head_sums [size()][n_head] summed over its n_queries queries
+    void observe_probe(const std::vector<float> & head_sums, int32_t n_queries);
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more
     void evict(const Policy & policy, bool rolling, int32_t roll_interval);
     // drop the entries at next_pos and above (a decode that failed half-way)

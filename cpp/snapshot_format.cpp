@@ -8,7 +8,7 @@ namespace h2o {
 
 namespace {
 
-constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '1'};
+constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '2'};
 
 struct ByteWriter {
     std::vector<uint8_t> out;
@@ -64,10 +64,12 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.array(snap.kv);
     const SeqState & st = snap.state;
     w.array(st.positions);
+    w.array(st.tokens);
     w.value(st.scores.n_head);
     w.array(st.scores.total);
     w.array(st.scores.head);
     w.array(st.scores.queries);
+    w.array(st.scores.probe);
     w.value(st.next_pos);
     w.value(st.n_seen);
     w.value(st.n_evicted);
@@ -82,6 +84,11 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     ByteReader r {data, size};
     char magic[sizeof(kSnapshotMagic)] = {};
     if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), memcmp(magic, kSnapshotMagic, sizeof(magic)) != 0)) {
+        if (size >= sizeof(magic) && memcmp(magic, kSnapshotMagic, sizeof(magic) - 1) == 0) {
+            throw std::invalid_argument(std::string("a session snapshot of format ") + magic[sizeof(magic) - 1] +
+                                        ", this build reads format " + kSnapshotMagic[sizeof(magic) - 1] +
+                                        " (it was saved by another version of h2o_local)");
+        }
         throw std::invalid_argument("not a session snapshot (wrong magic)");
     }
     SeqSnapshot snap;
@@ -90,10 +97,12 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     snap.kv = r.array<uint8_t>();
     SeqState & st = snap.state;
     st.positions      = r.array<llama_pos>();
+    st.tokens         = r.array<llama_token>();
     st.scores.n_head  = r.value<int32_t>();
     st.scores.total   = r.array<float>();
     st.scores.head    = r.array<float>();
     st.scores.queries = r.array<int64_t>();
+    st.scores.probe   = r.array<float>();
     st.next_pos   = r.value<llama_pos>();
     st.n_seen     = r.value<int64_t>();
     st.n_evicted  = r.value<int64_t>();
@@ -105,6 +114,7 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     const bool ascending = std::adjacent_find(st.positions.begin(), st.positions.end(),
                                               [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();
     if (r.left != 0 || st.scores.n_head < 0 || st.scores.total.size() != n || st.scores.queries.size() != n ||
+        st.tokens.size() != n || st.scores.probe.size() != n ||
         st.scores.head.size() != n*st.scores.n_head || !ascending || (n > 0 && (st.positions.front() < 0 ||
         st.positions.back() >= st.next_pos)) || st.n_keep < 0 || st.n_seen < (int64_t) n || st.n_evicted < 0) {
         throw std::invalid_argument("not a session snapshot: its parts do not agree");

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from h2o_local.policies import Policy, parse, resolve
+from h2o_local.policies import Policy, parse, resolve, suffix_fields
 
 
 def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParse
 class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
     `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
-    snapkv), `+rN` / `+rN%` (N recent entries, or N% of the budget), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
+    snapkv), `+rN` / `+rN%` (N recent entries, or N% of the budget), the probes `+qN` / `+repeat` / `+catalyst` and `+pN` (pool), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
     does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention) and `+afterfull` (the prompt goes into the
     full cache, then `compress()` applies the policy: the save / compress pattern)."""
 
@@ -36,7 +36,9 @@ class Setting:
     window: Optional[int] = None
     recent: Optional[int] = None
     recent_percent: Optional[float] = None
-    probe: Optional[int] = None
+    probe: Optional[str] = None
+    question: Optional[int] = None
+    pool: Optional[int] = None
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
@@ -58,7 +60,7 @@ class Setting:
     def policy_label(self) -> str:
         """The policy's part of the label (`tova-256+s4+r192` of `tova-256+s4+r192+roll`): `policies.parse` reads it."""
         head, *suffixes = self.label.split("+")
-        return "+".join([head] + [x for x in suffixes if x[:1] in "swrq" and x[1:].isdigit()])
+        return "+".join([head] + [x for x in suffixes if suffix_fields(x) is not None])
 
     @property
     def family(self) -> str:
@@ -70,7 +72,7 @@ class Setting:
     def is_plain(self) -> bool:
         """The policy with its own defaults: no sinks, window or recent given."""
         return (self.sinks is None and self.window is None and self.recent is None and self.recent_percent is None
-                and self.probe is None)
+                and self.probe is None and self.pool is None)
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
         if self.percent is None and self.recent_percent is None:
@@ -79,11 +81,12 @@ class Setting:
         recent = self.recent
         if self.recent_percent is not None:
             recent = round(budget * self.recent_percent / 100)
+        extra = {"sinks": self.sinks, "window": self.window, "probe": self.probe, "question": self.question,
+                 "pool": self.pool}
         if recent is None:
-            return resolve(self.policy, budget, sinks=self.sinks, window=self.window, probe=self.probe)
+            return resolve(self.policy, budget, **extra)
         # an explicit recent share: the heavy entries are what the sinks and the recent window leave
-        return resolve(self.policy, budget, heavy=max(0, budget - (self.sinks or 0) - recent), recent=recent,
-                       sinks=self.sinks, window=self.window, probe=self.probe)
+        return resolve(self.policy, budget, heavy=max(0, budget - (self.sinks or 0) - recent), recent=recent, **extra)
 
     def llama_kwargs(self, prompt_tokens: Optional[int] = None) -> Dict[str, Any]:
         """Keyword arguments of `Llama(...)` for this setting."""
@@ -111,18 +114,12 @@ def parse_setting(label: str) -> Setting:
             fields["type_v"] = s[1:]
         elif s.startswith("roll") and (s[4:] == "" or s[4:].isdigit()):
             fields["rolling"], fields["roll_interval"] = True, int(s[4:] or 1)
-        elif s.startswith("s") and s[1:].isdigit():
-            fields["sinks"] = int(s[1:])
-        elif s.startswith("w") and s[1:].isdigit():
-            fields["window"] = int(s[1:])
-        elif s.startswith("q") and s[1:].isdigit():
-            fields["probe"] = int(s[1:])
-        elif s.startswith("r") and s[1:].isdigit():
-            fields["recent"] = int(s[1:])
+        elif suffix_fields(s) is not None:  # the library's own policy suffixes: +sN, +wN, +rN, +qN, +repeat, ...
+            fields.update(suffix_fields(s))
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
             fields["recent_percent"] = float(s[1:-1])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

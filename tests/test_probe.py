@@ -1,25 +1,31 @@
-"""The question probe (`probe=N`, label `+qN`): in a bounded prefill, each piece is ranked by the prompt's last N
-tokens, decoded after the piece and removed before the piece is evicted. It must leave no trace."""
+"""Probes (`probe="question" | "repeat" | "catalyst"`, labels `+qN`, `+repeat`, `+catalyst`): before a prompt's
+eviction, tokens decoded after what the cache holds rank it by their attention (per probe query, in the head that
+gives the most, the largest over probes), then are removed. A probe must leave no trace, and it must keep exactly
+what its ranking says: checked against the attention read independently from a full cache."""
 import numpy as np
 import pytest
 
-from h2o_local import H2O, TOVA, KeyDiff, Llama, SnapKV, policies
+from h2o_local import H2O, TOVA, KeyDiff, Llama, SnapKV, _engine, policies
 from h2o_local.policies import PythonRanked
 
 PROMPT = list(range(5, 125))  # 120 tokens: pieces of 16 beside a budget of 24
+BUDGET = 24
 
 
-@pytest.mark.parametrize("policy", [TOVA(budget=24, probe=4), SnapKV(budget=24, window=4, probe=8),
-                                    H2O(budget=24, probe=4)])
-def test_a_probe_leaves_no_trace_in_the_cache(tiny_model, policy):
+@pytest.mark.parametrize("policy", [TOVA(budget=BUDGET, probe="question", question=4),
+                                    SnapKV(budget=BUDGET, window=4, probe="question", question=8),
+                                    H2O(budget=BUDGET, probe="catalyst"), TOVA(budget=BUDGET, probe="repeat", pool=3)])
+def test_a_probe_leaves_no_trace_in_a_bounded_prefill(tiny_model, policy):
     llm = Llama(tiny_model, policy=policy, n_batch=16, n_threads=1)
     llm.eval(PROMPT)
     st = llm.kv_state()
-    assert st.n_seen == len(PROMPT) and st.n_evicted == len(PROMPT) - 24
-    assert st.positions.max() == len(PROMPT) - 1 and len(st.positions) == 24  # no probe position is held
+    assert st.n_seen == len(PROMPT) and st.n_evicted == len(PROMPT) - BUDGET
+    assert st.positions.max() == len(PROMPT) - 1 and len(st.positions) == BUDGET  # no probe position is held
+    assert st.tokens.tolist() == [PROMPT[p] for p in st.positions]               # nor a probe token
     lo, hi = llm._engine.seq_pos_range(0)
     assert (lo, hi) == (st.positions.min(), st.positions.max())  # llama.cpp holds no probe cell either
-    assert st.peak_cells <= 24 + 16 + policy.probe
+    assert st.peak_cells <= BUDGET + 16 + llm._engine.probe_cells(policy.cpp)
+    assert (st.probe_scores[:-1] > 0).all()  # every prompt entry was probed
     # the next token goes on at the prompt's end
     llm.generate([], max_tokens=3, temperature=0, reset=False)
     assert llm.kv_state().n_seen == len(PROMPT) + 2
@@ -27,7 +33,7 @@ def test_a_probe_leaves_no_trace_in_the_cache(tiny_model, policy):
 
 def test_the_probe_changes_what_a_piece_keeps(tiny_model):
     kept = []
-    for policy in (TOVA(budget=24), TOVA(budget=24, probe=6)):
+    for policy in (TOVA(budget=BUDGET), TOVA(budget=BUDGET, probe="question", question=6)):
         llm = Llama(tiny_model, policy=policy, n_batch=16, n_threads=1)
         llm.eval(PROMPT)
         kept.append(llm.kv_state().positions.tolist())
@@ -35,27 +41,153 @@ def test_the_probe_changes_what_a_piece_keeps(tiny_model):
 
 
 def test_the_last_logits_are_the_prompt_s_own(tiny_model):
-    """The probe's decodes do not leave their logits: the logits after the prefill are those of the prompt's last
-    token, so greedy generation starts from them."""
-    llm = Llama(tiny_model, policy=TOVA(budget=24, probe=4), n_batch=16, n_threads=1)
+    """The probe's decodes do not leave their logits: after the prefill they are the prompt's last token's."""
+    llm = Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="catalyst"), n_batch=16, n_threads=1)
     llm.eval(PROMPT)
-    before = llm.last_logits().copy()
-    llm.eval([PROMPT[-1] + 1])
-    llm2 = Llama(tiny_model, policy=TOVA(budget=24, probe=4), n_batch=16, n_threads=1)
-    llm2.eval(PROMPT)
-    np.testing.assert_array_equal(llm2.last_logits(), before)  # deterministic, and not a probe's
+    probed = llm.last_logits().copy()
+    full = Llama(tiny_model, n_ctx=256, n_threads=1)
+    full.eval(PROMPT[:-BUDGET])  # the last piece's logits come from its own decode: only its context differs
+    assert probed.shape == full.last_logits().shape
+    again = Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="catalyst"), n_batch=16, n_threads=1)
+    again.eval(PROMPT)
+    np.testing.assert_array_equal(again.last_logits(), probed)  # deterministic
+    assert not np.array_equal(probed, _after_probe_logits(tiny_model))  # and not the probe's last token's
+
+
+def _after_probe_logits(model):
+    llm = Llama(model, n_ctx=256, n_threads=1)
+    llm.eval(PROMPT + llm.tokenize(_engine.PROBE_TEXTS["catalyst"], add_bos=False))
+    return llm.last_logits()
+
+
+# --- what a probe keeps, against the attention read from a full cache ----------------------------------------------
+
+def reference_probe_scores(model, probes):
+    """Per prompt entry: for each probe, the full cache's exported column sums of the probe's queries over the
+    prompt, divided by the probe's length, in the head that gives the most; the largest over probes."""
+    best = np.zeros(len(PROMPT))
+    for probe in probes:
+        llm = Llama(model, n_ctx=512, export_scores=True, n_threads=1)
+        llm.eval(PROMPT)
+        llm.eval(probe)
+        pos, sums = llm.last_scores()
+        assert pos[: len(PROMPT)].tolist() == list(range(len(PROMPT)))
+        best = np.maximum(best, sums[: len(PROMPT)].max(axis=1) / len(probe))
+    return best
+
+
+def reference_keep(scores, sinks, recent, n_keep_total):
+    """Indices kept: the first `sinks`, the last `recent`, and the best-scored of the rest (ties: the older)."""
+    n = len(scores)
+    middle = np.arange(sinks, n - recent)
+    order = middle[np.argsort(-scores[middle], kind="stable")]
+    heavy = n_keep_total - sinks - recent
+    return sorted(set(range(sinks)) | set(range(n - recent, n)) | set(order[:heavy].tolist()))
+
+
+def probe_tokens(llm, source):
+    text = _engine.PROBE_TEXTS[source]
+    if source == "catalyst":
+        return [llm.tokenize(text, add_bos=False)]
+    prefix = llm.tokenize(text, add_bos=False)
+    return [prefix + PROMPT[a:a + 16] for a in range(0, len(PROMPT), 16)]  # the entries repeated, a batch at a time
+
+
+@pytest.mark.parametrize("source", ["catalyst", "repeat"])
+def test_a_probe_keeps_what_its_attention_ranks_first(tiny_model, source):
+    policy = H2O(budget=BUDGET, sinks=2, probe=source)
+    llm = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=16, n_threads=1)  # the prompt fits: probed at its end
+    llm.eval(PROMPT)
+    ref = reference_probe_scores(tiny_model, probe_tokens(llm, source))
+    st = llm.kv_state()
+    keep = reference_keep(ref, policy.sinks, policy.recent, BUDGET)
+    assert st.positions.tolist() == keep
+    np.testing.assert_allclose(st.probe_scores, ref[keep], rtol=1e-4, atol=1e-7)
+
+
+def test_the_cache_after_a_probe_equals_the_same_ranking_given_directly(tiny_model):
+    """The probe's cells, positions and logits are gone: a run ranked directly by the probe's reference scores
+    (a Python scorer returning them, no probe decoded) holds the same entries and generates the same tokens."""
+    probed = Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="catalyst"), n_ctx=512, n_threads=1)
+    probed.eval(PROMPT)
+    ref = reference_probe_scores(tiny_model, probe_tokens(probed, "catalyst"))
+
+    class Given(PythonRanked):
+        name = "given"
+
+        def rank(self, total, head, queries):
+            return ref[: len(total)]
+
+    direct = Llama(tiny_model, policy=Given(budget=BUDGET, heavy=BUDGET - 1, recent=1), n_ctx=512, n_threads=1)
+    direct.eval(PROMPT)
+    assert probed.kv_state().positions.tolist() == direct.kv_state().positions.tolist()
+    np.testing.assert_allclose(probed.last_logits(), direct.last_logits(), rtol=1e-5, atol=1e-5)
+    for llm in (probed, direct):  # what follows evicts nothing: only the caches' contents decide
+        llm.set_policy("local", 100)
+    a = probed.generate([], max_tokens=6, temperature=0, reset=False)
+    b = direct.generate([], max_tokens=6, temperature=0, reset=False)
+    assert a == b
+
+
+def test_compress_runs_a_query_agnostic_probe_and_snapshots_keep_its_scores(tiny_model):
+    llm = Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="catalyst"), n_ctx=512, n_threads=1)
+    llm.set_policy("full")
+    llm.eval(PROMPT)
+    llm.set_policy(TOVA(budget=BUDGET, probe="catalyst"))
+    llm.compress()
+    st = llm.kv_state()
+    ref = reference_probe_scores(tiny_model, probe_tokens(llm, "catalyst"))
+    assert st.positions.tolist() == reference_keep(ref, 0, 1, BUDGET)
+    snap = llm.save_state()
+    other = Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="catalyst"), n_ctx=512, n_threads=1)
+    other.load_state(type(snap).from_bytes(snap.to_bytes()))
+    back = other.kv_state()
+    assert back.tokens.tolist() == st.tokens.tolist()
+    np.testing.assert_array_equal(back.probe_scores, st.probe_scores)
+
+
+def test_the_repeat_probe_needs_room_and_says_so(tiny_model):
+    llm = Llama(tiny_model, n_ctx=130, n_batch=16, export_scores=True, n_threads=1)
+    llm.eval(PROMPT)
+    llm.set_policy(TOVA(budget=BUDGET, probe="repeat"))
+    with pytest.raises(ValueError, match="no room for the repeat probe"):
+        llm.compress()
+    assert llm.kv_state().n_cells == len(PROMPT)  # left as it was
+    with pytest.raises(ValueError, match="probe"):  # a probe that can never fit is refused at once
+        Llama(tiny_model, n_ctx=130, n_batch=128, export_scores=True, n_threads=1).set_policy(
+            TOVA(budget=BUDGET, probe="repeat"))
+
+
+def test_pool_ranks_an_entry_by_its_best_neighbour():
+    total = [0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    args = (list(range(8)), total, np.zeros((8, 1), np.float32), [1] * 8)
+    assert _engine.Policy("h2o", 3, heavy=2, recent=1).select(*args) == [2, 6, 7]
+    # pooled over 3, entries 1, 2 and 3 all score 9: the two older are kept
+    assert _engine.Policy("h2o", 3, heavy=2, recent=1, pool=3).select(*args) == [1, 2, 7]
+    # with a probe, the probe's scores rank first and the policy's own scores break ties
+    cpp = _engine.Policy("h2o", 3, heavy=2, recent=1, probe="catalyst")
+    keep = cpp.select(list(range(6)), [5, 4, 3, 2, 1, 0], np.zeros((6, 1), np.float32), [1] * 6,
+                      probe=[0.1, 0.1, 0.9, 0.2, 0.2, 0.0])
+    assert keep == [2, 3, 5]
 
 
 def test_labels_and_refusals():
-    assert policies.parse("tova-256+s4+q16") == TOVA(budget=256, sinks=4, probe=16)
-    assert TOVA(budget=256, sinks=4, probe=16).label == "tova-256+s4+q16"
-    with pytest.raises(ValueError, match="no question probe"):
+    assert policies.parse("tova-256+s4+q16") == TOVA(budget=256, sinks=4, probe="question", question=16)
+    assert TOVA(budget=256, sinks=4, probe="question", question=16).label == "tova-256+s4+q16"
+    for label in ("tova-256+repeat", "snapkv-256+catalyst+p7", "h2o-128+p5", "tova-256+s4+q32+r192"):
+        assert policies.parse(label).label == label
+    assert TOVA(budget=64, probe="question").question == _engine.DEFAULT_QUESTION_TOKENS
+    with pytest.raises(ValueError, match="takes no probe"):
         policies.parse("local-64+q8")
-    with pytest.raises(ValueError, match="no question probe"):
-        KeyDiff(budget=64, probe=8)
+    with pytest.raises(ValueError, match="takes no probe"):
+        KeyDiff(budget=64, probe="repeat")
+    with pytest.raises(ValueError, match="probe must be one of"):
+        TOVA(budget=64, probe="summary")
+    with pytest.raises(ValueError, match="needs probe='question'"):
+        TOVA(budget=64, question=8)
 
     class Mean(PythonRanked):
         name = "mean"
 
-    with pytest.raises(ValueError, match="no question probe"):
-        Mean(budget=64, probe=8)
+    with pytest.raises(ValueError, match="no probe or pool"):
+        Mean(budget=64, probe="catalyst")

@@ -43,6 +43,8 @@ class KVState:
     kv_bytes: int            # bytes allocated for the whole context's KV cache
     kv_cells: int            # KV cells allocated (n_ctx)
     n_keep: int = 0          # the oldest entries protected from eviction (`keep`)
+    tokens: Optional[np.ndarray] = None        # int32 [n]: the token of each kept entry
+    probe_scores: Optional[np.ndarray] = None  # float32 [n]: the most attention a probe gave each (0: none yet)
 
     @property
     def n_cells(self) -> int:
@@ -358,7 +360,7 @@ class Llama:
         return KVState(positions=st["positions"], scores=st["scores"], head_scores=st["head_scores"],
                        queries=st["queries"], n_evicted=st["n_evicted"], n_seen=st["n_seen"],
                        peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx,
-                       n_keep=st["n_keep"])
+                       n_keep=st["n_keep"], tokens=st["tokens"], probe_scores=st["probe_scores"])
 
     def set_policy(self, policy: Union[str, Policy], budget: Optional[int] = None, *, heavy: Optional[int] = None,
                    recent: Optional[int] = None, sinks: Optional[int] = None) -> None:
@@ -387,7 +389,9 @@ class Llama:
         return Slots(self)
 
     def compress(self, seq_id: int = 0) -> None:
-        """Evict now what the current policy does not keep."""
+        """Evict now what the current policy does not keep. A policy with a query-agnostic probe (`probe="repeat"`
+        or `"catalyst"`) runs it first, so a document compressed here is ranked by what a reader would look at
+        before any question is asked; the question probe has no question here and ranks by what it saw before."""
         seq_id = self._check_seq(seq_id)
         with self._lock:
             self._take_over([seq_id])

@@ -26,7 +26,9 @@ from . import _engine
 
 REGISTRY: Dict[str, Type["Policy"]] = {}
 # the fields a policy value passes to its C++ factory (PolicyConfig), in order
-ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "window", "probe")
+ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "window", "probe", "question", "pool")
+# what a probe decodes after a piece of a prompt to rank it before eviction (cpp/policy.h ProbeSource)
+PROBES = ("question", "repeat", "catalyst")
 
 
 INT32_MAX = 2**31 - 1  # the C++ side takes 32-bit ints
@@ -50,6 +52,16 @@ def _engine_int(value: Optional[int]) -> int:
     return -1 if value is None else int(value)
 
 
+def _engine_args(values: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """ENGINE_FIELDS' values as the C++ factory takes them: -1 for an int left out, "" for no probe."""
+    return tuple(("" if v is None else v) if k == "probe" else _engine_int(v) for k, v in zip(ENGINE_FIELDS, values))
+
+
+def check_probe(probe: Any) -> None:
+    if probe is not None and (not isinstance(probe, str) or probe not in PROBES):
+        raise ValueError(f"probe must be one of {', '.join(PROBES)} (or None), got {probe!r}")
+
+
 @dataclass(frozen=True)
 class Policy:
     """Base of the policy values; subclasses declare their fields and their registered `name`."""
@@ -63,8 +75,11 @@ class Policy:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            check_int(f.name, getattr(self, f.name), minimum=0)
-        self._adopt(_engine.Policy(self.name, *map(_engine_int, self._request())))
+            if f.name == "probe":
+                check_probe(self.probe)  # type: ignore[attr-defined]
+            else:
+                check_int(f.name, getattr(self, f.name), minimum=0)
+        self._adopt(_engine.Policy(self.name, *_engine_args(self._request())))
 
     def _adopt(self, cpp: "_engine.Policy") -> None:
         """Hold the resolved C++ policy and show its resolution (the split, the window) in the fields."""
@@ -74,7 +89,9 @@ class Policy:
         if "window" in self._field_names():
             object.__setattr__(self, "window", cpp.query_window)
         if "probe" in self._field_names():
-            object.__setattr__(self, "probe", cpp.probe_tokens or None)
+            object.__setattr__(self, "probe", cpp.probe or None)
+            object.__setattr__(self, "question", cpp.question or None)
+            object.__setattr__(self, "pool", cpp.pool if cpp.pool > 1 else None)
         object.__setattr__(self, "_cpp", cpp)
 
     @classmethod
@@ -91,8 +108,7 @@ class Policy:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def _request(self) -> Tuple[Optional[int], ...]:
-        """(budget, heavy, recent, sinks, window) as given; None where the policy has no such field or it was left
-        out."""
+        """ENGINE_FIELDS as given; None where the policy has no such field or it was left out."""
         return tuple(getattr(self, k, None) for k in ENGINE_FIELDS)
 
     @property
@@ -125,7 +141,8 @@ class Policy:
     @property
     def label(self) -> str:
         """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4", "tova-256+s4+r192" (a recent
-        window other than the policy's default split)."""
+        window other than the policy's default split), "tova-256+q32" / "+repeat" / "+catalyst" (a probe), "+p7" (a
+        pool); `parse` reads it back."""
         if not self.bounded:
             return self.name
         sinks = getattr(self, "sinks", 0)
@@ -133,11 +150,16 @@ class Policy:
         window = getattr(self, "window", None)
         if window is not None and window != _engine.Policy(self.name, self.budget).query_window:  # C++'s default
             extra += f"+w{window}"
-        if getattr(self, "probe", None):
-            extra += f"+q{self.probe}"  # type: ignore[attr-defined]
+        probe = getattr(self, "probe", None)
+        if probe == "question":
+            extra += f"+q{self.question}"  # type: ignore[attr-defined]
+        elif probe:
+            extra += f"+{probe}"
+        if getattr(self, "pool", None):
+            extra += f"+p{self.pool}"  # type: ignore[attr-defined]
         recent = getattr(self, "recent", None)
         if isinstance(self, Scored) and recent is not None:
-            default = resolve(self.name, self.budget, sinks=sinks or None, window=window)  # the probe splits nothing
+            default = resolve(self.name, self.budget, sinks=sinks or None, window=window)  # probes split nothing
             if default.recent != recent:  # type: ignore[attr-defined]
                 extra += f"+r{recent}"
         return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
@@ -180,9 +202,15 @@ class Scored(Policy):
     heavy: Optional[int] = None
     recent: Optional[int] = None
     sinks: Optional[int] = None
-    # the question probe: in a bounded prefill each piece is ranked by the prompt's last `probe` tokens (its
-    # question), decoded after the piece and removed, before the piece is evicted; None: no probe
-    probe: Optional[int] = None
+    # a probe: before each eviction of a prompt (every piece of a bounded prefill, the prompt's end, compress()),
+    # tokens decoded after what the cache holds rank it by their attention (the largest over probes, in the head
+    # that gives the most), then are removed without a trace. "question": the prompt's last `question` tokens
+    # (default 32); "repeat": "Repeat the previous context exactly." + the entries' own tokens (query-agnostic,
+    # about twice the prefill); "catalyst": a short generic instruction (query-agnostic, cheap). None: no probe.
+    probe: Optional[str] = None
+    question: Optional[int] = None
+    # rank each entry by the best of the `pool` entries centred on it, so a fact's neighbours go with it
+    pool: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -278,14 +306,14 @@ class PythonRanked(Scored):
         return total  # H2O's ranking
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            check_int(f.name, getattr(self, f.name), minimum=0)
+        for key in ("budget", "heavy", "recent", "sinks"):
+            check_int(key, getattr(self, key), minimum=0)
         if self.budget is None:
             if self.heavy is None or self.recent is None:
                 raise ValueError(f"policy {self.name!r} needs a budget (KV entries kept per sequence), or heavy and recent")
             object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
-        if self.probe is not None:
-            raise ValueError("a PythonRanked policy takes no question probe (yet)")
+        if self.probe is not None or self.question is not None or self.pool is not None:
+            raise ValueError("a PythonRanked policy takes no probe or pool (yet)")
         # resolved once, in C++ (the split), as a RankedPolicy whose rank() is this value's
         self._adopt(_PythonRank(self, self.name, *map(_engine_int, (self.budget, self.heavy, self.recent, self.sinks))))
 
@@ -307,13 +335,15 @@ class _PythonRank(_engine.RankedPolicy):
 
 def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,
             recent: Optional[int] = None, sinks: Optional[int] = None, window: Optional[int] = None,
-            probe: Optional[int] = None) -> Policy:
+            probe: Optional[str] = None, question: Optional[int] = None, pool: Optional[int] = None) -> Policy:
     """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split
-    (and, for snapkv, a query `window` in tokens; for a scorer, a question `probe` in tokens).
+    (and, for snapkv, a query `window` in tokens; for a scorer, a `probe` (one of PROBES; `question` tokens for
+    the question probe) and a `pool` width in entries).
 
     `policy="h2o"` with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
-    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "window": window, "probe": probe}
+    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "window": window, "probe": probe,
+             "question": question, "pool": pool}
     if isinstance(policy, Policy):
         if any(v is not None for v in given.values()):
             raise ValueError("give budget, heavy, recent and sinks inside the policy value, not beside it")
@@ -323,12 +353,15 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
     if policy not in REGISTRY:
         raise ValueError(f"unknown policy {policy!r} (expected one of: {', '.join(sorted(REGISTRY))})")
     for key, value in given.items():
-        check_int(key, value, minimum=1 if key == "budget" else 0)
-    if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and window is None \
-            and probe is None:
+        if key == "probe":
+            check_probe(value)
+        else:
+            check_int(key, value, minimum=1 if key == "budget" else 0)
+    if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and \
+            all(given[k] is None for k in ("window", "probe", "question", "pool")):
         return Full()
     # the C++ policy validates every combination (with its own messages) and resolves it, once
-    cpp = _engine.Policy(policy, *map(_engine_int, given.values()))
+    cpp = _engine.Policy(policy, *_engine_args(tuple(given.values())))
     cls = REGISTRY[policy]
     return cls._of(cpp, {k: v for k, v in given.items() if k in cls._field_names() and v is not None})
 
@@ -336,24 +369,40 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
 _DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True), and below 2^31
 
 
+_SUFFIX_FIELDS = {"s": "sinks", "w": "window", "r": "recent", "q": "question", "p": "pool"}
+
+
+def suffix_fields(suffix: str) -> Optional[Dict[str, Any]]:
+    """The policy fields one label suffix stands for ("s4" -> sinks=4, "q32" -> the question probe of 32 tokens,
+    "repeat" -> the repeat probe, "p7" -> pool=7); None when it is not a policy suffix."""
+    if suffix in PROBES:
+        return {"probe": suffix}
+    key = _SUFFIX_FIELDS.get(suffix[:1])
+    if key is None or not _DIGITS.fullmatch(suffix[1:]):
+        return None
+    return {key: int(suffix[1:]), **({"probe": "question"} if key == "question" else {})}
+
+
 def parse(text: str) -> Policy:
     """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks),
-    "snapkv-256+w64" (a query window of 64), "tova-256+s4+r192" (192 recent entries)."""
+    "snapkv-256+w64" (a query window of 64), "tova-256+s4+r192" (192 recent entries), "tova-256+q32" (the question
+    probe, 32 tokens), "tova-256+repeat" / "+catalyst" (the query-agnostic probes), "tova-256+p7" (a pool of 7)."""
     if not isinstance(text, str) or not text:
         raise ValueError(f"not a policy label: {text!r}")
     if text == "full":
         return Full()
     name, _, rest = text.partition("-")
     budget_text, *suffixes = rest.split("+")
-    extra: Dict[str, int] = {}
+    extra: Dict[str, Any] = {}
     for suffix in suffixes:
-        key = {"s": "sinks", "w": "window", "r": "recent", "q": "probe"}.get(suffix[:1])
-        if key is None or key in extra or not _DIGITS.fullmatch(suffix[1:]):
+        fields = suffix_fields(suffix)
+        if fields is None or any(k in extra for k in fields):
             budget_text = ""  # not a label
             break
-        extra[key] = int(suffix[1:])
+        extra.update(fields)
     if not _DIGITS.fullmatch(budget_text):
         raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks), +wN "
-                         "(query window), +rN (recent entries) and +qN (question probe), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
-                         "tova-256+s4+r192)")
+                         "(query window), +rN (recent entries), +qN (the question probe), +repeat or +catalyst (the "
+                         "query-agnostic probes) and +pN (pool), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
+                         "tova-256+s4+r192, tova-256+repeat+p5)")
     return resolve(name, int(budget_text), **extra)

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..llama import Llama
 from ..models import default_model_path
-from ..policies import REGISTRY, resolve
+from ..policies import PROBES, REGISTRY, resolve
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None) -> None:
@@ -20,8 +20,11 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--recent", type=int, help="recent tokens kept")
     g.add_argument("--sinks", type=int, help="first tokens always kept")
     g.add_argument("--window", type=int, help="snapkv: prompt tokens whose attention ranks the prompt (default: 16)")
-    g.add_argument("--probe", type=int, help="scorers: rank each piece of a long prompt by its last N tokens (the "
-                                             "question), decoded after the piece and removed (default: off)")
+    g.add_argument("--probe", choices=PROBES, help="scorers: before a prompt is evicted, rank it by the attention of "
+                   "tokens decoded after it and then removed: its own last tokens (question), the context repeated "
+                   "(repeat, about twice the prefill) or a short generic instruction (catalyst) (default: none)")
+    g.add_argument("--question", type=int, help="tokens of the question probe (default: 32)")
+    g.add_argument("--pool", type=int, help="scorers: rank each entry by the best of the N entries centred on it")
     g.add_argument("--keep", default=keep_default, type=_keep_value,
                    help="protected prefix inside the budget: N tokens, 'system' (the system prompt) or 'none'"
                         + (f" (default: {keep_default})" if keep_default else ""))
@@ -57,7 +60,8 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
             with open(template[1:], encoding="utf-8") as f:
                 template = f.read()
         policy = "full" if budget is None else resolve(args.policy, budget, heavy=args.heavy, recent=args.recent,
-                                                       sinks=args.sinks, window=args.window, probe=args.probe)
+                                                       sinks=args.sinks, window=args.window, probe=args.probe,
+                                                       question=args.question, pool=args.pool)
         return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                      n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
