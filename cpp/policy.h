@@ -79,8 +79,9 @@ struct SeqScores {
     std::vector<float>   total;   // [n]: the score the policy ranks by
     std::vector<float>   head;    // [n][n_head]: per query head
     std::vector<int64_t> queries; // [n]: queries that have attended the entry so far (its own included)
-    std::vector<float>   probe;   // [n]: the most attention a probe gave the entry (per probe query, in the head that
-                                  // gave it the most, largest over probes); 0: never probed
+    std::vector<float>   probe;   // [n]: the largest lift a probe gave the entry (observe_probe); 0: never probed
+    std::vector<float>   seen;    // [n][n_head]: attention accumulated over every query, per head: the probe's
+                                  // baseline (kept only for a policy with a probe; empty otherwise)
 
     size_t size() const { return total.size(); }
 
@@ -92,6 +93,9 @@ struct SeqScores {
         out.head    = gather_rows(head, (size_t) n_head, indices);
         out.queries = gather_rows(queries, 1, indices);
         out.probe   = gather_rows(probe, 1, indices);
+        if (!seen.empty()) {
+            out.seen = gather_rows(seen, (size_t) n_head, indices);
+        }
         return out;
     }
 };
@@ -202,9 +206,14 @@ std::unique_ptr<Policy> make_ranked(const PolicyConfig & cfg) {
 // observe() helpers: add this decode's sums to the scores (H2O), or replace the scores with them
 void accumulate_scores(SeqScores & scores, const ScoreUpdate & update);
 void replace_scores(SeqScores & scores, const ScoreUpdate & update);
-// a probe's attention (head_sums [n][n_head], summed over its n_queries queries): each entry's attention per probe
-// query in the head that gave it the most, kept in scores.probe as the largest over probes (KVzip takes the max)
-void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_queries);
+// a probe's attention (head_sums [n][n_head], summed over its n_queries queries): per head, the entry's attention
+// per probe query over the attention per query it gets from everything else (scores.seen / scores.queries), its
+// lift; the largest lift over heads goes to scores.probe, replacing what was there (a probe that sees every entry:
+// the question, the catalyst) or keeping the largest (keep_best: the repeat probe, whose pieces each see their own
+// entries best, KVzip's max over them). The
+// lift, not the raw attention: tokens that every query looks at (" the", "\n\n") draw the most raw attention
+// from a probe too, and a needle's digits only stand out against what they usually get.
+void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_queries, bool keep_best);
 // out[i] = the largest of v over [i - width/2, i + width/2]
 std::vector<float> max_pool(const std::vector<float> & v, int32_t width);
 

@@ -44,13 +44,20 @@ void SeqCache::observe(const Policy & policy, const llama_pos * pos, const float
                                " positions, the engine tracks " + std::to_string(size()));
     }
     policy.observe(st_.scores, {head_sums, n, st_.scores.n_head, n_new, window});
+    if (policy.probe().source != ProbeSource::none) {
+        auto & seen = st_.scores.seen;
+        seen.resize((size_t) n*st_.scores.n_head, 0.0f); // entries since the last observation start from nothing
+        for (size_t i = 0; i < seen.size(); ++i) {
+            seen[i] += head_sums[i];
+        }
+    }
 }
 
-void SeqCache::observe_probe(const std::vector<float> & head_sums, int32_t n_queries) {
+void SeqCache::observe_probe(const std::vector<float> & head_sums, int32_t n_queries, bool keep_best) {
     if (head_sums.size() != (size_t) size()*st_.scores.n_head) {
         throw std::logic_error("probe scores of sequence " + std::to_string(seq_) + " do not cover its entries");
     }
-    h2o::observe_probe(st_.scores, head_sums.data(), n_queries);
+    h2o::observe_probe(st_.scores, head_sums.data(), n_queries, keep_best);
 }
 
 void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval) {
@@ -198,6 +205,9 @@ void SeqCache::drop_newest(int32_t n) {
     st_.positions.resize(kept);
     st_.tokens.resize(kept);
     st_.scores    = st_.scores.gather(older);
+    for (auto & q : st_.scores.queries) {
+        q -= n; // the removed tokens' queries are not counted
+    }
     st_.next_pos -= n;
     st_.n_seen   -= n;
     forget_keys();

@@ -47,7 +47,7 @@ public:
     void observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new,
                  bool window);
     // a probe's attention to the entries: head_sums [size()][n_head] summed over its n_queries queries
-    void observe_probe(const std::vector<float> & head_sums, int32_t n_queries);
+    void observe_probe(const std::vector<float> & head_sums, int32_t n_queries, bool keep_best);
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more
     void evict(const Policy & policy, bool rolling, int32_t roll_interval);
     // drop the entries at next_pos and above (a decode that failed half-way)

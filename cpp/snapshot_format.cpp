@@ -70,6 +70,7 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.array(st.scores.head);
     w.array(st.scores.queries);
     w.array(st.scores.probe);
+    w.array(st.scores.seen);
     w.value(st.next_pos);
     w.value(st.n_seen);
     w.value(st.n_evicted);
@@ -103,6 +104,7 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     st.scores.head    = r.array<float>();
     st.scores.queries = r.array<int64_t>();
     st.scores.probe   = r.array<float>();
+    st.scores.seen    = r.array<float>();
     st.next_pos   = r.value<llama_pos>();
     st.n_seen     = r.value<int64_t>();
     st.n_evicted  = r.value<int64_t>();
@@ -115,6 +117,7 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
                                               [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();
     if (r.left != 0 || st.scores.n_head < 0 || st.scores.total.size() != n || st.scores.queries.size() != n ||
         st.tokens.size() != n || st.scores.probe.size() != n ||
+        (!st.scores.seen.empty() && st.scores.seen.size() != n*st.scores.n_head) ||
         st.scores.head.size() != n*st.scores.n_head || !ascending || (n > 0 && (st.positions.front() < 0 ||
         st.positions.back() >= st.next_pos)) || st.n_keep < 0 || st.n_seen < (int64_t) n || st.n_evicted < 0) {
         throw std::invalid_argument("not a session snapshot: its parts do not agree");
