@@ -34,9 +34,10 @@ py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
 }
 
 PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                           int32_t window, const std::string & probe = "", int32_t question = -1, int32_t pool = -1) {
+                           int32_t query_window, const std::string & probe = "", int32_t question = -1, int32_t pool = -1) {
     PolicyConfig cfg;
-    cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks; cfg.window = window;
+    cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks;
+    cfg.query_window = query_window;
     cfg.probe = probe; cfg.question = question; cfg.pool = pool;
     return cfg;
 }
@@ -138,10 +139,11 @@ PYBIND11_MODULE(_engine, m) {
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
     m.def("plan_prefill", [](const std::map<llama_seq_id, size_t> & sizes, const std::map<llama_seq_id, int32_t> & cells,
                              int32_t capacity, bool kv_unified, bool defer_eviction, bool bounded, int32_t budget,
-                             size_t n_batch, size_t window) {
+                             size_t n_batch, size_t query_window) {
         PrefillInput in;
         in.sizes = sizes; in.cells = cells; in.capacity = capacity; in.kv_unified = kv_unified;
-        in.defer_eviction = defer_eviction; in.bounded = bounded; in.budget = budget; in.n_batch = n_batch; in.window = window;
+        in.defer_eviction = defer_eviction; in.bounded = bounded; in.budget = budget; in.n_batch = n_batch;
+        in.query_window = query_window;
         const PrefillPlan plan = plan_prefill(in);
         py::list steps;
         for (const PrefillStep & s : plan.steps) {
@@ -149,23 +151,23 @@ PYBIND11_MODULE(_engine, m) {
             for (const auto & [seq, part] : s.chunk) {
                 chunk[py::int_(seq)] = py::make_tuple(part.first, part.second);
             }
-            steps.append(py::make_tuple(chunk, std::vector<llama_seq_id>(s.windows.begin(), s.windows.end()),
+            steps.append(py::make_tuple(chunk, std::vector<llama_seq_id>(s.query_windows.begin(), s.query_windows.end()),
                                         s.evict_after));
         }
         return py::make_tuple(plan.fits, steps);
     }, py::arg("sizes"), py::arg("cells"), py::arg("capacity"), py::arg("kv_unified"), py::arg("defer_eviction"),
-       py::arg("bounded"), py::arg("budget"), py::arg("n_batch"), py::arg("window"),
+       py::arg("bounded"), py::arg("budget"), py::arg("n_batch"), py::arg("query_window"),
        "How a feed is cut (cpp/prefill_plan.h): (fits, [({seq: (offset, n)}, window seqs, seqs evicting after), ...]).");
     m.def("bounded_cells", &bounded_cells, py::arg("n_seq"), py::arg("budget"), py::arg("n_batch"), py::arg("kv_unified"),
           "KV cells a bounded cache needs: budgets + one batch (unified), or a budget + one batch per stream.");
     // a resolved policy: validation, defaults and the budget split happen here, once; the engine takes this object
     py::class_<Policy, std::shared_ptr<Policy>>(m, "Policy", "A resolved eviction policy (see h2o_local.policies).")
         .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                         int32_t window, const std::string & probe, int32_t question, int32_t pool) {
-                 return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, window,
+                         int32_t query_window, const std::string & probe, int32_t question, int32_t pool) {
+                 return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, query_window,
                                                                           probe, question, pool)));
              }), py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1,
-             py::arg("sinks") = -1, py::arg("window") = -1, py::arg("probe") = "", py::arg("question") = -1,
+             py::arg("sinks") = -1, py::arg("query_window") = -1, py::arg("probe") = "", py::arg("question") = -1,
              py::arg("pool") = -1)
         .def_property_readonly("probe", [](const Policy & p) { return probe_source_name(p.probe().source); })
         .def_property_readonly("question", [](const Policy & p) { return p.probe().question; })

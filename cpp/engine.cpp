@@ -484,7 +484,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     in.bounded        = policy_->bounded();
     in.budget         = in.bounded ? policy_->split().total() : 0;
     in.n_batch        = n_batch();
-    in.window         = (size_t) std::max(policy_->query_window(), 0);
+    in.query_window   = (size_t) std::max(policy_->query_window(), 0);
     const PrefillPlan plan = plan_prefill(in);
     if (!plan.fits && !policy_->bounded()) {
         throw std::invalid_argument("cannot feed " + std::to_string(n_total) + " tokens: " + std::to_string(cells_used()) +
@@ -510,7 +510,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             const auto & toks = tokens.at(seq);
             chunk[seq].assign(toks.begin() + part.first, toks.begin() + part.first + part.second);
         }
-        decode(chunk, logits_all, step.windows);
+        decode(chunk, logits_all, step.query_windows);
         for (const auto & [seq, part] : step.chunk) {
             fed[seq] = part.first + part.second;
         }
@@ -533,7 +533,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
 }
 
 void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
-                    const std::set<llama_seq_id> & windows, const std::set<llama_seq_id> & probes) {
+                    const std::set<llama_seq_id> & query_windows, const std::set<llama_seq_id> & probes) {
     batch_.n_tokens = 0;
     for (const auto & [seq, toks] : chunk) {
         const llama_pos p0 = seqs_.at(seq).next_pos();
@@ -581,7 +581,7 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             if (probes.count(seq) > 0) {
                 add_probe_sums(sc, pos, sums, n);
             } else {
-                sc.observe(*policy_, pos, sums, n, n_new, windows.count(seq) > 0);
+                sc.observe(*policy_, pos, sums, n, n_new, query_windows.count(seq) > 0);
             }
         }
     }

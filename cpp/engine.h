@@ -125,10 +125,10 @@ private:
     int32_t size_of(llama_seq_id seq) const;
     std::string origin() const; // what a snapshot must match to be restored here
     std::string kv_types() const; // "F16", "q8_0/F16", ...
-    // windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
+    // query_windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
     // probes: the sequences whose tokens in chunk are a probe's (observed into SeqScores::probe)
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
-                const std::set<llama_seq_id> & windows = {}, const std::set<llama_seq_id> & probes = {});
+                const std::set<llama_seq_id> & query_windows = {}, const std::set<llama_seq_id> & probes = {});
     void evict(llama_seq_id seq);
     // before an eviction that will remove entries, the policy's probe ranks them; `prompt` is the prompt being fed
     // (the question probe's source; null in compress())

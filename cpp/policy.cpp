@@ -1,6 +1,7 @@
 #include "policy.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <stdexcept>
 
@@ -31,8 +32,8 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
     const auto it = registry().find(cfg.name);
     check_policy(it != registry().end(), "unknown policy '" + cfg.name + "' (expected one of: " + joined_names() + ")");
     auto policy = it->second(cfg);
-    check_policy(cfg.window < 0 || policy->query_window() == cfg.window,
-                 "policy '" + cfg.name + "' takes no query window (window=" + std::to_string(cfg.window) + ")");
+    check_policy(cfg.query_window < 0 || policy->query_window() == cfg.query_window,
+                 "policy '" + cfg.name + "' takes no query window (query_window=" + std::to_string(cfg.query_window) + ")");
     const ProbeSource source = probe_source_from_name(cfg.probe);
     check_policy(source == ProbeSource::question || cfg.question < 0,
                  "question=" + std::to_string(cfg.question) + " is the question probe's length: it needs probe='question'");
@@ -195,6 +196,11 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     std::vector<float> first; // the probe's scores come before rank() when there is a probe
     if (probe_.source != ProbeSource::none) {
         first = pool_ > 1 ? max_pool(scores.probe, pool_) : scores.probe;
+        for (size_t i = 0; i < n; ++i) {
+            if (scores.probe[i] == 0.0f) { // not judged by a probe yet (generated tokens): kept before the judged
+                first[i] = std::numeric_limits<float>::infinity();
+            }
+        }
     } else if (pool_ > 1) {
         s = max_pool(s, pool_);
     }

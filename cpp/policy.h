@@ -21,7 +21,7 @@ struct PolicyConfig {
     int32_t heavy  = -1;
     int32_t recent = -1;
     int32_t sinks  = -1;
-    int32_t window = -1; // queries at a prompt's end that score it (Policy::query_window); < 0: the policy's own
+    int32_t query_window = -1; // queries at a prompt's end that score it (Policy::query_window); < 0: the policy's own
     std::string probe;   // what ranks the prompt before it is evicted (probe_source_from_name): "" none, "question",
                          // "repeat", "catalyst"
     int32_t question = -1; // the question probe's length: a prompt's last N tokens; < 0: kDefaultQuestionTokens
@@ -107,7 +107,7 @@ struct ScoreUpdate {
     int32_t n      = 0;
     int32_t n_head = 0;
     int32_t n_new  = 0;                // the last n_new entries are this decode's tokens, and its queries
-    bool    window = false;            // these queries are the last Policy::query_window() tokens of a prompt
+    bool    in_query_window = false;   // these queries are the last Policy::query_window() tokens of a prompt
 };
 
 // The cached keys of one layer for one sequence's kept entries (F32, after RoPE), aligned with SeqScores.
@@ -129,7 +129,7 @@ public:
     virtual BudgetSplit split() const = 0;
 
     // > 0: the last N tokens of every prompt (an eval of more than one token) are decoded on their own, so observe()
-    // sees their attention alone (ScoreUpdate::window); single tokens (generation) never form a window
+    // sees their attention alone (ScoreUpdate::in_query_window); single tokens (generation) never form a window
     virtual int32_t query_window() const { return 0; }
 
     // a probe (see ProbeSource) ranks the entries before a prompt's evictions; its scores go to SeqScores::probe
@@ -165,8 +165,9 @@ public:
     void set_pool(int32_t pool) { pool_ = pool; }
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
-    // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties), each entry taking
-    // the best of the pool() entries centred on it; ties go to the older position
+    // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties, entries no probe
+    // has judged yet first of all), each entry taking the best of the pool() entries centred on it; ties go to the
+    // older position
     std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                              const BudgetSplit & split) const override;
 

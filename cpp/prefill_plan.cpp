@@ -48,7 +48,7 @@ PrefillPlan plan_prefill(const PrefillInput & in) {
     }
 
     const size_t n_piece = in.n_batch;
-    const size_t window  = std::min(in.window, n_piece);
+    const size_t window  = std::min(in.query_window, n_piece);
     auto window_start = [&](size_t size) { return window > 0 && size > 1 ? size - std::min(window, size) : size; };
     std::map<llama_seq_id, size_t> fed;
     // the tokens of seq's next piece (0 when it is all fed): up to the next multiple of n_batch, or the window whole
@@ -92,7 +92,7 @@ PrefillPlan plan_prefill(const PrefillInput & in) {
                 continue;
             }
             if (off >= ws) {
-                step.windows.insert(seq);
+                step.query_windows.insert(seq);
             }
             step.chunk[seq] = {off, n};
             off    += n;

@@ -18,7 +18,7 @@ namespace h2o {
 // reference mode). Otherwise each sequence is cut into pieces of n_batch tokens counted from its own start, a chunk
 // takes whole pieces only (so a sequence is cut at the same places alone or beside others), and a sequence evicts
 // after a chunk only when its next piece needs the cells (or always, in a cache shared by several sequences, where
-// the cells one keeps would move where the others are cut). The last `window` tokens of a prompt (the policy's query
+// the cells one keeps would move where the others are cut). The last `query_window` tokens of a prompt (the policy's query
 // window) go into a chunk of their own, whole.
 struct PrefillInput {
     std::map<llama_seq_id, size_t>  sizes;  // tokens to feed, per sequence
@@ -29,12 +29,12 @@ struct PrefillInput {
     bool    bounded = true;     // false: the policy never evicts, and a feed that does not fit gets no plan
     int32_t budget = 0;         // entries a sequence holds after an eviction (bounded policies)
     size_t  n_batch = 512;      // tokens per piece and per chunk
-    size_t  window = 0;         // the policy's query window (0: none), at most n_batch
+    size_t  query_window = 0;   // the policy's query window (0: none), at most n_batch
 };
 
 struct PrefillStep {
     std::map<llama_seq_id, std::pair<size_t, size_t>> chunk; // seq -> (offset into its tokens, count)
-    std::set<llama_seq_id>   windows;     // sequences whose query window is this chunk
+    std::set<llama_seq_id>   query_windows; // sequences whose query window is this chunk
     std::vector<llama_seq_id> evict_after; // sequences that evict after this chunk's decode
 };
 

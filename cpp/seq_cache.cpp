@@ -38,12 +38,12 @@ void SeqCache::append(const std::vector<llama_token> & tokens) {
 }
 
 void SeqCache::observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new,
-                       bool window) {
+                       bool in_query_window) {
     if (n != size() || !std::equal(st_.positions.begin(), st_.positions.end(), pos)) {
         throw std::logic_error("attention scores of sequence " + std::to_string(seq_) + " cover " + std::to_string(n) +
                                " positions, the engine tracks " + std::to_string(size()));
     }
-    policy.observe(st_.scores, {head_sums, n, st_.scores.n_head, n_new, window});
+    policy.observe(st_.scores, {head_sums, n, st_.scores.n_head, n_new, in_query_window});
     if (policy.probe().source != ProbeSource::none) {
         auto & seen = st_.scores.seen;
         seen.resize((size_t) n*st_.scores.n_head, 0.0f); // entries since the last observation start from nothing

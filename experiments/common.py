@@ -33,7 +33,7 @@ class Setting:
     budget: Optional[int] = None
     percent: Optional[float] = None
     sinks: Optional[int] = None
-    window: Optional[int] = None
+    query_window: Optional[int] = None
     recent: Optional[int] = None
     recent_percent: Optional[float] = None
     probe: Optional[str] = None
@@ -70,8 +70,8 @@ class Setting:
 
     @property
     def is_plain(self) -> bool:
-        """The policy with its own defaults: no sinks, window or recent given."""
-        return (self.sinks is None and self.window is None and self.recent is None and self.recent_percent is None
+        """The policy with its own defaults: no sinks, query window or recent given."""
+        return (self.sinks is None and self.query_window is None and self.recent is None and self.recent_percent is None
                 and self.probe is None and self.pool is None)
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
@@ -81,7 +81,7 @@ class Setting:
         recent = self.recent
         if self.recent_percent is not None:
             recent = round(budget * self.recent_percent / 100)
-        extra = {"sinks": self.sinks, "window": self.window, "probe": self.probe, "question": self.question,
+        extra = {"sinks": self.sinks, "query_window": self.query_window, "probe": self.probe, "question": self.question,
                  "pool": self.pool}
         if recent is None:
             return resolve(self.policy, budget, **extra)

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=32)
-    ap.add_argument("--window", type=int, default=1024, help="tokens per perplexity window in the table")
+    ap.add_argument("--ppl-span", type=int, default=1024, help="tokens per perplexity column in the table")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--output", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -83,17 +83,17 @@ def main(argv=None) -> int:
         results[s.label] = nll_run(model, tokens, s.policy, s.budget, s.rolling, args.chunk, args.threads).tolist()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     n_train = ModelInfo.load(model).n_ctx_train
-    windows = list(range(0, args.tokens, args.window))
+    windows = list(range(0, args.tokens, args.ppl_span))
 
     def ppl(vals):
         v = np.asarray(vals, dtype=float)
         return float(math.exp(np.mean(v))) if len(v) and not np.isnan(v).any() else None
 
-    table = {name: [ppl(v[w: w + args.window]) for w in windows] for name, v in results.items()}
+    table = {name: [ppl(v[w: w + args.ppl_span]) for w in windows] for name, v in results.items()}
     args.output.with_suffix(".json").write_text(json.dumps({"model": model, "tokens": args.tokens,
-                                                            "chunk": args.chunk, "window": args.window,
+                                                            "chunk": args.chunk, "ppl_span": args.ppl_span,
                                                             "n_ctx_train": n_train, "ppl_per_window": table}))
-    lines = [f"Perplexity per window of {args.window} tokens (model trained context {n_train}); '-' = stopped.", "",
+    lines = [f"Perplexity per span of {args.ppl_span} tokens (model trained context {n_train}); '-' = stopped.", "",
              "| setting | " + " | ".join(f"{w // 1024}k" if w % 1024 == 0 else str(w) for w in windows) + " |",
              "|---|" + "---|" * len(windows)]
     for name, vals in table.items():

@@ -56,7 +56,7 @@ class ScorerReference:
     """The scoring policies' rules (cpp/policies/), written from their papers' descriptions, for one sequence.
 
     Per position it keeps per-head scores and the number of queries that have seen the position. A step folds one
-    forward pass: `n_new` tokens were fed (the newest positions), `window` says the pass was a prompt's query
+    forward pass: `n_new` tokens were fed (the newest positions), `in_query_window` says the pass was a prompt's query
     window (SnapKV), `replace` rules start from zero at every pass (TOVA). Ranking, per rule:
       h2o: sum over heads; h2o_norm: that sum / queries; h2o_maxhead: the largest head; h2o_headnorm: each head
       divided by its largest over the kept positions, summed; tova: as h2o (scores replaced every pass);
@@ -69,13 +69,13 @@ class ScorerReference:
         self.head: dict[int, np.ndarray] = {}
         self.queries: dict[int, int] = {}
 
-    def step(self, positions: np.ndarray, head_sums: np.ndarray, n_new: int, window: bool = False) -> list[int]:
+    def step(self, positions: np.ndarray, head_sums: np.ndarray, n_new: int, in_query_window: bool = False) -> list[int]:
         positions = positions.tolist()
         for p in self.queries:
             self.queries[p] += n_new
         for i, p in enumerate(positions[len(positions) - n_new:]):
             self.queries[p] = n_new - i
-        if self.rule == "tova" or (self.rule == "snapkv" and window):
+        if self.rule == "tova" or (self.rule == "snapkv" and in_query_window):
             self.head = {}
         for p, sums in zip(positions, head_sums.astype(np.float32)):
             self.head[p] = self.head.get(p, np.zeros(len(sums), np.float32)) + sums

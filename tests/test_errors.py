@@ -2,7 +2,7 @@
 
 import pytest
 
-from h2o_local import Llama
+from h2o_local import Llama, policies
 
 
 def test_missing_file(tmp_path):
@@ -180,7 +180,7 @@ def test_wrong_types_give_one_line_errors(tiny_model, call, error, match):
 @pytest.mark.parametrize("call", [
     lambda llm: Llama(llm.model_path, budget=2**31),
     lambda llm: Llama(llm.model_path, budget=64, heavy=2**40, recent=0),
-    lambda llm: Llama(llm.model_path, policy="snapkv", budget=64, window=2**35),
+    lambda llm: Llama(llm.model_path, policy=policies.SnapKV(budget=64, query_window=2**35)),
     lambda llm: Llama(llm.model_path, n_batch=2**32),
     lambda llm: llm.set_policy("h2o", 2**31),
     lambda llm: llm.eval([1, 2**40]),

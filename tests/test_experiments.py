@@ -220,7 +220,7 @@ def test_setting_labels_give_the_split_they_name():
     assert parse_setting("tova-256+r128+s4").policy_value() == TOVA(budget=256, heavy=124, recent=128, sinks=4)
     # a share of the prompt, and a recent window as a share of that budget
     assert parse_setting("tova-25%+r50%").policy_value(2000) == TOVA(budget=500, heavy=250, recent=250)
-    assert parse_setting("snapkv-10%+w64").policy_value(1000).window == 64
+    assert parse_setting("snapkv-10%+w64").policy_value(1000).query_window == 64
     assert parse_setting("tova-25%+r50%+s4").family == "tova+r50%+s4"
     assert parse_setting("h2o-25%").is_plain and not parse_setting("h2o-25%+r10").is_plain
     for bad in ("h2o-256+x3", "h2o-256+r", "h2o", "tova-256+r300"):

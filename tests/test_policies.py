@@ -126,7 +126,7 @@ def test_each_scorer_keeps_what_its_reference_rule_keeps(tiny_model, rule, budge
     # and layer, so they count the window's queries (the whole prompt in one decode for the others)
     window = {"tova": 1, "snapkv": 16}.get(rule, len(prompt))
     np.testing.assert_allclose(sums.sum(axis=0), window * n_layer(tiny_model), rtol=1e-4)
-    assert llm.kv_state().positions.tolist() == ref.step(pos, sums, n_new=len(prompt), window=True)
+    assert llm.kv_state().positions.tolist() == ref.step(pos, sums, n_new=len(prompt), in_query_window=True)
     for t in llm.tokenize(TEXT_B, add_bos=False):
         llm.eval([t])
         assert llm.kv_state().positions.tolist() == ref.step(*llm.last_scores(), n_new=1)
@@ -147,29 +147,29 @@ def test_scorer_default_splits(value, split):
 
 @pytest.mark.parametrize("window", [1, 5, 40])
 def test_snapkv_scores_a_prompt_by_the_window_it_is_given(tiny_model, window):
-    """SnapKV(window=W): the prompt's last W tokens are decoded on their own and rank it (W queries per layer and
+    """SnapKV(query_window=W): the prompt's last W tokens are decoded on their own and rank it (W queries per layer and
     head in the last export), and the kept set is the reference rule's."""
-    value = policies.SnapKV(budget=16, heavy=10, recent=6, window=window)
+    value = policies.SnapKV(budget=16, heavy=10, recent=6, query_window=window)
     llm = Llama(tiny_model, policy=value, n_batch=512)
     ref = ScorerReference("snapkv", heavy=10, recent=6, sinks=0)
     prompt = llm.tokenize(TEXT_A + " " + TEXT_B) * 2
     llm.eval(prompt)
     pos, sums = llm.last_scores()
     np.testing.assert_allclose(sums.sum(axis=0), window * n_layer(tiny_model), rtol=1e-4)
-    assert llm.kv_state().positions.tolist() == ref.step(pos, sums, n_new=len(prompt), window=True)
+    assert llm.kv_state().positions.tolist() == ref.step(pos, sums, n_new=len(prompt), in_query_window=True)
     assert value.query_window == window and policies.parse(value.label) == value
     assert value.label == ("snapkv-16+r6" if window == 16 else f"snapkv-16+w{window}+r6")
 
 
 def test_a_window_is_only_for_policies_that_have_one():
-    assert policies.SnapKV(budget=256, window=64).split == (0, 192, 64)  # recent defaults to the window
-    assert policies.parse("snapkv-256+s4+w8") == policies.SnapKV(budget=256, sinks=4, window=8)
-    with pytest.raises(ValueError, match="window >= 1"):
-        policies.SnapKV(budget=256, window=0)
+    assert policies.SnapKV(budget=256, query_window=64).split == (0, 192, 64)  # recent defaults to the window
+    assert policies.parse("snapkv-256+s4+w8") == policies.SnapKV(budget=256, sinks=4, query_window=8)
+    with pytest.raises(ValueError, match="query_window >= 1"):
+        policies.SnapKV(budget=256, query_window=0)
     with pytest.raises(ValueError, match="takes no query window"):
         policies.parse("h2o-256+w8")
     with pytest.raises(ValueError, match="takes no query window"):
-        _engine.Policy("h2o", 256, window=8)
+        _engine.Policy("h2o", 256, query_window=8)
 
 
 @pytest.mark.parametrize("rule", ["tova", "snapkv"])

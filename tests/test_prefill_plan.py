@@ -7,13 +7,13 @@ from hypothesis import strategies as st
 from h2o_local import _engine
 
 
-def plan(sizes, cells=None, *, capacity, budget=256, n_batch=512, window=0, kv_unified=False, defer=True,
+def plan(sizes, cells=None, *, capacity, budget=256, n_batch=512, query_window=0, kv_unified=False, defer=True,
          bounded=True):
-    return _engine.plan_prefill(sizes, cells or {}, capacity, kv_unified, defer, bounded, budget, n_batch, window)
+    return _engine.plan_prefill(sizes, cells or {}, capacity, kv_unified, defer, bounded, budget, n_batch, query_window)
 
 
 def test_a_prompt_that_fits_is_decoded_whole_in_batches_then_evicts_once():
-    fits, steps = plan({0: 700}, capacity=768, window=1)
+    fits, steps = plan({0: 700}, capacity=768, query_window=1)
     assert fits
     assert [s[0] for s in steps] == [{0: (0, 512)}, {0: (512, 187)}, {0: (699, 1)}]  # the window on its own
     assert [s[1] for s in steps] == [[], [], [0]] and all(not s[2] for s in steps)
@@ -33,7 +33,7 @@ def test_a_long_prompt_is_cut_in_pieces_and_evicts_only_when_the_next_piece_need
 
 
 def test_the_end_of_a_prompt_is_ranked_with_its_window_not_cut_before_it():
-    fits, steps = plan({0: 1100}, capacity=256 + 512, budget=256, n_batch=512, window=16)
+    fits, steps = plan({0: 1100}, capacity=256 + 512, budget=256, n_batch=512, query_window=16)
     assert not fits
     assert [s[0][0] for s in steps] == [(0, 512), (512, 512), (1024, 60), (1084, 16)]
     assert [s[1] for s in steps] == [[], [], [], [0]]
@@ -70,7 +70,7 @@ def test_every_plan_feeds_each_token_once_in_order_and_never_overfills(sizes, he
     n_seq = 4
     capacity = (n_seq * budget if unified else budget) + n_batch
     cells = {s: min(h, budget) for s, h in held.items()}
-    fits, steps = plan(sizes, cells, capacity=capacity, budget=budget, n_batch=n_batch, window=window,
+    fits, steps = plan(sizes, cells, capacity=capacity, budget=budget, n_batch=n_batch, query_window=window,
                        kv_unified=unified, defer=not unified)
     fed = {s: 0 for s in sizes}
     now = {s: cells.get(s, 0) for s in set(sizes) | set(cells)}

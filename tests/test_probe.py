@@ -13,7 +13,7 @@ BUDGET = 24
 
 
 @pytest.mark.parametrize("policy", [TOVA(budget=BUDGET, probe="question", question=4),
-                                    SnapKV(budget=BUDGET, window=4, probe="question", question=8),
+                                    SnapKV(budget=BUDGET, query_window=4, probe="question", question=8),
                                     H2O(budget=BUDGET, probe="catalyst"), TOVA(budget=BUDGET, probe="repeat", pool=3)])
 def test_a_probe_leaves_no_trace_in_a_bounded_prefill(tiny_model, policy):
     llm = Llama(tiny_model, policy=policy, n_batch=16, n_threads=1)

@@ -20,7 +20,7 @@ public:
 
     int32_t query_window() const override { return window_; }
     void observe(SeqScores & scores, const ScoreUpdate & update) const override {
-        if (update.window) {
+        if (update.in_query_window) {
             replace_scores(scores, update);
         } else {
             accumulate_scores(scores, update);
@@ -45,8 +45,8 @@ private:
 };
 
 std::unique_ptr<Policy> make_snapkv(const PolicyConfig & cfg) {
-    const int32_t window = cfg.window < 0 ? kDefaultWindow : cfg.window;
-    check_policy(window >= 1, "policy 'snapkv' needs window >= 1 (prompt queries that score the prompt), got " +
+    const int32_t window = cfg.query_window < 0 ? kDefaultWindow : cfg.query_window;
+    check_policy(window >= 1, "policy 'snapkv' needs query_window >= 1 (prompt queries that score the prompt), got " +
                  std::to_string(window));
     PolicyConfig c = cfg;
     const int32_t rest = cfg.budget - std::max(cfg.sinks, 0);

@@ -26,7 +26,7 @@ from . import _engine
 
 REGISTRY: Dict[str, Type["Policy"]] = {}
 # the fields a policy value passes to its C++ factory (PolicyConfig), in order
-ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "window", "probe", "question", "pool")
+ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "query_window", "probe", "question", "pool")
 # what a probe decodes after a piece of a prompt to rank it before eviction (cpp/policy.h ProbeSource)
 PROBES = ("question", "repeat", "catalyst")
 
@@ -82,12 +82,12 @@ class Policy:
         self._adopt(_engine.Policy(self.name, *_engine_args(self._request())))
 
     def _adopt(self, cpp: "_engine.Policy") -> None:
-        """Hold the resolved C++ policy and show its resolution (the split, the window) in the fields."""
+        """Hold the resolved C++ policy and show its resolution (the split, the query window) in the fields."""
         for key in ("sinks", "heavy", "recent"):
             if key in self._field_names():
                 object.__setattr__(self, key, getattr(cpp, key))
-        if "window" in self._field_names():
-            object.__setattr__(self, "window", cpp.query_window)
+        if "query_window" in self._field_names():
+            object.__setattr__(self, "query_window", cpp.query_window)
         if "probe" in self._field_names():
             object.__setattr__(self, "probe", cpp.probe or None)
             object.__setattr__(self, "question", cpp.question or None)
@@ -147,7 +147,7 @@ class Policy:
             return self.name
         sinks = getattr(self, "sinks", 0)
         extra = f"+s{sinks}" if isinstance(self, Scored) and sinks else ""
-        window = getattr(self, "window", None)
+        window = self.query_window if "query_window" in self._field_names() else None
         if window is not None and window != _engine.Policy(self.name, self.budget).query_window:  # C++'s default
             extra += f"+w{window}"
         probe = getattr(self, "probe", None)
@@ -159,7 +159,7 @@ class Policy:
             extra += f"+p{self.pool}"  # type: ignore[attr-defined]
         recent = getattr(self, "recent", None)
         if isinstance(self, Scored) and recent is not None:
-            default = resolve(self.name, self.budget, sinks=sinks or None, window=window)  # probes split nothing
+            default = resolve(self.name, self.budget, sinks=sinks or None, query_window=window)  # probes split nothing
             if default.recent != recent:  # type: ignore[attr-defined]
                 extra += f"+r{recent}"
         return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
@@ -265,12 +265,13 @@ class TOVA(Scored):
 
 @dataclass(frozen=True)
 class SnapKV(Scored):
-    """SnapKV (arXiv 2404.14469): a prompt is ranked by the attention of its last `window` tokens (default 16,
+    """SnapKV (arXiv 2404.14469): a prompt is ranked by the attention of its last `query_window` tokens (default 16,
     about one question, where kvpress uses 64; decoded on their own), averaged over 5 neighbouring entries;
-    generation then accumulates on top as H2O does. Default recent = min(window, half of what the sinks leave)."""
+    generation then accumulates on top as H2O does. Default recent = min(query_window, half of what the sinks
+    leave). Label suffix `+wN`."""
 
     name: ClassVar[str] = "snapkv"
-    window: Optional[int] = None
+    query_window: Optional[int] = None  # type: ignore[assignment]  # the field shows the resolved window
 
 
 @dataclass(frozen=True)
@@ -334,15 +335,15 @@ class _PythonRank(_engine.RankedPolicy):
 
 
 def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,
-            recent: Optional[int] = None, sinks: Optional[int] = None, window: Optional[int] = None,
+            recent: Optional[int] = None, sinks: Optional[int] = None, query_window: Optional[int] = None,
             probe: Optional[str] = None, question: Optional[int] = None, pool: Optional[int] = None) -> Policy:
     """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split
-    (and, for snapkv, a query `window` in tokens; for a scorer, a `probe` (one of PROBES; `question` tokens for
+    (and, for snapkv, a `query_window` in tokens; for a scorer, a `probe` (one of PROBES; `question` tokens for
     the question probe) and a `pool` width in entries).
 
     `policy="h2o"` with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
-    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "window": window, "probe": probe,
+    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "query_window": query_window, "probe": probe,
              "question": question, "pool": pool}
     if isinstance(policy, Policy):
         if any(v is not None for v in given.values()):
@@ -358,7 +359,7 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
         else:
             check_int(key, value, minimum=1 if key == "budget" else 0)
     if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and \
-            all(given[k] is None for k in ("window", "probe", "question", "pool")):
+            all(given[k] is None for k in ("query_window", "probe", "question", "pool")):
         return Full()
     # the C++ policy validates every combination (with its own messages) and resolves it, once
     cpp = _engine.Policy(policy, *_engine_args(tuple(given.values())))
@@ -369,7 +370,7 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
 _DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True), and below 2^31
 
 
-_SUFFIX_FIELDS = {"s": "sinks", "w": "window", "r": "recent", "q": "question", "p": "pool"}
+_SUFFIX_FIELDS = {"s": "sinks", "w": "query_window", "r": "recent", "q": "question", "p": "pool"}
 
 
 def suffix_fields(suffix: str) -> Optional[Dict[str, Any]]:

@@ -19,7 +19,7 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--heavy", type=int, help="heavy hitters kept (default: half the budget)")
     g.add_argument("--recent", type=int, help="recent tokens kept")
     g.add_argument("--sinks", type=int, help="first tokens always kept")
-    g.add_argument("--window", type=int, help="snapkv: prompt tokens whose attention ranks the prompt (default: 16)")
+    g.add_argument("--query-window", type=int, help="snapkv: prompt tokens whose attention ranks the prompt (default: 16)")
     g.add_argument("--probe", choices=PROBES, help="scorers: before a prompt is evicted, rank it by the attention of "
                    "tokens decoded after it and then removed: its own last tokens (question), the context repeated "
                    "(repeat, about twice the prefill) or a short generic instruction (catalyst) (default: none)")
@@ -60,7 +60,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
             with open(template[1:], encoding="utf-8") as f:
                 template = f.read()
         policy = "full" if budget is None else resolve(args.policy, budget, heavy=args.heavy, recent=args.recent,
-                                                       sinks=args.sinks, window=args.window, probe=args.probe,
+                                                       sinks=args.sinks, query_window=args.query_window, probe=args.probe,
                                                        question=args.question, pool=args.pool)
         return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
