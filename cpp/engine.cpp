@@ -484,7 +484,10 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     in.bounded        = policy_->bounded();
     in.budget         = in.bounded ? policy_->split().total() : 0;
     in.n_batch        = n_batch();
-    in.query_window   = (size_t) std::max(policy_->query_window(), 0);
+    // the question probe's tokens are the prompt's end: decoded on their own, so that the probe's baseline (the
+    // attention the entries usually get) leaves out the question's own queries
+    const ProbeSpec probe = policy_->probe();
+    in.query_window   = (size_t) std::max({policy_->query_window(), 0, probe.source == ProbeSource::question ? probe.question : 0});
     const PrefillPlan plan = plan_prefill(in);
     if (!plan.fits && !policy_->bounded()) {
         throw std::invalid_argument("cannot feed " + std::to_string(n_total) + " tokens: " + std::to_string(cells_used()) +
@@ -581,7 +584,9 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             if (probes.count(seq) > 0) {
                 add_probe_sums(sc, pos, sums, n);
             } else {
-                sc.observe(*policy_, pos, sums, n, n_new, query_windows.count(seq) > 0);
+                const bool window = query_windows.count(seq) > 0;
+                sc.observe(*policy_, pos, sums, n, n_new, window,
+                           !(window && policy_->probe().source == ProbeSource::question));
             }
         }
     }

@@ -80,8 +80,9 @@ struct SeqScores {
     std::vector<float>   head;    // [n][n_head]: per query head
     std::vector<int64_t> queries; // [n]: queries that have attended the entry so far (its own included)
     std::vector<float>   probe;   // [n]: the largest lift a probe gave the entry (observe_probe); 0: never probed
-    std::vector<float>   seen;    // [n][n_head]: attention accumulated over every query, per head: the probe's
-                                  // baseline (kept only for a policy with a probe; empty otherwise)
+    std::vector<float>   seen;    // [n][n_head]: attention accumulated over the queries, per head, as if every query
+                                  // gave the mean of those observed (the question probe's own tokens are not): the
+                                  // probe's baseline (kept only for a policy with a probe; empty otherwise)
 
     size_t size() const { return total.size(); }
 

@@ -38,7 +38,7 @@ void SeqCache::append(const std::vector<llama_token> & tokens) {
 }
 
 void SeqCache::observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new,
-                       bool in_query_window) {
+                       bool in_query_window, bool add_to_baseline) {
     if (n != size() || !std::equal(st_.positions.begin(), st_.positions.end(), pos)) {
         throw std::logic_error("attention scores of sequence " + std::to_string(seq_) + " cover " + std::to_string(n) +
                                " positions, the engine tracks " + std::to_string(size()));
@@ -47,8 +47,20 @@ void SeqCache::observe(const Policy & policy, const llama_pos * pos, const float
     if (policy.probe().source != ProbeSource::none) {
         auto & seen = st_.scores.seen;
         seen.resize((size_t) n*st_.scores.n_head, 0.0f); // entries since the last observation start from nothing
-        for (size_t i = 0; i < seen.size(); ++i) {
-            seen[i] += head_sums[i];
+        if (add_to_baseline) {
+            for (size_t i = 0; i < seen.size(); ++i) {
+                seen[i] += head_sums[i];
+            }
+        } else {
+            // these queries are left out: each older entry's mean per query stays that of the others
+            const int32_t n_head = st_.scores.n_head;
+            for (int32_t i = 0; i < n - n_new; ++i) {
+                const int64_t q = st_.scores.queries[i];
+                const float scale = q > n_new ? (float) q/(float) (q - n_new) : 0.0f;
+                for (int32_t h = 0; h < n_head; ++h) {
+                    seen[(size_t) i*n_head + h] *= scale;
+                }
+            }
         }
     }
 }

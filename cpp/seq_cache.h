@@ -45,7 +45,7 @@ public:
     void append(const std::vector<llama_token> & tokens);
     // fold the scores the patch exported in the last decode (checked against the kept positions)
     void observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new,
-                 bool in_query_window);
+                 bool in_query_window, bool add_to_baseline = true);
     // a probe's attention to the entries: head_sums [size()][n_head] summed over its n_queries queries
     void observe_probe(const std::vector<float> & head_sums, int32_t n_queries, bool keep_best);
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more

@@ -196,3 +196,29 @@ def test_labels_and_refusals():
 
     with pytest.raises(ValueError, match="no probe or pool"):
         Mean(budget=64, probe="catalyst")
+
+
+def test_the_question_probe_s_baseline_leaves_out_the_question(tiny_model):
+    """A prompt that ends with its question: the question's tokens are decoded on their own and left out of the
+    baseline (each entry's attention per query is that of the other queries), then re-decoded as the probe."""
+    n_q = 8
+    llm = Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="question", question=n_q), n_ctx=512, n_threads=1)
+    llm.eval(PROMPT)
+
+    before = Llama(tiny_model, n_ctx=512, export_scores=True, n_threads=1)
+    before.eval(PROMPT[:-n_q])
+    st0 = before.kv_state()
+    full = Llama(tiny_model, n_ctx=512, export_scores=True, n_threads=1)
+    full.eval(PROMPT)
+    queries = full.kv_state().queries
+    full.eval(PROMPT[-n_q:])
+    sums = full.last_scores()[1][: len(PROMPT)] / n_q
+    per_query = np.zeros((len(PROMPT), sums.shape[1]))
+    per_query[:-n_q] = st0.head_scores / st0.queries[:, None]
+    mean = per_query.mean(axis=0)
+    base = (per_query * queries[:, None] + 128 * mean) / (queries[:, None] + 128) + 0.05 * mean
+    ref = (sums / base).max(axis=1)
+    st = llm.kv_state()
+    keep = reference_keep(ref, 0, 1, BUDGET)
+    assert st.positions.tolist() == keep
+    np.testing.assert_allclose(st.probe_scores, ref[keep], rtol=1e-4, atol=1e-6)
