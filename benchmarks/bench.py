@@ -232,10 +232,10 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
                       (f"decode (mean) h2o-{b}+roll / h2o-{b}", f"h2o-{b}+roll", f"h2o-{b}", "decode_mean_tok_s"),
                       (f"decode (mean) h2o-{b}+roll64 / h2o-{b}", f"h2o-{b}+roll64", f"h2o-{b}",
                        "decode_mean_tok_s")]
-        for name in names:  # every other policy against h2o at its budget (the scorers' cost)
-            if name != "llama-cpp-python" and "+" not in name:
+        for name in names:  # every other policy against h2o at its budget (the scorers' and probes' cost)
+            if name != "llama-cpp-python":
                 st = parse_setting(name)
-                if st.budget and st.policy not in ("h2o", "full", "local"):
+                if st.budget and st.policy not in ("h2o", "full", "local") and st.policy_label == name:
                     pairs += [(f"decode {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "decode_tok_s"),
                               (f"prefill {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "prefill_tok_s")]
         for name in names:  # a suffix against the same setting without it (+nocompact, +fa, +kq8_0, ...)
