@@ -338,7 +338,7 @@ void Engine::set_policy(PolicyPtr policy) {
                                                         : "create the engine with a scoring policy or export_scores=True"));
     }
     const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
-    if (policy->bounded() && n_seq_stream*(policy->split().total() + probe_cells(*policy)) >= stream_capacity()) {
+    if (policy->bounded() && n_seq_stream*policy->split().total() + probe_cells(*policy) >= stream_capacity()) {
         const int32_t n_probe = probe_cells(*policy);
         throw std::invalid_argument("budget " + std::to_string(policy->split().total()) +
                                     (n_probe > 0 ? " and its probe's " + std::to_string(n_probe) + " cells" : std::string()) +
@@ -476,9 +476,10 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     for (const auto & kv : seqs_) {
         in.cells[kv.first] = kv.second.size();
     }
-    // a probe needs its cells beside a piece before the piece is evicted
+    // a probe needs its cells beside a piece before the piece is evicted; sequences are probed and evicted one at
+    // a time, so one probe's cells per stream suffice
     const int32_t n_probe = policy_->bounded() ? probe_cells(*policy_) : 0;
-    in.capacity       = (int32_t) stream_capacity() - n_probe*(params_.kv_unified ? (int32_t) tokens.size() : 1);
+    in.capacity       = (int32_t) stream_capacity() - n_probe;
     in.kv_unified     = params_.kv_unified;
     in.defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
     in.bounded        = policy_->bounded();

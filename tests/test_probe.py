@@ -222,3 +222,16 @@ def test_the_question_probe_s_baseline_leaves_out_the_question(tiny_model):
     keep = reference_keep(ref, 0, 1, BUDGET)
     assert st.positions.tolist() == keep
     np.testing.assert_allclose(st.probe_scores, ref[keep], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_probes_in_a_batch_need_one_probe_s_cells_per_stream(tiny_model, unified):
+    """Sequences of a batch are probed and evicted one at a time: the default context holds every budget, one batch
+    and one probe (per stream), and a batch of long prompts feeds within it."""
+    policy = TOVA(budget=BUDGET, recent=4, probe="repeat", pool=3)
+    llm = Llama(tiny_model, policy=policy, n_seq_max=3, kv_unified=unified, n_batch=16, n_threads=1)
+    llm.eval_batch({0: PROMPT, 1: PROMPT[::-1], 2: PROMPT[10:]})
+    for seq in range(3):
+        st = llm.kv_state(seq)
+        assert st.n_cells == BUDGET and st.peak_cells <= BUDGET + 16 + llm._engine.probe_cells(policy.cpp)
+    assert len(llm.generate_batch([PROMPT, PROMPT[::-1], PROMPT[10:]], max_tokens=3, temperature=0)) == 3

@@ -39,7 +39,15 @@ def main(argv=None) -> int:
     dt = time.perf_counter() - t0
     st = llm.kv_state()
     print(f"\n\n[h2o_local] policy={llm.policy.name} budget={llm.budget} (sinks={llm.sinks} heavy={llm.heavy} "
-          f"recent={llm.recent}) prompt={len(tokens)} tokens, seen={st.n_seen}, kept={st.n_cells}, "
+          f"recent={llm.recent}{_probe_text(llm.policy)}) prompt={len(tokens)} tokens, seen={st.n_seen}, kept={st.n_cells}, "
           f"evicted={st.n_evicted}, peak={st.peak_cells} entries, KV allocated={st.kv_bytes / 2**20:.2f} MiB "
           f"({st.kv_cells} cells), {dt:.1f} s", file=sys.stderr)
     return 0
+
+
+def _probe_text(policy) -> str:
+    probe = getattr(policy, "probe", None)
+    if not probe:
+        return ""
+    text = f" probe={probe}" + (f"/{policy.question}" if probe == "question" else "")
+    return text + (f" pool={policy.pool}" if getattr(policy, "pool", None) else "")
