@@ -396,3 +396,38 @@ def test_one_settings_declaration_for_the_cli_the_environment_and_create_app(cha
     with pytest.raises(SystemExit) as e:
         main(["serve", "--model", chat_model, "--port", "70000"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("probe", ["question", "repeat"])
+def test_a_probing_policy_serves_concurrent_long_prompts_as_one_by_one(chat_model, probe):
+    """Long prompts under a probing policy: each slot's prompt is probed and evicted in its stream, batching
+    changes nothing but speed, and a continued chat goes on from its cache."""
+    from h2o_local import TOVA
+
+    prompts = [f"Story {i}: " + "the lighthouse keeper wrote about ships. " * 6 + "What did he write?" for i in range(3)]
+    policy = TOVA(budget=48, recent=8, probe=probe, pool=3)
+    with serving(chat_model, budget=None, policy=policy, session_mib=16) as (port, client):
+        alone = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
+                 for p in prompts]
+        results, barrier = [None] * 3, threading.Barrier(3)
+
+        def complete(i):
+            barrier.wait()
+            results[i] = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=12,
+                                                   temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == alone
+        first = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0)
+        again = USER + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": prompts[0]}]
+        second = client.chat.completions.create(model="tiny", messages=again, max_tokens=8, temperature=0)
+        assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+        deadline = time.monotonic() + 10  # a slot is released just after its response is sent
+        while get(port, "/health")[1]["slots_processing"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert get(port, "/health")[1]["slots_processing"] == 0
