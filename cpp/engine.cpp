@@ -605,7 +605,9 @@ int32_t Engine::probe_cells(const Policy & policy) const {
 }
 
 void Engine::probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt) {
-    if (policy_->bounded() && seqs_.at(seq).size() > policy_->split().total()) {
+    // generation's single tokens run no probe (they stay unjudged); a prompt, or compress() (no prompt), does
+    const bool is_prompt = prompt == nullptr || prompt->size() > 1;
+    if (is_prompt && policy_->bounded() && seqs_.at(seq).size() > policy_->split().total()) {
         run_probe(seq, prompt);
     }
     evict(seq);

@@ -235,3 +235,16 @@ def test_probes_in_a_batch_need_one_probe_s_cells_per_stream(tiny_model, unified
         st = llm.kv_state(seq)
         assert st.n_cells == BUDGET and st.peak_cells <= BUDGET + 16 + llm._engine.probe_cells(policy.cpp)
     assert len(llm.generate_batch([PROMPT, PROMPT[::-1], PROMPT[10:]], max_tokens=3, temperature=0)) == 3
+
+
+def test_generation_runs_no_probe(tiny_model):
+    """Single tokens (generation) are not probed: their entries stay unjudged, the prompt's probe scores stay."""
+    llm = Llama(tiny_model, policy=TOVA(budget=BUDGET, recent=4, probe="catalyst"), n_batch=16, n_threads=1)
+    llm.eval(PROMPT)
+    before = dict(zip(llm.kv_state().positions.tolist(), llm.kv_state().probe_scores.tolist()))
+    for t in (7, 8, 9):
+        llm.eval([t])
+    st = llm.kv_state()
+    assert st.peak_cells <= BUDGET + 16 + llm._engine.probe_cells(llm.policy.cpp)
+    assert st.probe_scores[-3:].tolist() == [0.0, 0.0, 0.0]  # the three generated entries, kept and unjudged
+    assert all(before[p] == s for p, s in zip(st.positions.tolist(), st.probe_scores.tolist()) if p in before)
