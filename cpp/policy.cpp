@@ -51,6 +51,10 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
         check_policy(cfg.pool >= 1, "pool must be >= 1 (entries), got " + std::to_string(cfg.pool));
         ranked->set_pool(cfg.pool);
     }
+    if (cfg.follow >= 0) {
+        check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no follow");
+        ranked->set_follow(cfg.follow);
+    }
     return policy;
 }
 
@@ -157,12 +161,13 @@ void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_querie
     }
 }
 
-std::vector<float> max_pool(const std::vector<float> & v, int32_t width) {
+std::vector<float> max_pool(const std::vector<float> & v, int32_t width, int32_t follow) {
     const int64_t n = (int64_t) v.size();
     const int64_t half = std::max(width, 1)/2;
+    const int64_t back = std::max<int64_t>(half, follow);
     std::vector<float> out(v.size());
     for (int64_t i = 0; i < n; ++i) {
-        const int64_t lo = std::max<int64_t>(0, i - half);
+        const int64_t lo = std::max<int64_t>(0, i - back);
         const int64_t hi = std::min(n - 1, i + half);
         out[i] = *std::max_element(v.begin() + lo, v.begin() + hi + 1);
     }
@@ -195,14 +200,14 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     std::vector<float> s = rank(scores);
     std::vector<float> first; // the probe's scores come before rank() when there is a probe
     if (probe_.source != ProbeSource::none) {
-        first = pool_ > 1 ? max_pool(scores.probe, pool_) : scores.probe;
+        first = pool_ > 1 || follow_ > 0 ? max_pool(scores.probe, pool_, follow_) : scores.probe;
         for (size_t i = 0; i < n; ++i) {
             if (scores.probe[i] == 0.0f) { // not judged by a probe yet (generated tokens): kept before the judged
                 first[i] = std::numeric_limits<float>::infinity();
             }
         }
-    } else if (pool_ > 1) {
-        s = max_pool(s, pool_);
+    } else if (pool_ > 1 || follow_ > 0) {
+        s = max_pool(s, pool_, follow_);
     }
     std::partial_sort(cand.begin(), cand.begin() + n_heavy, cand.end(), [&](size_t a, size_t b) {
         if (!first.empty() && first[a] != first[b]) {

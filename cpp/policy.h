@@ -26,6 +26,7 @@ struct PolicyConfig {
                          // "repeat", "catalyst"
     int32_t question = -1; // the question probe's length: a prompt's last N tokens; < 0: kDefaultQuestionTokens
     int32_t pool   = -1; // rank an entry by the best of the `pool` entries centred on it (a fact's span); < 0: 1
+    int32_t follow = -1; // and by the best of the `follow` entries before it (a value after its key); < 0: 0
 };
 
 // A probe: tokens decoded after what a sequence holds, whose attention to it ranks it, and which are then removed
@@ -161,14 +162,16 @@ public:
     std::string name() const override { return name_; }
     ProbeSpec probe() const override { return probe_; }
     int32_t pool() const { return pool_; }
+    int32_t follow() const { return follow_; }
     // by make_policy, before the policy is shared
     void set_probe(ProbeSpec probe) { probe_ = probe; }
     void set_pool(int32_t pool) { pool_ = pool; }
+    void set_follow(int32_t follow) { follow_ = follow; }
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
     // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties, entries no probe
-    // has judged yet first of all), each entry taking the best of the pool() entries centred on it; ties go to the
-    // older position
+    // has judged yet first of all), each entry taking the best of the pool() entries centred on it and of the
+    // follow() entries before it; ties go to the older position
     std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                              const BudgetSplit & split) const override;
 
@@ -181,6 +184,7 @@ private:
     BudgetSplit split_;
     ProbeSpec   probe_;
     int32_t     pool_ = 1;
+    int32_t     follow_ = 0; // entries before an entry whose score it takes (at least pool_/2)
 };
 
 // A scorer that only ranks differently is one function: `make_ranked<RankedBy<mean_per_query>, half_recent>`
@@ -217,7 +221,8 @@ void replace_scores(SeqScores & scores, const ScoreUpdate & update);
 // from a probe too, and a needle's digits only stand out against what they usually get.
 void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_queries, bool keep_best);
 // out[i] = the largest of v over [i - width/2, i + width/2]
-std::vector<float> max_pool(const std::vector<float> & v, int32_t width);
+// out[i] = the largest of v[i - max(width/2, follow) .. i + width/2]
+std::vector<float> max_pool(const std::vector<float> & v, int32_t width, int32_t follow = 0);
 
 using PolicyFactory = std::unique_ptr<Policy> (*)(const PolicyConfig & cfg);
 

@@ -176,10 +176,26 @@ def test_pool_ranks_an_entry_by_its_best_neighbour():
     assert keep == [2, 3, 5]
 
 
+def test_follow_keeps_what_comes_after_a_found_entry():
+    # a key at 1 that a probe found, its value at 3-5 (scored low), a distractor at 7
+    total = [0.0, 9.0, 0.0, 0.1, 0.1, 0.1, 0.0, 2.0, 0.0, 0.0]
+    args = (list(range(10)), total, np.zeros((10, 1), np.float32), [1] * 10)
+    reference = lambda back, ahead: [max(total[max(0, i - back): i + ahead + 1]) for i in range(10)]
+    for pool, follow in ((1, 4), (3, 4), (5, 1)):
+        scored = reference(max(pool // 2, follow), pool // 2)
+        expected = sorted(sorted(range(9), key=lambda i: (-scored[i], i))[:5]) + [9]
+        assert _engine.Policy("h2o", 6, heavy=5, recent=1, pool=pool, follow=follow).select(*args) == expected
+    # follow 4: the key and the four entries after it (its value) rank first
+    assert _engine.Policy("h2o", 6, heavy=5, recent=1, follow=4).select(*args) == [1, 2, 3, 4, 5, 9]
+    # centred pool 3 only: the value's last entries lose to the distractor's neighbours
+    assert _engine.Policy("h2o", 6, heavy=5, recent=1, pool=3).select(*args) == [0, 1, 2, 6, 7, 9]
+
+
 def test_labels_and_refusals():
     assert policies.parse("tova-256+s4+q16") == TOVA(budget=256, sinks=4, probe="question", question=16)
     assert TOVA(budget=256, sinks=4, probe="question", question=16).label == "tova-256+s4+q16"
-    for label in ("tova-256+repeat", "snapkv-256+catalyst+p7", "h2o-128+p5", "tova-256+s4+q32+r192"):
+    for label in ("tova-256+repeat", "snapkv-256+catalyst+p7", "h2o-128+p5", "tova-256+s4+q32+r192",
+                  "tova-256+q32+p9+f12+r32"):
         assert policies.parse(label).label == label
     assert TOVA(budget=64, probe="question").question == _engine.DEFAULT_QUESTION_TOKENS
     with pytest.raises(ValueError, match="takes no probe"):
@@ -194,7 +210,7 @@ def test_labels_and_refusals():
     class Mean(PythonRanked):
         name = "mean"
 
-    with pytest.raises(ValueError, match="no probe or pool"):
+    with pytest.raises(ValueError, match="no probe, pool or follow"):
         Mean(budget=64, probe="catalyst")
 
 

@@ -47,7 +47,6 @@ def main(argv=None) -> int:
 
 def _probe_text(policy) -> str:
     probe = getattr(policy, "probe", None)
-    if not probe:
-        return ""
-    text = f" probe={probe}" + (f"/{policy.question}" if probe == "question" else "")
-    return text + (f" pool={policy.pool}" if getattr(policy, "pool", None) else "")
+    text = f" probe={probe}" + (f"/{policy.question}" if probe == "question" else "") if probe else ""
+    text += f" pool={policy.pool}" if getattr(policy, "pool", None) else ""
+    return text + (f" follow={policy.follow}" if getattr(policy, "follow", None) else "")
