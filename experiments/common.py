@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from h2o_local.policies import Policy, parse, resolve, suffix_fields
+from h2o_local.policies import ENGINE_FIELDS, Policy, parse, resolve, suffix_fields
 
 
 def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParser:
@@ -39,6 +39,7 @@ class Setting:
     probe: Optional[str] = None
     question: Optional[int] = None
     pool: Optional[int] = None
+    follow: Optional[int] = None
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
@@ -72,7 +73,7 @@ class Setting:
     def is_plain(self) -> bool:
         """The policy with its own defaults: no sinks, query window or recent given."""
         return (self.sinks is None and self.query_window is None and self.recent is None and self.recent_percent is None
-                and self.probe is None and self.pool is None)
+                and self.probe is None and self.pool is None and self.follow is None)
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
         if self.percent is None and self.recent_percent is None:
@@ -81,8 +82,7 @@ class Setting:
         recent = self.recent
         if self.recent_percent is not None:
             recent = round(budget * self.recent_percent / 100)
-        extra = {"sinks": self.sinks, "query_window": self.query_window, "probe": self.probe, "question": self.question,
-                 "pool": self.pool}
+        extra = {k: getattr(self, k) for k in ENGINE_FIELDS if k not in ("budget", "heavy", "recent")}
         if recent is None:
             return resolve(self.policy, budget, **extra)
         # an explicit recent share: the heavy entries are what the sinks and the recent window leave
@@ -119,7 +119,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
             fields["recent_percent"] = float(s[1:-1])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

@@ -27,9 +27,14 @@ from .common import experiment_parser, table
 from .longctx import build_prompt, context_text, haystack_sentences, make_task, row_format
 
 
-def pool(v: np.ndarray, width: int) -> np.ndarray:
+def pool(v: np.ndarray, width: int, follow: int = 0) -> np.ndarray:
+    """The engine's pool and follow (cpp/policy.cpp max_pool): the best of v[i - max(width/2, follow) .. i + width/2]."""
     h = width // 2
-    return np.array([v[max(0, i - h): i + h + 1].max() for i in range(len(v))])
+    back = max(h, follow)
+    return np.array([v[max(0, i - back): i + h + 1].max() for i in range(len(v))])
+
+
+POOLS = ((1, 0), (9, 0), (17, 0), (9, 12))  # (pool, follow)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -38,6 +43,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--top", type=int, nargs="+", default=[150, 370])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", action="store_true", help="also the repeat probe, decoded one query at a time (slow): "
+                    "its attention summed over queries (what the export gives) and the largest over queries (KVzip)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     model = model_path(args.model)
@@ -55,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         value = spec["answers"][0][0]
         c = "".join(pieces).index(value)
         span = [i for i, s in enumerate(starts) if c <= s < c + len(value)]
-        llm = Llama(model, n_ctx=len(h) + 256, export_scores=True, n_threads=args.threads)
+        llm = Llama(model, n_ctx=2 * len(h) + 256, export_scores=True, n_threads=args.threads)
         llm.eval(h)
         st = llm.kv_state()
         base = st.head_scores / st.queries[:, None]
@@ -67,19 +74,36 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             llm.eval(probe)
             sums = llm.last_scores()[1][: len(h)] / len(probe)
             rules = {"raw max head": sums.max(1), "raw sum": sums.sum(1), "lift": (sums / (base + 1e-3)).max(1)}
-            for rule, score in rules.items():
-                for width in (1, 9, 17):
-                    s = pool(score, width)
-                    rank = np.empty(len(s), int)
-                    rank[np.argsort(-s, kind="stable")] = np.arange(len(s))
-                    for k in args.top:
-                        shares.setdefault((name, rule, width, k), []).append(float(np.mean(rank[span] < k)))
-    body = [[name, rule, w] + [f"{np.mean(shares[(name, rule, w, k)]):.2f}" for k in args.top]
-            for (name, rule, w, k) in shares if k == args.top[0]]
+            add_shares(shares, name, rules, span, args.top)
+        if args.repeat:
+            llm.load_state(snap)
+            per_query = []
+            for t in tok.tokenize(_engine.PROBE_TEXTS["repeat"], add_bos=False) + h[1:]:
+                llm.eval([t])
+                per_query.append(llm.last_scores()[1][: len(h)])
+            q = np.stack(per_query)  # [queries, entries, heads]
+            rules = {"sum over queries, raw max head": q.mean(0).max(1), "sum over queries, lift": (q.mean(0) / (base + 1e-3)).max(1),
+                     "max over queries, raw max head": q.max(0).max(1), "max over queries, lift": (q.max(0) / (base + 1e-3)).max(1)}
+            add_shares(shares, "repeat", rules, span, args.top)
+        print(f"row {row} done", flush=True)
+    body = [[name, rule, f"{w}" + (f" + follow {f}" if f else "")] + [f"{np.mean(shares[(name, rule, (w, f), k)]):.2f}"
+                                                                    for k in args.top]
+            for (name, rule, (w, f), k) in shares if k == args.top[0]]
     lines = [f"# Where a probe ranks a needle's digits ({Path(model).name}, {args.rows} rows, ~{args.context} tokens)",
              "", *table(["probe", "rule", "pool"] + [f"share in top {k}" for k in args.top], body)]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def add_shares(shares, name, rules, span, top) -> None:
+    """The share of the needle's tokens (span) within the top k of each rule's pooled ranking."""
+    for rule, score in rules.items():
+        for width, follow in POOLS:
+            s = pool(score, width, follow)
+            rank = np.empty(len(s), int)
+            rank[np.argsort(-s, kind="stable")] = np.arange(len(s))
+            for k in top:
+                shares.setdefault((name, rule, (width, follow), k), []).append(float(np.mean(rank[span] < k)))
 
 
 if __name__ == "__main__":
