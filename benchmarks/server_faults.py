@@ -105,11 +105,16 @@ MALFORMED: List[tuple] = [
     ("stop: 50 strings", CHAT, chat("hi", stop=[f"s{i}" for i in range(50)]), 400),
     ("stop: 220,000 strings", CHAT, chat("hi", stop=["x"] * 220_000), (400, 413)),
     ("stop: a string of 10,000 characters", CHAT, chat("hi", stop="y" * 10_000), 400),
-    ("unsupported: logit_bias", CHAT, chat("hi", logit_bias={"5": 1}), 400),
+    ("logit_bias: a value of 1,000", CHAT, chat("hi", logit_bias={"5": 1000}), 400),
+    ("logit_bias: a key that is no token id", CHAT, chat("hi", logit_bias={"five": 1}), 400),
+    ("logit_bias: a token id past the vocabulary", CHAT, chat("hi", logit_bias={"999999999": 1}), 400),
+    ("logit_bias: 100,000 entries", CHAT, chat("hi", logit_bias={str(i): 1 for i in range(100_000)}), (400, 413)),
     ("unsupported: logprobs", COMPLETIONS, {"prompt": "x", "logprobs": 3}, 400),
     ("unsupported: response_format json", CHAT, chat("hi", response_format={"type": "json_object"}), 400),
     ("unsupported: tools", CHAT, chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    ("unsupported: presence_penalty", CHAT, chat("hi", presence_penalty=1.0), 400),
+    ("presence_penalty 3 (OpenAI's range is [-2, 2])", CHAT, chat("hi", presence_penalty=3.0), 400),
+    ("repeat_penalty 0", CHAT, chat("hi", repeat_penalty=0), 400),
+    ("repeat_penalty and repetition_penalty that differ", CHAT, chat("hi", repeat_penalty=1.1, repetition_penalty=1.2), 400),
 ]
 
 
@@ -123,8 +128,9 @@ EXTREME: List[tuple] = [
     ("max_tokens 0", CHAT, chat("hi", max_tokens=0)),
     ("prompt of 1,000 token ids", COMPLETIONS, {"prompt": [100 + i % 100 for i in range(1000)], "max_tokens": 2}),
     ("unknown fields are ignored", CHAT, chat("hi", frobnicate=True, user="someone")),
-    ("unsupported fields at their defaults are accepted", CHAT, chat("hi", logit_bias={}, presence_penalty=0,
-                                                                       frequency_penalty=0.0, logprobs=False)),
+    ("unsupported fields at their defaults are accepted", CHAT, chat("hi", logprobs=False, tools=[])),
+    ("penalties and a bias at their limits", CHAT, chat("hi", logit_bias={"5": -100, "6": 100}, presence_penalty=2,
+                                                         frequency_penalty=-2, repeat_penalty=10, repeat_last_n=4096)),
 ]
 
 

@@ -2,21 +2,53 @@
 
 #include <cmath>
 #include <stdexcept>
+#include <string>
 
 namespace h2o {
 
+namespace {
+
+void check_token(llama_token t, int32_t n_vocab, const char * what) {
+    if (t < 0 || t >= n_vocab) {
+        throw std::invalid_argument(std::string(what) + " token id " + std::to_string(t) + " out of range [0, " +
+                                    std::to_string(n_vocab) + ")");
+    }
+}
+
+} // namespace
+
 Sampler::Sampler(const SamplerParams & params, int32_t n_vocab) : n_vocab_(n_vocab) {
-    chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
-    if (!params.banned.empty()) {
-        std::vector<llama_logit_bias> bias;
-        for (const llama_token t : params.banned) {
-            if (t < 0 || t >= n_vocab) {
-                llama_sampler_free(chain_);
-                throw std::invalid_argument("banned token id " + std::to_string(t) + " out of range");
-            }
-            bias.push_back({t, -INFINITY});
+    std::vector<llama_logit_bias> bias = params.logit_bias;
+    for (const llama_logit_bias & b : bias) {
+        check_token(b.token, n_vocab, "logit_bias");
+        if (!std::isfinite(b.bias) && b.bias != -INFINITY) {
+            throw std::invalid_argument("logit_bias of token " + std::to_string(b.token) + " is not a number");
         }
+    }
+    for (const llama_token t : params.banned) {
+        check_token(t, n_vocab, "banned");
+        bias.push_back({t, -INFINITY});
+    }
+    for (const llama_token t : params.history) {
+        check_token(t, n_vocab, "history");
+    }
+    if (params.penalty_last_n < 0) {
+        throw std::invalid_argument("penalty_last_n must be >= 0 (tokens), got " + std::to_string(params.penalty_last_n));
+    }
+    if (params.penalizes() && !(params.repeat_penalty > 0.0f && std::isfinite(params.repeat_penalty) &&
+                                std::isfinite(params.frequency_penalty) && std::isfinite(params.presence_penalty))) {
+        throw std::invalid_argument("repeat_penalty must be > 0 and the penalties finite");
+    }
+    chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
+    if (!bias.empty()) {
         llama_sampler_chain_add(chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) bias.size(), bias.data()));
+    }
+    if (params.penalizes()) {
+        llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, params.penalty_last_n, params.repeat_penalty,
+                                                                     params.frequency_penalty, params.presence_penalty));
+        for (const llama_token t : params.history) {
+            llama_sampler_accept(chain_, t);
+        }
     }
     if (params.temperature <= 0.0f) {
         llama_sampler_chain_add(chain_, llama_sampler_init_greedy());

@@ -1,5 +1,6 @@
-// llama.cpp's sampler chain: banned tokens -> top_k -> top_p -> min_p -> temperature -> seeded draw; greedy when
-// temperature <= 0. It samples straight from a row of logits (the context's own, see Engine::sample).
+// llama.cpp's sampler chain: logit bias (banned tokens: -inf) -> repetition penalties -> top_k -> top_p -> min_p ->
+// temperature -> seeded draw; greedy (after the bias and the penalties) when temperature <= 0. It samples straight
+// from a row of logits (the context's own, see Engine::sample).
 #pragma once
 
 #include "llama.h"
@@ -16,6 +17,17 @@ struct SamplerParams {
     float    min_p = 0.05f;
     uint32_t seed  = 0;
     std::vector<llama_token> banned; // never sampled (for example every end-of-generation token)
+    std::vector<llama_logit_bias> logit_bias; // added to the logits before anything else
+    // llama.cpp's penalties over the last penalty_last_n tokens (the history, then each sampled token)
+    int32_t penalty_last_n    = 64;
+    float   repeat_penalty    = 1.0f; // > 0, 1: off (a repeated token's logit divided by it when positive)
+    float   frequency_penalty = 0.0f; // minus this times the token's count
+    float   presence_penalty  = 0.0f; // minus this once if the token occurred
+    std::vector<llama_token> history; // the prompt's last tokens, seen by the penalties before the first draw
+
+    bool penalizes() const {
+        return penalty_last_n != 0 && (repeat_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f);
+    }
 };
 
 class Sampler {

@@ -255,7 +255,7 @@ def test_faults_leave_the_server_serving(chat_model):
 
 def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, chat_model):
     port, _ = server
-    for field, value in (("logprobs", 2), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("tools", [{}]),
+    for field, value in (("logprobs", 2), ("tools", [{}]),
                          ("response_format", {"type": "json_object"}), ("suffix", "end"), ("best_of", 3)):
         status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
         assert status == 400 and err["error"]["param"] == field and "not supported" in err["error"]["message"]
@@ -263,6 +263,19 @@ def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, c
     status, _ = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, "presence_penalty": 0,
                                                "frequency_penalty": 0.0, "logit_bias": {}, "user": "u1"})
     assert status == 200
+    # penalties and bias out of their ranges, or naming no token of the model, are a 400 naming the field
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repeat_penalty", 0),
+                         ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", {str(10**8): 1}),
+                         ("repeat_last_n", -1)):
+        status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
+        assert status == 400 and field in json.dumps(err), (field, value, err)
+    # and within them they reach the sampler: a bias of 100 makes the token every greedy choice
+    token = Llama(chat_model, budget=16).tokenize(" banana", add_bos=False)[0]
+    piece = Llama(chat_model, budget=16).token_to_piece(token).decode()
+    status, out = post(port, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0,
+                                                 "logit_bias": {str(token): 100}, "presence_penalty": 0.5,
+                                                 "repetition_penalty": 1.1})
+    assert status == 200 and out["choices"][0]["text"] == piece * 3
     status, err = post(port, "/v1/completions", {"prompt": [1, True, 3], "max_tokens": 1})
     assert status == 400  # a JSON boolean is not a token id
     status, err = post(port, "/v1/completions", {"prompt": [2**40], "max_tokens": 1})

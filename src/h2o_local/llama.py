@@ -470,10 +470,13 @@ class Llama:
             raise TypeError(f"sampling must be a SamplingParams, got {base!r}")
         return base.replace(**kwargs) if kwargs else base
 
-    def _sampler(self, params: SamplingParams, seed: Optional[int] = None):
+    def _sampler(self, params: SamplingParams, seed: Optional[int] = None, history: Sequence[int] = ()):
         if seed is None:
             seed = self._rng.getrandbits(32) if params.seed is None else params.seed
-        return params.sampler(self.n_vocab(), seed, self.eog_tokens() if params.ignore_eos else ())
+        try:
+            return params.sampler(self.n_vocab(), seed, self.eog_tokens() if params.ignore_eos else (), history)
+        except ValueError as e:
+            raise ValueError(f"{e} (this model has {self.n_vocab()} tokens)") from None
 
     def _generate_one(self, prompt_tokens: List[int], params: SamplingParams, *, reset: bool,
                       want_logits: bool = False, prompt_logits: bool = False,
@@ -482,7 +485,7 @@ class Llama:
         protected prefix of a new session (None: the Llama's `keep`)."""
         if not prompt_tokens and reset:
             raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
-        sampler = self._sampler(params)
+        sampler = self._sampler(params, history=prompt_tokens)
         run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), params.max_tokens)
         with self._lock:
             # the token the last generation showed but did not feed goes first when the session goes on
@@ -525,7 +528,8 @@ class Llama:
         """Generate text after `prompt` (str, bytes or token ids).
 
         Sampling keywords (`max_tokens=128`, `temperature=0.8` (<= 0: greedy), `top_p`, `top_k`, `min_p`, `stop`,
-        `seed`, `ignore_eos`; see `SamplingParams`) apply on top of `sampling` or these defaults. Returns the text,
+        `seed`, `ignore_eos`, `repeat_penalty`, `frequency_penalty`, `presence_penalty`, `penalty_last_n`,
+        `logit_bias`; see `SamplingParams`) apply on top of `sampling` or these defaults. Returns the text,
         or with `stream=True` an iterator of text pieces. `reset=False` continues the session: the prompt is
         appended to what the cache already holds (an empty prompt continues from the last token fed).
         """
@@ -664,7 +668,8 @@ class Llama:
         self.finish_reasons = [None] * len(token_lists)
         for wave in range(0, len(token_lists), self.n_seq_max):
             idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
-            runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i), TextAssembler(p.stop), p.max_tokens)
+            runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i, history=token_lists[i]),
+                                      TextAssembler(p.stop), p.max_tokens)
                     for s, i in enumerate(idx)]
             with self._lock:
                 owner = self._take_over()

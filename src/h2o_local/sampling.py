@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _engine
 from .policies import check_int
@@ -21,6 +21,10 @@ class SamplingParams:
     stop: strings that end the text (cut before them).
     seed: the draw's seed; None takes the next one from the Llama's own generator.
     ignore_eos: never sample an end-of-generation token (every sequence runs to max_tokens; benchmarks).
+    repeat_penalty (1: off), frequency_penalty, presence_penalty (0: off): llama.cpp's penalties on the tokens among
+        the last penalty_last_n (the prompt's, then the generated ones): a positive logit divided by repeat_penalty
+        (a negative one multiplied), minus frequency_penalty times the count, minus presence_penalty once.
+    logit_bias: {token id: bias} added to the logits before anything else (-inf: never).
     """
 
     max_tokens: Optional[int] = 128
@@ -31,13 +35,18 @@ class SamplingParams:
     stop: Union[str, Sequence[str], None] = ()
     seed: Optional[int] = None
     ignore_eos: bool = False
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    logit_bias: Optional[Mapping[int, float]] = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 0:
                 raise ValueError("max_tokens must be >= 0 (or None: until the end of the text or the context)")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {value!r}")
@@ -45,6 +54,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not 0.0 < self.top_p <= 1.0 or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] and min_p in [0, 1], got {self.top_p} and {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0 (1: off), got {self.repeat_penalty}")
+        check_int("penalty_last_n", self.penalty_last_n, minimum=0)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         check_int("top_k", self.top_k, minimum=0, maximum=None)  # at least the vocabulary: off
         check_int("seed", self.seed, maximum=None)  # any int: the sampler takes its low 32 bits
         stop = self.stop
@@ -63,11 +76,34 @@ class SamplingParams:
             raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)} (expected: {', '.join(sorted(names))})")
         return dataclasses.replace(self, **changes)
 
-    def sampler(self, n_vocab: int, seed: int, banned: Sequence[int] = ()) -> "_engine.Sampler":
-        """The C++ sampler chain for these parameters, seeded with `seed` (32 bits)."""
+    def sampler(self, n_vocab: int, seed: int, banned: Sequence[int] = (), history: Sequence[int] = ()) -> "_engine.Sampler":
+        """The C++ sampler chain for these parameters, seeded with `seed` (32 bits); `history`: the prompt's tokens,
+        whose last penalty_last_n the penalties count. A token id outside the vocabulary raises ValueError."""
         return _engine.Sampler(n_vocab, temperature=float(self.temperature), top_p=float(self.top_p),
                                top_k=min(int(self.top_k), n_vocab), min_p=float(self.min_p), seed=int(seed) & 0xFFFFFFFF,
-                               banned=list(banned))
+                               banned=list(banned), logit_bias=dict(self.logit_bias or {}),
+                               penalty_last_n=int(self.penalty_last_n), repeat_penalty=float(self.repeat_penalty),
+                               frequency_penalty=float(self.frequency_penalty),
+                               presence_penalty=float(self.presence_penalty),
+                               history=list(history[-self.penalty_last_n:]) if self.penalty_last_n else [])
+
+
+def _logit_bias(bias: Any) -> Optional[Dict[int, float]]:
+    """{token id: bias} with int keys (OpenAI's JSON gives them as strings of digits) and number values."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise TypeError(f"logit_bias must be a mapping of token ids to numbers, got {bias!r}")
+    out: Dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().isdigit() and key.strip().isascii():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**31:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value == math.inf:
+            raise ValueError(f"logit_bias of token {key} must be a number (or -inf), got {value!r}")
+        out[key] = float(value)
+    return out or None
 
 
 # the defaults of each entry point, as llama-cpp-python has them

@@ -42,6 +42,7 @@ class Slots:
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
         `between_chunks()` runs between the chunks of a long prompt (with `interleaves`: it may `step()`).
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
+        sampler = self.llm._sampler(params, history=tokens)  # bad sampling input raises before the slot changes
         self._engine.reset_seq(slot)
         feed = tokens
         if resume is not None:
@@ -52,7 +53,6 @@ class Slots:
             self.llm._set_keep(slot, n_keep)
         if not feed:
             raise ValueError("the prompt is empty")
-        sampler = self.llm._sampler(params)
         self._engine.eval({slot: feed}, False, between_chunks if self.interleaves else None)
         run = generation.SeqRun(slot, slot, sampler, TextAssembler(params.stop), params.max_tokens)
         self._runs[slot] = run

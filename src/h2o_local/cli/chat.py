@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from ..chat_session import ChatSession
-from .common import add_model_args, load_llama
+from .common import add_model_args, add_penalty_args, load_llama, penalty_kwargs
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)
@@ -29,12 +29,13 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
+    add_penalty_args(ap)
     add_model_args(ap, budget=512, keep_default="system")
     args = ap.parse_args(argv)
     llm = load_llama(ap, args)
     try:
         session = ChatSession(llm, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, ignore_eos=args.ignore_eos)
+                              top_p=args.top_p, ignore_eos=args.ignore_eos, **penalty_kwargs(args))
         llm.chat_template.render([{"role": "user", "content": "hi"}])  # a model without a template: say so now
     except (ValueError, TypeError) as e:
         ap.error(str(e))

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Dict
 
 from ..llama import Llama
 from ..models import default_model_path
 from ..policies import PROBES, REGISTRY, resolve
+from ..sampling import SamplingParams
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None) -> None:
@@ -40,6 +41,24 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
     g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
     g.add_argument("--seed", type=int, default=0)
+
+
+def add_penalty_args(ap: argparse.ArgumentParser) -> None:
+    """llama.cpp's repetition penalties, as its own CLI names them."""
+    ap.add_argument("--repeat-penalty", type=float, default=1.0, help="a repeated token's logit divided by this "
+                    "(1 = off; default: 1)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a repeated token's "
+                    "logit (0 = off)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence (0 = off)")
+    ap.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back over (default: 64)")
+
+
+def penalty_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """The penalties' sampling keywords (checked: a bad value raises ValueError here, before anything runs)."""
+    kwargs = {"repeat_penalty": args.repeat_penalty, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty, "penalty_last_n": args.repeat_last_n}
+    SamplingParams(**kwargs)
+    return kwargs
 
 
 def _keep_value(text: str) -> Any:

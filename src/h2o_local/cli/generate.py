@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 
-from .common import add_model_args, load_llama
+from .common import add_model_args, add_penalty_args, load_llama, penalty_kwargs
 
 
 def main(argv=None) -> int:
@@ -19,6 +19,7 @@ def main(argv=None) -> int:
                     help="wrap the prompt with the model's chat template (default: on)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    add_penalty_args(ap)
     add_model_args(ap, budget=64)
     args = ap.parse_args(argv)
 
@@ -28,7 +29,8 @@ def main(argv=None) -> int:
             tokens, n_keep = llm.chat_tokens([{"role": "user", "content": args.prompt}])
         else:
             tokens, n_keep = llm.tokenize(args.prompt, add_bos=llm.info.add_bos), None
-        events = llm.generate_events(tokens, max_tokens=args.max_tokens, temperature=args.temperature, keep=n_keep)
+        events = llm.generate_events(tokens, max_tokens=args.max_tokens, temperature=args.temperature, keep=n_keep,
+                                     **penalty_kwargs(args))
     except (ValueError, TypeError) as e:
         ap.error(str(e))
 

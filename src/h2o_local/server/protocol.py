@@ -15,9 +15,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
 # many clients send them with their defaults); any other value is a 400 naming the field
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "repetition_penalty": (None, 1, 1.0), "repeat_penalty": (None, 1, 1.0),
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
                "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
                "grammar": (None, ""), "parallel_tool_calls": (None,)}
@@ -27,6 +25,7 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_b
 # send a few more to llama-server keep working here)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 1024  # OpenAI takes 300
 
 
 class _Request(BaseModel):
@@ -38,12 +37,33 @@ class _Request(BaseModel):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    # OpenAI's penalties and bias (its ranges), llama-server's repeat_penalty (vLLM's name: repetition_penalty) and
+    # repeat_last_n
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repeat_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
+    repeat_last_n: Optional[int] = Field(default=None, ge=0, le=4096)
+    logit_bias: Optional[Dict[str, float]] = None
     stop: Union[str, List[str], None] = None
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[Dict[str, Any]] = None
     n: int = Field(default=1, ge=1, le=1)
 
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bounded_bias(cls, bias):
+        if bias is not None:
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
+            for key, value in bias.items():
+                if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                    raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(f"logit_bias values are in [-100, 100], got {value!r} for token {key}")
+        return bias
 
     @field_validator("stop")
     @classmethod

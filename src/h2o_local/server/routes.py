@@ -111,8 +111,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 
 # ---------------------------------------------------------------------------------------------------- helpers
 def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int]) -> SamplingParams:
-    changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
+    changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
+                                                              "presence_penalty", "frequency_penalty", "repeat_penalty")
                                if getattr(body, k) is not None}
+    if body.repetition_penalty is not None:
+        if body.repeat_penalty is not None and body.repeat_penalty != body.repetition_penalty:
+            raise APIError(400, "repeat_penalty and repetition_penalty differ: give one", param="repetition_penalty")
+        changes["repeat_penalty"] = body.repetition_penalty
+    if body.repeat_last_n is not None:
+        changes["penalty_last_n"] = body.repeat_last_n
+    if body.logit_bias:
+        n_vocab = state.llm.n_vocab()
+        bias = {int(k): v for k, v in body.logit_bias.items()}
+        outside = [k for k in bias if k >= n_vocab]
+        if outside:
+            raise APIError(400, f"logit_bias names token {outside[0]}, outside this model's {n_vocab} tokens",
+                           param="logit_bias")
+        changes["logit_bias"] = bias
     if body.stop is not None:
         changes["stop"] = body.stop
     if max_tokens is not None:
