@@ -334,6 +334,7 @@ PYBIND11_MODULE(_engine, m) {
         .def("room", &Engine::room, py::arg("seq_id"), py::call_guard<py::gil_scoped_release>(),
              "KV cells still free for seq_id: its stream's, or the whole unified cache's (shared by all sequences).")
         .def_property_readonly("n_batch", &Engine::n_batch)
+        .def_property_readonly("n_threads", &Engine::n_threads)
         .def_property_readonly("kv_bytes", [](const Engine & e) { return without_gil([&] { return e.kv_bytes(); }); })
         .def("probe_cells", [](const Engine & e, const Policy & p) { return e.probe_cells(p); }, py::arg("policy"),
              "KV cells the policy's probe needs beside a sequence's entries.")

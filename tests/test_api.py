@@ -152,3 +152,13 @@ def test_cli_runs_the_main_job(tiny_model, capsys):
                  "--max-tokens", "40"]) == 0
     err = capsys.readouterr().err
     assert "policy=h2o budget=16" in err and "kept=" in err
+
+
+def test_default_threads_are_the_physical_cores(tiny_model):
+    import os
+
+    from h2o_local.cpu import physical_cores
+
+    assert 1 <= physical_cores() <= os.cpu_count()
+    assert Llama(tiny_model, budget=8).n_threads == physical_cores()
+    assert Llama(tiny_model, budget=8, n_threads=1).n_threads == 1

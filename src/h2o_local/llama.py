@@ -15,6 +15,7 @@ from .chat_template import ChatTemplate, Message, normalize_messages
 from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
+from .cpu import physical_cores
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
@@ -78,7 +79,7 @@ class Llama:
         kv_unified: one cell space shared by all sequences (n_ctx = their budgets + one batch); False gives each
             sequence its own stream of n_ctx / n_seq_max cells (default: a budget + one batch each), so that a
             sequence attends only its own cells, as in llama.cpp's parallel server slots.
-        n_threads: CPU threads (None: llama.cpp's default).
+        n_threads: CPU threads (None: the physical cores this process may use, `h2o_local.cpu.physical_cores()`).
         n_gpu_layers: layers offloaded to the GPU (-1: all).
         seed: seed of the sampling RNG; each call without its own seed draws from it.
         kv_f32: store K/V in F32 instead of F16 (twice the bytes; exact position rolling).
@@ -169,7 +170,7 @@ class Llama:
         params.n_seq_max = int(n_seq_max)
         params.n_keep = keep if isinstance(keep, int) else 0
         params.kv_unified = bool(kv_unified)
-        params.n_threads = int(n_threads or 0)
+        params.n_threads = int(n_threads) if n_threads else physical_cores()
         params.n_gpu_layers = int(n_gpu_layers)
         params.scores_sum_rows = bool(_scores_sum_rows)
         params.export_scores = bool(export_scores)
@@ -262,6 +263,11 @@ class Llama:
         llama.cpp allocates this rounded up to a multiple of 256 (`kv_state().kv_cells`); the extra cells stay unused.
         """
         return self._engine.capacity
+
+    @property
+    def n_threads(self) -> int:
+        """CPU threads of each decode."""
+        return self._engine.n_threads
 
     @property
     def n_batch(self) -> int:

@@ -5,6 +5,7 @@ import argparse
 from typing import Any, Dict
 
 from ..llama import Llama
+from ..cpu import physical_cores
 from ..models import default_model_path
 from ..policies import PROBES, REGISTRY, resolve
 from ..sampling import SamplingParams
@@ -35,7 +36,7 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--roll-interval", type=int, default=1,
                    help="with rolling, renumber positions once per this many evicted tokens (default: every eviction)")
     g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
-    g.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's)")
+    g.add_argument("--threads", type=int, help=f"CPU threads (default: the physical cores, {physical_cores()} here)")
     g.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU or RPC servers (-1: all)")
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
