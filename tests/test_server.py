@@ -24,11 +24,13 @@ def chat_model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(model, *, slots=3, budget=48, session_mib=64, max_waiting=8, **llama_kwargs):
+def serving(model, *, slots=3, budget=48, session_mib=64, max_waiting=8, app_kwargs=None, **llama_kwargs):
     llm = Llama(model, budget=budget, n_seq_max=slots, kv_unified=False, keep="system", n_threads=1, **llama_kwargs)
-    app = create_app(llm, model_id="tiny", max_waiting=max_waiting, session_mib=session_mib, max_body_bytes=64 * 1024)
+    app = create_app(llm, model_id="tiny", max_waiting=max_waiting, session_mib=session_mib, max_body_bytes=64 * 1024,
+                     **(app_kwargs or {}))
     with serve_in_background(app) as port:
-        yield port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        key = (app_kwargs or {}).get("api_key", "none")
+        yield port, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,13 @@ def get(port, path):
     c.request("GET", path)
     r = c.getresponse()
     return r.status, json.loads(r.read())
+
+
+def raw_request(port, method, path, headers, body=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request(method, path, body=body, headers=headers)
+    r = c.getresponse()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
 
 
 def post(port, path, body, raw=None):
@@ -444,3 +453,30 @@ def test_a_probing_policy_serves_concurrent_long_prompts_as_one_by_one(chat_mode
         while get(port, "/health")[1]["slots_processing"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert get(port, "/health")[1]["slots_processing"] == 0
+
+
+def test_api_key_guards_every_route_and_cors_answers_the_allowed_origin(chat_model):
+    with serving(chat_model, slots=1, app_kwargs={"api_key": "s3cret", "cors_origins": "http://ui.example"}) as (port, client):
+        body = json.dumps({"prompt": "x", "max_tokens": 1})
+        for auth in (None, "Bearer wrong", "s3cret", "Bearer s3cret2", "Basic s3cret"):
+            for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
+                headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+                status, head, data = raw_request(port, method, path, headers, body if method == "POST" else None)
+                assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key", (auth, path)
+                assert head["www-authenticate"] == "Bearer"
+        assert [m.id for m in client.models.list().data] == ["tiny"]  # the official client sends the key
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens <= 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0).models.list()
+        preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        status, head, _ = raw_request(port, "OPTIONS", "/v1/chat/completions", preflight)
+        assert status == 200 and head["access-control-allow-origin"] == "http://ui.example"
+        status, head, _ = raw_request(port, "OPTIONS", "/v1/chat/completions", {**preflight, "Origin": "http://evil.example"})
+        assert status == 400 and "access-control-allow-origin" not in head
+
+
+def test_no_cors_and_no_key_by_default(server):
+    port, _ = server
+    status, head, _ = raw_request(port, "GET", "/health", {"Origin": "http://ui.example"})
+    assert status == 200 and "access-control-allow-origin" not in head

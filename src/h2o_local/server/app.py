@@ -9,10 +9,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import secrets
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
@@ -45,6 +47,12 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
                   lifespan=lifespan)
     app.state.server = state
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    if settings.cors_origins:  # outside the key check: a browser's preflight carries no key
+        origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
@@ -98,3 +106,22 @@ class BodyLimit:
             return event
 
         await self.app(scope, counted_receive, send)
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <api_key>` (compared in constant
+    time); otherwise 401 with an OpenAI-shaped error, before the body is read."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not secrets.compare_digest(given, self.expected):
+            message = "a valid API key is needed: send 'Authorization: Bearer KEY'" if not given else \
+                "the API key is not valid"
+            response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)

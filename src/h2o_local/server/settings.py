@@ -24,5 +24,9 @@ class ServerSettings(BaseSettings):
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="longer prompts get HTTP 400 (default: the "
                                                                      "model's trained context)")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies get HTTP 413")
+    api_key: Optional[str] = Field(None, min_length=1, description="every request must send 'Authorization: "
+                                   "Bearer KEY' (else 401); better given as H2O_LOCAL_API_KEY (default: none)")
+    cors_origins: Optional[str] = Field(None, min_length=1, description="browser origins allowed to call the API, "
+                                        "comma-separated, or * (default: none, CORS off)")
     template_timeout_s: float = Field(10.0, gt=0, description="longest a chat template may render a request's "
                                                               "messages, seconds (then HTTP 400)")
