@@ -480,3 +480,32 @@ def test_no_cors_and_no_key_by_default(server):
     port, _ = server
     status, head, _ = raw_request(port, "GET", "/health", {"Origin": "http://ui.example"})
     assert status == 200 and "access-control-allow-origin" not in head
+
+
+def scrape(port):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    r = c.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type").startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples}
+
+
+def test_usage_says_what_the_cache_did_and_metrics_count_it(server):
+    port, client = server
+    before = scrape(port)
+    out = client.completions.create(model="tiny", prompt="word " * 80, max_tokens=4, temperature=0)
+    kv = out.usage.model_extra["kv_cache"]  # an extension field: the official client keeps it aside
+    fed = out.usage.prompt_tokens + out.usage.completion_tokens
+    assert kv["budget"] == 48 and kv["policy"].startswith("h2o-48") and 0 < kv["kept"] <= 48
+    assert kv["kept"] + kv["evicted"] in (fed - 1, fed)  # the last token shown may not be fed
+    after = scrape(port)
+    delta = lambda name, labels=(): after.get((name, labels), 0) - before.get((name, labels), 0)
+    assert delta("h2o_local_requests_total", (("outcome", "ok"),)) == 1
+    assert delta("h2o_local_prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("h2o_local_completion_tokens_total") == out.usage.completion_tokens
+    assert delta("h2o_local_kv_evicted_entries_total") == kv["evicted"]
+    assert delta("h2o_local_time_to_first_token_seconds_count") == 1
+    assert after[("h2o_local_slots_total", ())] == 3 and after[("h2o_local_requests_waiting", ())] == 0

@@ -18,12 +18,16 @@ def chat_meta(model: str) -> Dict[str, Any]:
     return {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": model}
 
 
-def usage(n_prompt: int, n_completion: int, cached: Optional[int] = None) -> CompletionUsage:
-    """Token counts; `cached`: prompt tokens found in a saved cache (`prompt_tokens_details.cached_tokens`)."""
+def usage(n_prompt: int, n_completion: int, cached: Optional[int] = None,
+          kv_cache: Optional[Dict[str, Any]] = None) -> CompletionUsage:
+    """Token counts; `cached`: prompt tokens found in a saved cache (`prompt_tokens_details.cached_tokens`);
+    `kv_cache`: what the bounded cache did (an extension field: policy, budget, entries kept, evicted, peak)."""
     out: Dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                            "total_tokens": n_prompt + n_completion}
     if cached is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
+    if kv_cache is not None:
+        out["kv_cache"] = kv_cache
     return out  # type: ignore[return-value]
 
 

@@ -27,6 +27,7 @@ class Slots:
         self.interleaves: bool = not llm.kv_unified
         self._batch = generation.Batch(self._engine, unbounded=not llm.policy.bounded, free_finished=False)
         self._runs: dict = {}
+        self._evicted_before: dict = {}  # slot -> entries its restored session had evicted already
 
     @contextlib.contextmanager
     def owned(self) -> Iterator[None]:
@@ -48,6 +49,7 @@ class Slots:
         if resume is not None:
             snapshot, n_fed = resume
             self._engine.restore(slot, snapshot)
+            self._evicted_before[slot] = self._engine.state(slot)["n_evicted"]
             feed = tokens[n_fed:]
         else:
             self.llm._set_keep(slot, n_keep)
@@ -75,6 +77,13 @@ class Slots:
             return [], 0
         return list(run.tokens), int(run.pending is not None)
 
+    def cache_summary(self, slot: int) -> dict:
+        """What the slot's cache did for its request: entries `kept` now, `evicted` since the request started (a
+        restored session's earlier evictions not counted), `peak` entries held at once, and the policy."""
+        st = self.llm.kv_state(slot)
+        return {"policy": self.llm.policy.label, "budget": self.llm.budget, "kept": st.n_cells,
+                "evicted": st.n_evicted - self._evicted_before.get(slot, 0), "peak": st.peak_cells}
+
     def save(self, slot: int) -> Any:
         """A snapshot of the slot's cache (`Llama.load_state` / `start(resume=...)` take it back)."""
         return self._engine.snapshot(slot)
@@ -83,4 +92,5 @@ class Slots:
         """The slot leaves the steps and is emptied."""
         self._batch.cancel(slot)
         self._runs.pop(slot, None)
+        self._evicted_before.pop(slot, None)
         self._engine.reset_seq(slot)

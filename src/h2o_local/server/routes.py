@@ -1,4 +1,4 @@
-"""The HTTP routes: /health, /v1/models, /v1/completions, /v1/chat/completions, as importable functions on a
+"""The HTTP routes: /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, as importable functions on a
 module-level FastAPI router. Each request becomes a `Job` for the app's `Scheduler`; the response starts once its
 prompt is in, so an error in the prompt is an HTTP error, not a broken stream."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
 from .. import generation, responses
@@ -43,6 +44,12 @@ def server_state(request: Request) -> ServerState:
 @router.get("/health")
 async def health(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
     return {"status": "ok", **state.scheduler.stats()}
+
+
+@router.get("/metrics")
+async def metrics(state: ServerState = Depends(server_state)) -> Response:
+    """Prometheus' text format (server/metrics.py)."""
+    return Response(generate_latest(state.scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")
@@ -238,4 +245,4 @@ def _include_usage(body: _Request) -> bool:
 
 
 def _usage(job: Job, n_completion: int):
-    return responses.usage(len(job.prompt_tokens), n_completion, cached=job.reused_tokens)
+    return responses.usage(len(job.prompt_tokens), n_completion, cached=job.reused_tokens, kv_cache=job.kv_cache)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from .. import generation
+from .metrics import ServerMetrics
 from ..llama import Llama
 from ..sampling import SamplingParams
 from ..sessions import SessionCache
@@ -64,6 +65,8 @@ class Job:
     cancelled: bool = False
     reused_tokens: int = 0              # prompt tokens found in a saved session
     submitted: float = field(default_factory=time.perf_counter)
+    n_generated: int = 0
+    kv_cache: Optional[Dict[str, Any]] = None  # what the cache did, set before the end event is delivered
 
     def put(self, item: Any) -> None:
         if self.loop is not None and self.queue is not None:
@@ -90,6 +93,7 @@ class Scheduler:
         self._stop = False
         self.served = 0
         self.peak_batch = 0   # most requests decoded in one step
+        self.metrics = ServerMetrics(self.stats)
         self._thread = threading.Thread(target=self._run, name="h2o-local-scheduler", daemon=True)
         self._thread.start()
 
@@ -99,6 +103,7 @@ class Scheduler:
             if self._stop:
                 raise RuntimeError("the server is shutting down")
             if len(self._active) >= self.n_slots and len(self._waiting) >= self.max_waiting:
+                self.metrics.requests.labels("rejected").inc()
                 raise Busy(f"all {self.n_slots} slots are busy and {len(self._waiting)} requests wait")
             self._waiting.append(job)
             self._cv.notify()
@@ -160,6 +165,7 @@ class Scheduler:
             job = self._active.get(slot)
             if job is not None:
                 self._release(slot, save=False)
+                self.metrics.requests.labels("cancelled").inc()
                 job.put(Cancelled())
 
     def _decode_step(self) -> None:
@@ -181,6 +187,7 @@ class Scheduler:
 
     def _fail_active(self, error: Exception) -> None:
         for slot, job in list(self._active.items()):
+            self.metrics.requests.labels("error").inc()
             job.put(error)
             try:
                 self.slots.release(slot)
@@ -203,6 +210,7 @@ class Scheduler:
             self._release(slot, save=False)
             raise e.error
         except Exception as e:
+            self.metrics.requests.labels("cancelled" if isinstance(e, Cancelled) else "error").inc()
             job.put(e)
             self._release(slot, save=False)
             return
@@ -219,9 +227,26 @@ class Scheduler:
             job = self._active.get(e.index)
             if job is None:
                 continue
+            if e.token is not None:
+                job.n_generated += 1
+                if job.n_generated == 1:
+                    self.metrics.ttft.observe(time.perf_counter() - job.submitted)
+            else:
+                job.kv_cache = self.slots.cache_summary(e.index)
+                self._count_finished(job)
             job.put(e)
             if e.token is None:
                 self._release(e.index, save=True)
+
+    def _count_finished(self, job: Job) -> None:
+        m = self.metrics
+        m.requests.labels("ok").inc()
+        m.prompt_tokens.inc(len(job.prompt_tokens))
+        m.cached_tokens.inc(job.reused_tokens)
+        m.completion_tokens.inc(job.n_generated)
+        if job.kv_cache is not None:
+            m.evicted.inc(job.kv_cache["evicted"])
+            m.kept.observe(job.kv_cache["kept"])
 
     def _release(self, slot: int, *, save: bool) -> None:
         """Free the slot (its cache saved as a session first, when asked)."""

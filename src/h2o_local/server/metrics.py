@@ -1,0 +1,31 @@
+"""`/metrics` in Prometheus' text format (prometheus-client), one registry per app: requests by outcome, tokens,
+slots and the waiting line, KV entries kept and evicted per request, time to first token, the session cache."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ServerMetrics:
+    """Counters the scheduler updates as requests end, and gauges read from `stats()` at each scrape."""
+
+    def __init__(self, stats: Callable[[], Dict[str, Any]]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("h2o_local_requests", "Requests by outcome (ok, cancelled, error, rejected: 429)",
+                                ["outcome"], registry=r)
+        self.prompt_tokens = Counter("h2o_local_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("h2o_local_cached_prompt_tokens", "Prompt tokens found in a saved session",
+                                     registry=r)
+        self.completion_tokens = Counter("h2o_local_completion_tokens", "Generated tokens", registry=r)
+        self.evicted = Counter("h2o_local_kv_evicted_entries", "KV entries evicted by the policy", registry=r)
+        self.kept = Histogram("h2o_local_kv_kept_entries", "KV entries a request's cache held at its end",
+                              buckets=(16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768), registry=r)
+        self.ttft = Histogram("h2o_local_time_to_first_token_seconds", "From a request's arrival to its first token",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
+        gauges = {"slots_total": "Slots (requests decoded at once)", "slots_processing": "Slots in use",
+                  "requests_waiting": "Requests waiting for a slot", "session_bytes": "Bytes of saved sessions",
+                  "sessions_saved": "Saved sessions"}
+        for key, text in gauges.items():
+            Gauge(f"h2o_local_{key}", text, registry=r).set_function(lambda key=key: stats()[key])
