@@ -509,3 +509,14 @@ def test_usage_says_what_the_cache_did_and_metrics_count_it(server):
     assert delta("h2o_local_kv_evicted_entries_total") == kv["evicted"]
     assert delta("h2o_local_time_to_first_token_seconds_count") == 1
     assert after[("h2o_local_slots_total", ())] == 3 and after[("h2o_local_requests_waiting", ())] == 0
+
+
+def test_a_system_prompt_longer_than_the_budget_protects_what_fits(server):
+    port, client = server
+    out = client.chat.completions.create(model="tiny", max_tokens=3, temperature=0,
+                                         messages=[{"role": "system", "content": "rule " * 60},
+                                                   {"role": "user", "content": "hi"}])
+    kv = out.usage.model_extra["kv_cache"]
+    assert kv["protected"] == 24 and kv["protected_asked"] > 48 and kv["kept"] <= 48  # half the budget of 48
+    out = client.completions.create(model="tiny", max_tokens=3, temperature=0, prompt="no system prompt here")
+    assert out.usage.model_extra["kv_cache"]["protected"] == 0 and "protected_asked" not in out.usage.model_extra["kv_cache"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -19,6 +20,8 @@ from .cpu import physical_cores
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
+
+_log = logging.getLogger("h2o_local")
 
 if TYPE_CHECKING:
     from .slots import Slots
@@ -101,7 +104,9 @@ class Llama:
             first N tokens of every sequence; "system" keeps the system message(s) a chat starts with (chat calls
             only). The prefix counts inside the budget: the policy decides over the rest with budget - N entries
             (taken from the sinks, then the heavy part, then the recent window), so memory stays at `budget`.
-            A prefix that leaves no room for the newest token raises ValueError.
+            An int that leaves no room for the newest token raises ValueError; a system prompt longer than half
+            the budget has its first budget // 2 tokens protected (logged as a warning on the "h2o_local" logger),
+            the rest ranked by the policy like the conversation.
         chat_template: overrides the GGUF's chat template: Jinja source, or the name of a llama.cpp built-in
             template ("chatml", "llama3", ...).
     """
@@ -438,9 +443,19 @@ class Llama:
             self._pending = []
         return owner
 
+    @property
+    def max_system_keep(self) -> Optional[int]:
+        """The most tokens `keep="system"` protects (half the budget; None for the full cache)."""
+        return self.budget // 2 if self.policy.bounded and self.budget else None
+
     def _set_keep(self, seq_id: int, n_keep: int) -> None:
         if not self.policy.bounded:
             return
+        limit = self.max_system_keep
+        if self.keep == "system" and limit is not None and n_keep > limit:
+            _log.warning("the system prompt has %d tokens; keep='system' protects its first %d (half the budget of "
+                         "%d), the policy ranks the rest", n_keep, limit, self.budget)
+            n_keep = limit
         try:
             self._engine.set_keep(seq_id, int(n_keep))
         except ValueError:

@@ -82,7 +82,8 @@ class Slots:
         restored session's earlier evictions not counted), `peak` entries held at once, and the policy."""
         st = self.llm.kv_state(slot)
         return {"policy": self.llm.policy.label, "budget": self.llm.budget, "kept": st.n_cells,
-                "evicted": st.n_evicted - self._evicted_before.get(slot, 0), "peak": st.peak_cells}
+                "evicted": st.n_evicted - self._evicted_before.get(slot, 0), "peak": st.peak_cells,
+                "protected": st.n_keep}
 
     def save(self, slot: int) -> Any:
         """A snapshot of the slot's cache (`Llama.load_state` / `start(resume=...)` take it back)."""

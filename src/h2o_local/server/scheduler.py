@@ -233,6 +233,8 @@ class Scheduler:
                     self.metrics.ttft.observe(time.perf_counter() - job.submitted)
             else:
                 job.kv_cache = self.slots.cache_summary(e.index)
+                if job.kv_cache["protected"] < job.n_keep:  # a system prompt longer than the budget lets protect
+                    job.kv_cache["protected_asked"] = job.n_keep
                 self._count_finished(job)
             job.put(e)
             if e.token is None:
