@@ -360,7 +360,7 @@ PYBIND11_MODULE(_engine, m) {
         .def(py::init([](int32_t n_vocab, float temperature, float top_p, int32_t top_k, float min_p, uint32_t seed,
                          std::vector<llama_token> banned, const std::map<llama_token, float> & logit_bias,
                          int32_t penalty_last_n, float repeat_penalty, float frequency_penalty, float presence_penalty,
-                         std::vector<llama_token> history) {
+                         std::vector<llama_token> history, const std::string & grammar, const Engine * engine) {
                  SamplerParams p;
                  p.temperature = temperature; p.top_p = top_p; p.top_k = top_k; p.min_p = min_p; p.seed = seed;
                  p.banned = std::move(banned);
@@ -370,12 +370,14 @@ PYBIND11_MODULE(_engine, m) {
                  p.penalty_last_n = penalty_last_n; p.repeat_penalty = repeat_penalty;
                  p.frequency_penalty = frequency_penalty; p.presence_penalty = presence_penalty;
                  p.history = std::move(history);
-                 return new Sampler(p, n_vocab);
+                 p.grammar = grammar;
+                 return new Sampler(p, n_vocab, engine != nullptr ? engine->model().vocab() : nullptr);
              }), py::arg("n_vocab"), py::kw_only(), py::arg("temperature"), py::arg("top_p"), py::arg("top_k"),
              py::arg("min_p"), py::arg("seed"), py::arg("banned") = std::vector<llama_token>(),
              py::arg("logit_bias") = std::map<llama_token, float>(), py::arg("penalty_last_n") = 64,
              py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
-             py::arg("history") = std::vector<llama_token>())
+             py::arg("history") = std::vector<llama_token>(), py::arg("grammar") = "",
+             py::arg("engine") = nullptr, py::keep_alive<1, 16>())
         .def("sample", [](Sampler & s, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
             if (logits.size() != s.n_vocab()) {
                 throw std::invalid_argument("expected " + std::to_string(s.n_vocab()) + " logits, got " + std::to_string(logits.size()));

@@ -17,7 +17,7 @@ void check_token(llama_token t, int32_t n_vocab, const char * what) {
 
 } // namespace
 
-Sampler::Sampler(const SamplerParams & params, int32_t n_vocab) : n_vocab_(n_vocab) {
+Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_vocab * vocab) : n_vocab_(n_vocab) {
     std::vector<llama_logit_bias> bias = params.logit_bias;
     for (const llama_logit_bias & b : bias) {
         check_token(b.token, n_vocab, "logit_bias");
@@ -39,16 +39,31 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab) : n_vocab_(n_voc
                                 std::isfinite(params.frequency_penalty) && std::isfinite(params.presence_penalty))) {
         throw std::invalid_argument("repeat_penalty must be > 0 and the penalties finite");
     }
+    llama_sampler * grammar = nullptr;
+    if (!params.grammar.empty()) {
+        if (vocab == nullptr) {
+            throw std::invalid_argument("a grammar needs the model's vocabulary");
+        }
+        grammar = llama_sampler_init_grammar(vocab, params.grammar.c_str(), "root");
+        if (grammar == nullptr) {
+            throw std::invalid_argument("the grammar does not parse as GBNF with a rule 'root' (llama.cpp's grammar "
+                                        "parser; its log says where)");
+        }
+    }
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
     if (!bias.empty()) {
         llama_sampler_chain_add(chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) bias.size(), bias.data()));
     }
     if (params.penalizes()) {
-        llama_sampler_chain_add(chain_, llama_sampler_init_penalties(n_vocab, params.penalty_last_n, params.repeat_penalty,
-                                                                     params.frequency_penalty, params.presence_penalty));
-        for (const llama_token t : params.history) {
-            llama_sampler_accept(chain_, t);
+        llama_sampler * penalties = llama_sampler_init_penalties(n_vocab, params.penalty_last_n, params.repeat_penalty,
+                                                                 params.frequency_penalty, params.presence_penalty);
+        for (const llama_token t : params.history) { // the prompt counts for the penalties only
+            llama_sampler_accept(penalties, t);
         }
+        llama_sampler_chain_add(chain_, penalties);
+    }
+    if (grammar != nullptr) {
+        llama_sampler_chain_add(chain_, grammar);
     }
     if (params.temperature <= 0.0f) {
         llama_sampler_chain_add(chain_, llama_sampler_init_greedy());

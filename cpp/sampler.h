@@ -1,11 +1,12 @@
-// llama.cpp's sampler chain: logit bias (banned tokens: -inf) -> repetition penalties -> top_k -> top_p -> min_p ->
-// temperature -> seeded draw; greedy (after the bias and the penalties) when temperature <= 0. It samples straight
+// llama.cpp's sampler chain: logit bias (banned tokens: -inf) -> repetition penalties -> grammar -> top_k -> top_p ->
+// min_p -> temperature -> seeded draw; greedy (after the bias, the penalties and the grammar) when temperature <= 0. It samples straight
 // from a row of logits (the context's own, see Engine::sample).
 #pragma once
 
 #include "llama.h"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace h2o {
@@ -24,6 +25,7 @@ struct SamplerParams {
     float   frequency_penalty = 0.0f; // minus this times the token's count
     float   presence_penalty  = 0.0f; // minus this once if the token occurred
     std::vector<llama_token> history; // the prompt's last tokens, seen by the penalties before the first draw
+    std::string grammar; // GBNF (llama.cpp's grammar sampler, rule "root"); empty: none
 
     bool penalizes() const {
         return penalty_last_n != 0 && (repeat_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f);
@@ -32,7 +34,8 @@ struct SamplerParams {
 
 class Sampler {
 public:
-    Sampler(const SamplerParams & params, int32_t n_vocab);
+    // vocab: needed (and kept by reference: it must outlive the sampler) when params.grammar is set
+    Sampler(const SamplerParams & params, int32_t n_vocab, const llama_vocab * vocab = nullptr);
     ~Sampler();
     Sampler(const Sampler &) = delete;
     Sampler & operator=(const Sampler &) = delete;

@@ -265,7 +265,7 @@ def test_faults_leave_the_server_serving(chat_model):
 def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, chat_model):
     port, _ = server
     for field, value in (("logprobs", 2), ("tools", [{}]),
-                         ("response_format", {"type": "json_object"}), ("suffix", "end"), ("best_of", 3)):
+                         ("suffix", "end"), ("best_of", 3)):
         status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
         assert status == 400 and err["error"]["param"] == field and "not supported" in err["error"]["message"]
     # the values that ask for nothing are accepted (clients send their defaults)
@@ -520,3 +520,21 @@ def test_a_system_prompt_longer_than_the_budget_protects_what_fits(server):
     assert kv["protected"] == 24 and kv["protected_asked"] > 48 and kv["kept"] <= 48  # half the budget of 48
     out = client.completions.create(model="tiny", max_tokens=3, temperature=0, prompt="no system prompt here")
     assert out.usage.model_extra["kv_cache"]["protected"] == 0 and "protected_asked" not in out.usage.model_extra["kv_cache"]
+
+
+def test_structured_output_through_the_official_client(server):
+    port, client = server
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "answer", "schema": schema}})
+    assert list(json.loads(out.choices[0].message.content)) == ["ok"]
+    out = client.completions.create(model="tiny", prompt="Pick:", max_tokens=5, temperature=1.0,
+                                    extra_body={"grammar": 'root ::= "left" | "right"'})
+    assert out.choices[0].text in ("left", "right")
+    status, err = post(port, "/v1/completions", {"prompt": "x", "grammar": 'root ::= "open'})
+    assert status == 400 and err["error"]["param"] == "grammar" and "grammar" in err["error"]["message"]
+    status, err = post(port, "/v1/chat/completions", {"messages": USER, "json_schema": {"type": "object"},
+                                                      "grammar": 'root ::= "a"'})
+    assert status == 400 and "not several" in err["error"]["message"]

@@ -31,6 +31,10 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 TREE_PREFIX = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 # what the library build needs; the rest of the 176 MB tree (tools, tests, models' conversion scripts) is dropped
+# llama-cpp-python's JSON-schema-to-GBNF converter (stdlib only), installed as h2o_local/_llama_grammar.py: the
+# grammar text goes to the pinned llama.cpp's own grammar sampler
+GRAMMAR_MODULE = (f"llama_cpp_python-{VERSION}/llama_cpp/llama_grammar.py", "python/llama_grammar.py")
+TREE_LAYOUT = "2"  # bumped when what the prepared tree holds changes (2: the grammar module)
 KEEP = ("CMakeLists.txt", "LICENSE", "licenses/", "cmake/", "ggml/", "include/", "src/", "vendor/", "common/build-info.cpp.in")
 
 HERE = Path(__file__).resolve().parent
@@ -81,7 +85,7 @@ def patch_files() -> list[Path]:
 
 
 def stamp_text() -> str:
-    h = hashlib.sha256(SDIST_SHA256.encode())
+    h = hashlib.sha256((SDIST_SHA256 + TREE_LAYOUT).encode())
     for p in patch_files():
         h.update(p.name.encode())
         h.update(p.read_bytes())
@@ -100,6 +104,9 @@ def extract(sdist: Path, out: Path) -> None:
             m.name = rel
             members.append(m)
         tar.extractall(out, members=members, filter="data")
+        source, dest = GRAMMAR_MODULE
+        (out / dest).parent.mkdir(parents=True, exist_ok=True)
+        (out / dest).write_bytes(tar.extractfile(source).read())
 
 
 def apply_patches(tree: Path) -> None:
@@ -119,7 +126,8 @@ def apply_patches(tree: Path) -> None:
 def prepare(out: Path) -> None:
     stamp = out / ".h2o_local_stamp"
     want = stamp_text()
-    if stamp.is_file() and stamp.read_text() == want and (out / "include" / "llama-attn-scores.h").is_file():
+    if stamp.is_file() and stamp.read_text() == want and (out / "include" / "llama-attn-scores.h").is_file() and \
+            (out / GRAMMAR_MODULE[1]).is_file():
         return
     sdist = fetch_sdist()
     log(f"extracting llama.cpp {LLAMA_CPP_COMMIT[:10]} into {out}")

@@ -17,6 +17,7 @@ from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
 from .cpu import physical_cores
+from .grammar import response_format_grammar
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
@@ -495,8 +496,11 @@ class Llama:
         if seed is None:
             seed = self._rng.getrandbits(32) if params.seed is None else params.seed
         try:
-            return params.sampler(self.n_vocab(), seed, self.eog_tokens() if params.ignore_eos else (), history)
+            return params.sampler(self.n_vocab(), seed, self.eog_tokens() if params.ignore_eos else (), history,
+                                  engine=self._engine)
         except ValueError as e:
+            if "token id" not in str(e):
+                raise
             raise ValueError(f"{e} (this model has {self.n_vocab()} tokens)") from None
 
     def _generate_one(self, prompt_tokens: List[int], params: SamplingParams, *, reset: bool,
@@ -707,9 +711,17 @@ class Llama:
     # ------------------------------------------------------------------ chat
     def create_chat_completion(self, messages: Sequence[Dict[str, Any]], *, stream: bool = False,
                                sampling: Optional[SamplingParams] = None,
+                               response_format: Optional[Dict[str, Any]] = None,
                                **params: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
-        as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`)."""
+        as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`). `response_format`: `{"type":
+        "json_object"}` or `{"type": "json_schema", "json_schema": {"schema": {...}}}` constrains the answer with
+        a grammar (`h2o_local.grammar`; or give `grammar=` GBNF text yourself)."""
+        fmt_grammar = response_format_grammar(response_format)
+        if fmt_grammar is not None:
+            if params.get("grammar") is not None:
+                raise ValueError("give response_format or grammar, not both")
+            params = {**params, "grammar": fmt_grammar}
         p = self._params(_CHAT, sampling, params)
         tokens, n_keep = self.chat_tokens(messages)
         events = self._generate_one(tokens, p, reset=True, n_keep=n_keep)

@@ -25,6 +25,8 @@ class SamplingParams:
         the last penalty_last_n (the prompt's, then the generated ones): a positive logit divided by repeat_penalty
         (a negative one multiplied), minus frequency_penalty times the count, minus presence_penalty once.
     logit_bias: {token id: bias} added to the logits before anything else (-inf: never).
+    grammar: GBNF text (llama.cpp's grammar format, rule `root`) the output must follow; `h2o_local.grammar` has
+        JSON and JSON-schema grammars. A grammar that does not parse raises ValueError.
     """
 
     max_tokens: Optional[int] = 128
@@ -40,6 +42,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
     logit_bias: Optional[Mapping[int, float]] = None
+    grammar: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -58,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be > 0 (1: off), got {self.repeat_penalty}")
         check_int("penalty_last_n", self.penalty_last_n, minimum=0)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise TypeError(f"grammar must be GBNF text (a str), got {type(self.grammar).__name__}")
         check_int("top_k", self.top_k, minimum=0, maximum=None)  # at least the vocabulary: off
         check_int("seed", self.seed, maximum=None)  # any int: the sampler takes its low 32 bits
         stop = self.stop
@@ -76,7 +81,8 @@ class SamplingParams:
             raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)} (expected: {', '.join(sorted(names))})")
         return dataclasses.replace(self, **changes)
 
-    def sampler(self, n_vocab: int, seed: int, banned: Sequence[int] = (), history: Sequence[int] = ()) -> "_engine.Sampler":
+    def sampler(self, n_vocab: int, seed: int, banned: Sequence[int] = (), history: Sequence[int] = (),
+                engine: Optional["_engine.Engine"] = None) -> "_engine.Sampler":
         """The C++ sampler chain for these parameters, seeded with `seed` (32 bits); `history`: the prompt's tokens,
         whose last penalty_last_n the penalties count. A token id outside the vocabulary raises ValueError."""
         return _engine.Sampler(n_vocab, temperature=float(self.temperature), top_p=float(self.top_p),
@@ -85,7 +91,8 @@ class SamplingParams:
                                penalty_last_n=int(self.penalty_last_n), repeat_penalty=float(self.repeat_penalty),
                                frequency_penalty=float(self.frequency_penalty),
                                presence_penalty=float(self.presence_penalty),
-                               history=list(history[-self.penalty_last_n:]) if self.penalty_last_n else [])
+                               history=list(history[-self.penalty_last_n:]) if self.penalty_last_n else [],
+                               grammar=self.grammar or "", engine=engine)
 
 
 def _logit_bias(bias: Any) -> Optional[Dict[int, float]]:

@@ -16,9 +16,9 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 # OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
 # many clients send them with their defaults); any other value is a 400 naming the field
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
-               "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+               "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
-               "grammar": (None, ""), "parallel_tool_calls": (None,)}
+               "parallel_tool_calls": (None,)}
 
 
 # stop strings are searched in the text after every token: bounded, as OpenAI bounds them (it takes 4; clients that
@@ -26,6 +26,7 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # OpenAI takes 300
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 class _Request(BaseModel):
@@ -45,6 +46,10 @@ class _Request(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
     repeat_last_n: Optional[int] = Field(default=None, ge=0, le=4096)
     logit_bias: Optional[Dict[str, float]] = None
+    # structured output: OpenAI's response_format, llama-server's grammar (GBNF) and json_schema
+    response_format: Optional[Dict[str, Any]] = None
+    grammar: Optional[str] = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    json_schema: Optional[Dict[str, Any]] = None
     stop: Union[str, List[str], None] = None
     seed: Optional[int] = None
     stream: bool = False

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
-from .. import generation, responses
+from .. import generation, grammar, responses
 from ..llama import Llama
 from ..sampling import CHAT, COMPLETION, SamplingParams
 from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
@@ -127,6 +127,18 @@ def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_
         changes["repeat_penalty"] = body.repetition_penalty
     if body.repeat_last_n is not None:
         changes["penalty_last_n"] = body.repeat_last_n
+    given = [k for k in ("response_format", "grammar", "json_schema") if getattr(body, k) not in (None, "")]
+    if len(given) > 1:
+        raise APIError(400, f"give one of {', '.join(given)}, not several", param=given[1])
+    try:
+        if body.grammar:
+            changes["grammar"] = body.grammar
+        elif body.json_schema is not None:
+            changes["grammar"] = grammar.json_schema_grammar(body.json_schema)
+        elif body.response_format is not None:
+            changes["grammar"] = grammar.response_format_grammar(body.response_format)
+    except ValueError as e:
+        raise APIError(400, str(e), param=given[0]) from None
     if body.logit_bias:
         n_vocab = state.llm.n_vocab()
         bias = {int(k): v for k, v in body.logit_bias.items()}
@@ -142,9 +154,12 @@ def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_
     elif defaults.max_tokens is None and not state.llm.policy.bounded:
         changes["max_tokens"] = None  # the full cache stops at the end of the context
     try:
-        return defaults.replace(**changes)
+        params = defaults.replace(**changes)
+        if params.grammar:
+            state.llm._sampler(params, seed=0)  # a grammar that does not parse is the request's error, here
+        return params
     except (TypeError, ValueError) as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=given[0] if given and "grammar" in str(e) else None) from None
 
 
 async def _submit(state: ServerState, job: Job, request: Request) -> Job:
