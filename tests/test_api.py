@@ -8,7 +8,7 @@ from h2o_local.text import TextAssembler
 
 @pytest.fixture
 def llm(tiny_model):
-    return Llama(tiny_model, budget=24, n_batch=32)
+    return Llama(tiny_model, policy="h2o", budget=24, n_batch=32)
 
 
 def test_tokenize_detokenize_roundtrip(llm):
@@ -110,7 +110,7 @@ def test_last_logits(llm):
 
 @pytest.mark.slow
 def test_real_model_chat(smol_model):
-    llm = Llama(smol_model, budget=64)
+    llm = Llama(smol_model, policy="h2o", budget=64)
     # (SmolLM2-135M at Q4_1 answers this in French with its template's default system prompt, which has no full stop)
     system = {"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face."}
     out = llm.create_chat_completion([system, {"role": "user", "content": "What is the capital of France?"}],
@@ -126,7 +126,7 @@ def test_real_model_chat(smol_model):
 @pytest.mark.slow
 def test_real_model_h2o_generation_is_coherent(smol_model):
     """The main job: a chat answer with a 64-entry cache, generated past its budget."""
-    llm = Llama(smol_model, budget=64)
+    llm = Llama(smol_model, policy="h2o", budget=64)
     prompt = llm.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse."}])
     text = llm.generate(llm.tokenize(prompt, special=True), max_tokens=150, temperature=0)
     st = llm.kv_state()
@@ -137,7 +137,7 @@ def test_real_model_h2o_generation_is_coherent(smol_model):
 
 
 def test_reset_one_sequence_keeps_the_other(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=2)
     llm.eval_batch({0: [5, 6, 7], 1: [8, 9]})
     llm.reset(1)
     assert llm.kv_state(1).n_cells == 0 and llm.kv_state(0).positions.tolist() == [0, 1, 2]
@@ -151,7 +151,7 @@ def test_cli_runs_the_main_job(tiny_model, capsys):
     assert main(["--model", tiny_model, "--no-chat", "--prompt", "Hello there", "--budget", "16",
                  "--max-tokens", "40"]) == 0
     err = capsys.readouterr().err
-    assert "policy=h2o budget=16" in err and "kept=" in err
+    assert "policy=tova budget=16" in err and "probe=question/32 pool=9 follow=12" in err and "kept=" in err
 
 
 def test_default_threads_are_the_physical_cores(tiny_model):
@@ -160,5 +160,5 @@ def test_default_threads_are_the_physical_cores(tiny_model):
     from h2o_local.cpu import physical_cores
 
     assert 1 <= physical_cores() <= os.cpu_count()
-    assert Llama(tiny_model, budget=8).n_threads == physical_cores()
-    assert Llama(tiny_model, budget=8, n_threads=1).n_threads == 1
+    assert Llama(tiny_model, policy="h2o", budget=8).n_threads == physical_cores()
+    assert Llama(tiny_model, policy="h2o", budget=8, n_threads=1).n_threads == 1

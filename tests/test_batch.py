@@ -7,21 +7,21 @@ PROMPTS = ["Once upon a time", "The weather today is", "In the beginning there w
 
 
 def test_batch_equals_one_by_one_greedy(tiny_model):
-    batched = Llama(tiny_model, budget=16, n_seq_max=4, n_batch=64)
-    single = Llama(tiny_model, budget=16, n_batch=64)
+    batched = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=4, n_batch=64)
+    single = Llama(tiny_model, policy="h2o", budget=16, n_batch=64)
     texts = batched.generate_batch(PROMPTS, max_tokens=24, temperature=0)
     assert texts == [single.generate(p, max_tokens=24, temperature=0) for p in PROMPTS]
 
 
 def test_batch_sampling_follows_the_per_sequence_seeds(tiny_model):
-    batched = Llama(tiny_model, budget=16, n_seq_max=2, n_batch=64)
-    single = Llama(tiny_model, budget=16, n_batch=64)
+    batched = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=2, n_batch=64)
+    single = Llama(tiny_model, policy="h2o", budget=16, n_batch=64)
     texts = batched.generate_batch(PROMPTS, max_tokens=20, temperature=0.9, seed=7)  # two waves of two
     assert texts == [single.generate(p, max_tokens=20, temperature=0.9, seed=7 + i) for i, p in enumerate(PROMPTS)]
 
 
 def test_batch_stream_and_finish(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_seq_max=4, n_batch=64)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=4, n_batch=64)
     pieces = {i: "" for i in range(len(PROMPTS))}
     ended = []
     for i, piece in llm.generate_batch(PROMPTS, max_tokens=10, temperature=0, stream=True):
@@ -35,7 +35,7 @@ def test_batch_stream_and_finish(tiny_model):
 
 
 def test_batch_bounded_memory(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_seq_max=4, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=4, n_batch=32)
     stream = llm.generate_batch(["x" * 200] * 4, max_tokens=30, temperature=0, stream=True)
     most = 0
     for _ in stream:
@@ -46,7 +46,7 @@ def test_batch_bounded_memory(tiny_model):
 
 
 def test_batch_rejects_empty_prompts(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=2)
     with pytest.raises(ValueError, match="empty"):
         llm.generate_batch(["ok", []])
 
@@ -55,8 +55,8 @@ def test_long_prompts_are_fed_at_the_same_boundaries_alone_or_batched(tiny_model
     # prompts longer than budget + n_batch, of lengths that are not multiples of n_batch: the bounded prefill cuts
     # each sequence at multiples of n_batch from its own start, so batching does not change what is evicted when
     prompts = [[(7 * i + j) % 200 + 3 for i in range(n)] for j, n in enumerate((150, 203, 97))]
-    batched = Llama(tiny_model, budget=16, n_seq_max=3, n_batch=32)
-    single = Llama(tiny_model, budget=16, n_batch=32)
+    batched = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=3, n_batch=32)
+    single = Llama(tiny_model, policy="h2o", budget=16, n_batch=32)
     texts = batched.generate_batch(prompts, max_tokens=12, temperature=0, stream=True)
     kept = {}
     for i, piece in texts:
@@ -70,7 +70,7 @@ def test_long_prompts_are_fed_at_the_same_boundaries_alone_or_batched(tiny_model
 
 
 def test_ignore_eos_runs_every_sequence_to_max_tokens(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_seq_max=4, n_batch=64)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=4, n_batch=64)
     llm.generate_batch(PROMPTS, max_tokens=150, temperature=50.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
     assert "stop" in llm.finish_reasons  # near-uniform sampling over the small vocabulary meets an end token
     seen = [0] * len(PROMPTS)
@@ -85,9 +85,9 @@ def test_ignore_eos_runs_every_sequence_to_max_tokens(tiny_model):
 @pytest.mark.parametrize("policy", ["h2o", "full"])
 def test_one_stream_per_sequence_gives_the_single_sequence_results(tiny_model, policy):
     budget = 16 if policy == "h2o" else None
-    streams = Llama(tiny_model, budget=budget, n_seq_max=4, n_batch=32, kv_unified=False,
+    streams = Llama(tiny_model, policy="h2o", budget=budget, n_seq_max=4, n_batch=32, kv_unified=False,
                     n_ctx=0 if budget else 4 * 256)
-    single = Llama(tiny_model, budget=budget, n_batch=32, n_ctx=0 if budget else 256)
+    single = Llama(tiny_model, policy="h2o", budget=budget, n_batch=32, n_ctx=0 if budget else 256)
     prompts = PROMPTS + [[(7 * i) % 200 + 3 for i in range(90)]]  # 5 prompts: a second wave
     texts = streams.generate_batch(prompts, max_tokens=24, temperature=0)
     assert texts == [single.generate(p, max_tokens=24, temperature=0) for p in prompts]

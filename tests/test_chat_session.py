@@ -23,7 +23,7 @@ def chat_model(tmp_path_factory):
 
 
 def new_session(model, **kw):
-    llm = Llama(model, budget=48, n_threads=1, keep="system", **kw)
+    llm = Llama(model, budget=48, n_threads=1, keep="system", **{"policy": "h2o", **kw})
     return ChatSession(llm, system="You are tiny.", max_tokens=12, temperature=0)
 
 
@@ -159,7 +159,7 @@ def test_closing_an_old_stream_after_a_newer_turn_keeps_the_newer_history(chat_m
 
 def test_text_that_is_not_unicode_is_a_value_error(chat_model):
     bad = b"caf\xe9".decode("utf-8", "surrogateescape")  # how a Latin-1 byte arrives in sys.argv
-    llm = Llama(chat_model, budget=48, n_threads=1)
+    llm = Llama(chat_model, policy="h2o", budget=48, n_threads=1)
     with pytest.raises(ValueError, match="lone surrogate"):
         ChatSession(llm, system=bad)
     s = ChatSession(llm, max_tokens=4, temperature=0)

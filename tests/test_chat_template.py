@@ -18,7 +18,7 @@ def bare_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_gguf_template_renders_as_llama_cpp_renders_it(smol_model):
-    llm = Llama(smol_model, budget=64)
+    llm = Llama(smol_model, policy="h2o", budget=64)
     assert llm.chat_template.is_jinja
     for messages in (CONVERSATION, CONVERSATION[:2]):
         pairs = [(m["role"], m["content"]) for m in messages]
@@ -44,8 +44,8 @@ def test_openai_message_forms():
 
 
 def test_a_template_given_by_the_user(bare_model):
-    jinja = Llama(bare_model, budget=16, chat_template=CHATML)
-    builtin = Llama(bare_model, budget=16, chat_template="chatml")  # a llama.cpp built-in, by name
+    jinja = Llama(bare_model, policy="h2o", budget=16, chat_template=CHATML)
+    builtin = Llama(bare_model, policy="h2o", budget=16, chat_template="chatml")  # a llama.cpp built-in, by name
     assert jinja.apply_chat_template(CONVERSATION) == builtin.apply_chat_template(CONVERSATION)
     assert jinja.apply_chat_template(CONVERSATION).endswith("<|im_start|>assistant\n")
     out = jinja.create_chat_completion(CONVERSATION, max_tokens=3)
@@ -53,12 +53,12 @@ def test_a_template_given_by_the_user(bare_model):
 
 
 def test_no_template_is_a_clear_error(bare_model):
-    llm = Llama(bare_model, budget=16)
+    llm = Llama(bare_model, policy="h2o", budget=16)
     with pytest.raises(ValueError, match="no chat template"):
         llm.create_chat_completion(CONVERSATION)
     assert llm.generate("still usable", max_tokens=2, temperature=0) is not None
     with pytest.raises(TypeError):
-        Llama(bare_model, budget=16, chat_template=42)
+        Llama(bare_model, policy="h2o", budget=16, chat_template=42)
 
 
 def test_a_template_that_rejects_the_messages_says_so():
@@ -71,21 +71,21 @@ def test_a_template_that_rejects_the_messages_says_so():
 def test_a_gguf_template_jinja_cannot_render_falls_back_to_llama_cpp(bare_model, tmp_path):
     # a template jinja2 cannot parse but llama.cpp recognises (it contains ChatML's markers), shipped in the GGUF
     broken = CHATML.replace("{% endfor %}", "{% endfor %}{% bogus_tag %}")
-    llm = Llama(str(write_tiny_llama(tmp_path / "broken.gguf", chat_template=broken)), budget=16)
+    llm = Llama(str(write_tiny_llama(tmp_path / "broken.gguf", chat_template=broken)), policy="h2o", budget=16)
     assert not llm.chat_template.is_jinja and "bogus_tag" in llm.chat_template.jinja_error
-    assert llm.apply_chat_template(CONVERSATION) == Llama(bare_model, budget=16, chat_template="chatml").apply_chat_template(CONVERSATION)
+    assert llm.apply_chat_template(CONVERSATION) == Llama(bare_model, policy="h2o", budget=16, chat_template="chatml").apply_chat_template(CONVERSATION)
 
 
 def test_a_template_given_by_the_user_that_does_not_render_is_an_error_not_a_guess(bare_model):
     broken = CHATML.replace("{% endfor %}", "{% endfor %}{% bogus_tag %}")
     for source in (broken, "{% nonsense %}", CHATML.replace("m['content']", "m['content'] | no_such_filter")):
         with pytest.raises(ValueError, match="chat template given does not render"):
-            Llama(bare_model, budget=16, chat_template=source).apply_chat_template(CONVERSATION)
+            Llama(bare_model, policy="h2o", budget=16, chat_template=source).apply_chat_template(CONVERSATION)
 
 
 def test_a_template_that_writes_the_bos_does_not_get_a_second_one(tmp_path):
     model = str(write_tiny_llama(tmp_path / "bos.gguf", chat_template="{{ bos_token }}" + CHATML))
-    llm = Llama(model, budget=16)
+    llm = Llama(model, policy="h2o", budget=16)
     tokens, _ = llm.chat_tokens(CONVERSATION)
     assert tokens[0] == llm.token_bos() and tokens[1] != llm.token_bos()
     assert llm.apply_chat_template(CONVERSATION).startswith(llm.detokenize([llm.token_bos()], special=True).decode())

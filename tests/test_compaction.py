@@ -9,7 +9,7 @@ TEXT = "Cells move down, decisions stay. " * 30
 
 
 def run(tiny_model, compact, **kwargs):
-    llm = Llama(tiny_model, budget=32, n_batch=48, compact_cells=compact, **kwargs)
+    llm = Llama(tiny_model, budget=32, n_batch=48, compact_cells=compact, **{"policy": "h2o", **kwargs})
     prompt = llm.tokenize(TEXT)
     llm.eval(prompt)
     steps = []

@@ -34,7 +34,7 @@ def test_unreached_budget_gives_the_full_cache_logits_exactly(tiny_model, policy
 
 def test_generate_matches_the_full_cache(tiny_model):
     full = Llama(tiny_model, n_ctx=512)
-    h2o = Llama(tiny_model, budget=400, n_ctx=512)
+    h2o = Llama(tiny_model, policy="h2o", budget=400, n_ctx=512)
     a = full.create_completion(PROMPT, max_tokens=30, temperature=0.7, seed=3)
     b = h2o.create_completion(PROMPT, max_tokens=30, temperature=0.7, seed=3)
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
@@ -44,7 +44,7 @@ def test_generate_matches_the_full_cache(tiny_model):
 def test_eviction_changes_the_computation(tiny_model):
     """The converse: once the budget is reached, logits differ from the full cache's (the check can fail)."""
     full = Llama(tiny_model, n_ctx=512)
-    small = Llama(tiny_model, budget=8, n_ctx=512)
+    small = Llama(tiny_model, policy="h2o", budget=8, n_ctx=512)
     prompt = full.tokenize(PROMPT)
     _, l_full = greedy_trace(full, prompt, 5)
     _, l_small = greedy_trace(small, prompt, 5)
@@ -54,7 +54,7 @@ def test_eviction_changes_the_computation(tiny_model):
 @pytest.mark.slow
 def test_real_model_h2o_with_a_large_budget_equals_the_full_cache(smol_model):
     full = Llama(smol_model, n_ctx=1024)
-    h2o = Llama(smol_model, budget=900, n_ctx=1024)
+    h2o = Llama(smol_model, policy="h2o", budget=900, n_ctx=1024)
     prompt = full.tokenize("The three most important inventions of the nineteenth century were")
     t_full, l_full = greedy_trace(full, prompt, 24)
     t_h2o, l_h2o = greedy_trace(h2o, prompt, 24)

@@ -65,7 +65,7 @@ def test_full_policy_stops_at_the_end_of_the_context(tiny_model):
 
 
 def test_bad_token_ids_then_usable(tiny_model):
-    llm = Llama(tiny_model, budget=16)
+    llm = Llama(tiny_model, policy="h2o", budget=16)
     with pytest.raises(ValueError, match="token id"):
         llm.eval([5, 99999])
     with pytest.raises(ValueError, match="token id"):
@@ -75,7 +75,7 @@ def test_bad_token_ids_then_usable(tiny_model):
 
 
 def test_bad_sequence_id(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=2)
     with pytest.raises(ValueError, match="seq_id"):
         llm.eval([5], seq_id=2)
 
@@ -85,13 +85,13 @@ def test_position_rolling_on_a_model_that_cannot_shift(tmp_path):
     from tiny_model import write_tiny_qwen2vl
 
     path = write_tiny_qwen2vl(tmp_path / "tiny-qwen2vl.gguf")
-    Llama(str(path), budget=16)  # loads, and evicts without rolling
+    Llama(str(path), policy="h2o", budget=16)  # loads, and evicts without rolling
     with pytest.raises(ValueError, match="position_rolling"):
-        Llama(str(path), budget=16, position_rolling=True)
+        Llama(str(path), policy="h2o", budget=16, position_rolling=True)
 
 
 def test_empty_prompt_and_negative_max_tokens(tiny_model):
-    llm = Llama(tiny_model, budget=16)
+    llm = Llama(tiny_model, policy="h2o", budget=16)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([], max_tokens=3)
     with pytest.raises(ValueError, match="max_tokens"):
@@ -100,7 +100,7 @@ def test_empty_prompt_and_negative_max_tokens(tiny_model):
 
 
 def test_chat_without_a_template(tiny_model):
-    llm = Llama(tiny_model, budget=16)
+    llm = Llama(tiny_model, policy="h2o", budget=16)
     with pytest.raises(ValueError, match="chat template"):
         llm.create_chat_completion([{"role": "user", "content": "hi"}])
 
@@ -119,7 +119,7 @@ def test_wrong_types_and_negative_splits_are_refused(tiny_model, kwargs, error, 
 
 
 def test_sequence_ids_are_checked_everywhere(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=2)
     for call in (lambda: llm.kv_state(2), lambda: llm.save_state(2), lambda: llm.last_logits(5),
                  lambda: llm.reset(-1), lambda: llm.compress(2)):
         with pytest.raises(ValueError, match="seq_id"):
@@ -129,7 +129,7 @@ def test_sequence_ids_are_checked_everywhere(tiny_model):
 
 
 def test_batch_edge_cases(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_seq_max=2)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_seq_max=2)
     with pytest.raises(TypeError, match="list of prompts"):
         llm.generate_batch("one string")
     assert llm.generate_batch(["abc", "def"], max_tokens=0) == ["", ""]  # no token at all, as generate does
@@ -171,15 +171,15 @@ def test_a_bad_gguf_keeps_llama_cpps_reason(tmp_path):
     (lambda llm: llm.generate("x", temperature="hot"), TypeError, "temperature must be a number"),
 ])
 def test_wrong_types_give_one_line_errors(tiny_model, call, error, match):
-    llm = Llama(tiny_model, budget=16)
+    llm = Llama(tiny_model, policy="h2o", budget=16)
     with pytest.raises(error, match=match):
         call(llm)
     assert isinstance(llm.generate("still usable", max_tokens=2), str)
 
 
 @pytest.mark.parametrize("call", [
-    lambda llm: Llama(llm.model_path, budget=2**31),
-    lambda llm: Llama(llm.model_path, budget=64, heavy=2**40, recent=0),
+    lambda llm: Llama(llm.model_path, policy="h2o", budget=2**31),
+    lambda llm: Llama(llm.model_path, policy="h2o", budget=64, heavy=2**40, recent=0),
     lambda llm: Llama(llm.model_path, policy=policies.SnapKV(budget=64, query_window=2**35)),
     lambda llm: Llama(llm.model_path, n_batch=2**32),
     lambda llm: llm.set_policy("h2o", 2**31),
@@ -194,7 +194,7 @@ def test_wrong_types_give_one_line_errors(tiny_model, call, error, match):
     lambda llm: llm.generate("a lone \ud800 surrogate", max_tokens=1),
 ])
 def test_values_beyond_the_cpp_seam_are_one_line_errors_not_signature_dumps(tiny_model, call):
-    llm = Llama(tiny_model, budget=32)
+    llm = Llama(tiny_model, policy="h2o", budget=32)
     with pytest.raises((ValueError, TypeError)) as e:
         call(llm)
     assert "incompatible function arguments" not in str(e.value) and "\n" not in str(e.value)

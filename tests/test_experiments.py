@@ -163,7 +163,7 @@ def test_quality_fidelity_of_a_cache_that_never_evicts_is_perfect(tiny_model, tm
     """A budget larger than prompt + continuation keeps everything: agreement 1 and KL 0 at every step."""
     from experiments.quality import full_continuation, teacher_forced
 
-    llm = Llama(tiny_model, budget=400, n_ctx=420)
+    llm = Llama(tiny_model, policy="h2o", budget=400, n_ctx=420)
     prompt = llm.tokenize("A prompt for the teacher-forced check, long enough to matter. " * 4)
     tokens, logps = full_continuation(tiny_model, prompt, 12, None)
     res = teacher_forced(llm, prompt, tokens, logps)

@@ -49,7 +49,7 @@ def test_quantized_v_takes_the_bytes_its_type_says(tiny_hd64):
 
 def test_what_flash_attention_cannot_do_is_refused(tiny_hd64):
     with pytest.raises(ValueError, match="no attention scores"):
-        Llama(tiny_hd64, budget=16, flash_attn=True)                       # h2o reads the softmax
+        Llama(tiny_hd64, policy="h2o", budget=16, flash_attn=True)                       # h2o reads the softmax
     with pytest.raises(ValueError, match="export_scores"):
         Llama(tiny_hd64, policy="local", budget=16, flash_attn=True, export_scores=True)
     with pytest.raises(ValueError, match="needs flash_attn=True"):

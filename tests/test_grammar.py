@@ -13,7 +13,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    return Llama(tiny_model, budget=24, n_batch=32)
+    return Llama(tiny_model, policy="h2o", budget=24, n_batch=32)
 
 
 def test_a_grammar_constrains_every_sampler_path(llm):
@@ -64,4 +64,4 @@ def chat_llm(tmp_path_factory):
 
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return Llama(str(write_tiny_llama(tmp_path_factory.mktemp("g") / "chat.gguf", chat_template=template)), budget=64)
+    return Llama(str(write_tiny_llama(tmp_path_factory.mktemp("g") / "chat.gguf", chat_template=template)), policy="h2o", budget=64)

@@ -14,7 +14,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 @pytest.mark.parametrize("budget,heavy,sinks,keep", [(16, None, None, 5), (16, None, 2, 1), (16, None, 2, 12),
                                                     (12, 2, None, 6), (10, None, None, 9)])
 def test_h2o_with_a_protected_prefix_keeps_what_the_reference_keeps(tiny_model, budget, heavy, sinks, keep):
-    llm = Llama(tiny_model, budget=budget, heavy=heavy, sinks=sinks, keep=keep, n_batch=256)
+    llm = Llama(tiny_model, policy="h2o", budget=budget, heavy=heavy, sinks=sinks, keep=keep, n_batch=256)
     ref = H2OReference(heavy=llm.heavy, recent=llm.recent, sinks=llm.sinks, keep=keep)
     llm.eval(llm.tokenize(TEXT))
     assert llm.kv_state().positions.tolist() == ref.step(*llm.last_scores())
@@ -37,14 +37,14 @@ def test_every_policy_keeps_the_prefix_within_its_budget(tiny_model, policy):
 
 
 def test_keep_survives_the_bounded_prefill_and_generation(tiny_model):
-    llm = Llama(tiny_model, budget=16, keep=6, n_batch=8)  # prompts are fed 8 tokens at a time, evicting as they go
+    llm = Llama(tiny_model, policy="h2o", budget=16, keep=6, n_batch=8)  # prompts are fed 8 tokens at a time, evicting as they go
     llm.generate(TEXT, max_tokens=20, temperature=0, ignore_eos=True)
     st = llm.kv_state()
     assert st.positions[:6].tolist() == list(range(6)) and st.n_evicted > 0 and st.n_cells == 16
 
 
 def test_keep_with_position_rolling_keeps_the_prefix_at_the_bottom(tiny_model):
-    llm = Llama(tiny_model, budget=12, keep=4, position_rolling=True, n_batch=256)
+    llm = Llama(tiny_model, policy="h2o", budget=12, keep=4, position_rolling=True, n_batch=256)
     llm.generate(TEXT, max_tokens=150, temperature=0, ignore_eos=True)  # past the trained context of 128
     st = llm.kv_state()
     assert st.positions.tolist() == list(range(12)) and st.n_seen > 128
@@ -53,12 +53,12 @@ def test_keep_with_position_rolling_keeps_the_prefix_at_the_bottom(tiny_model):
 def test_a_prefix_that_leaves_no_room_is_refused(tiny_model):
     for keep in (16, 17):
         with pytest.raises(ValueError, match="protected prefix"):
-            Llama(tiny_model, budget=16, keep=keep)
+            Llama(tiny_model, policy="h2o", budget=16, keep=keep)
     with pytest.raises(ValueError):
-        Llama(tiny_model, budget=16, keep=-1)
+        Llama(tiny_model, policy="h2o", budget=16, keep=-1)
     with pytest.raises(TypeError):
-        Llama(tiny_model, budget=16, keep=2.5)
-    llm = Llama(tiny_model, budget=16, keep=10, export_scores=True)
+        Llama(tiny_model, policy="h2o", budget=16, keep=2.5)
+    llm = Llama(tiny_model, policy="h2o", budget=16, keep=10, export_scores=True)
     with pytest.raises(ValueError, match="protected prefix"):
         llm.set_policy("h2o", 8)  # the prefix would not fit the new budget: refused, the old policy stays
     assert llm.budget == 16
@@ -74,7 +74,7 @@ def test_keep_system_protects_the_system_message(tmp_path, caplog):
     from tiny_model import write_tiny_llama
 
     model = str(write_tiny_llama(tmp_path / "chat.gguf", chat_template=CHATML, n_ctx_train=1024))
-    llm = Llama(model, budget=120, keep="system", n_batch=256)
+    llm = Llama(model, policy="h2o", budget=120, keep="system", n_batch=256)
     system = "You are a lighthouse keeper."
     messages = [{"role": "system", "content": system}, {"role": "user", "content": MORE}]
     tokens, n_keep = llm.chat_tokens(messages)
@@ -96,13 +96,13 @@ def test_keep_system_protects_the_system_message(tmp_path, caplog):
 
 
 def test_a_snapshot_carries_its_prefix(tiny_model):
-    llm = Llama(tiny_model, budget=16, keep=5, n_batch=256, export_scores=True)
+    llm = Llama(tiny_model, policy="h2o", budget=16, keep=5, n_batch=256, export_scores=True)
     llm.eval(llm.tokenize(TEXT))
     snap = llm.save_state()
     llm.reset()
     assert llm.kv_state().n_keep == 0  # a reset sequence starts again with the Llama's keep... once it is used
     llm.load_state(snap)
     assert llm.kv_state().n_keep == 5
-    small = Llama(tiny_model, budget=4, n_batch=256)
+    small = Llama(tiny_model, policy="h2o", budget=4, n_batch=256)
     with pytest.raises(ValueError):
         small.load_state(snap)  # its prefix of 5 does not fit a budget of 4

@@ -24,7 +24,7 @@ def run_against_reference(llm: Llama, prompt, steps, seq_id=0):
 @pytest.mark.parametrize("budget,heavy,recent,sinks", [(16, None, None, None), (10, 7, None, None),
                                                        (12, None, 3, 2), (9, 0, None, None), (5, 4, 1, 0)])
 def test_h2o_keeps_what_the_reference_rule_keeps(tiny_model, budget, heavy, recent, sinks):
-    llm = Llama(tiny_model, budget=budget, heavy=heavy, recent=recent, sinks=sinks, n_batch=256)  # one prefill pass
+    llm = Llama(tiny_model, policy="h2o", budget=budget, heavy=heavy, recent=recent, sinks=sinks, n_batch=256)  # one prefill pass
     steps = llm.tokenize(TEXT_B, add_bos=False) * 2
     ref = run_against_reference(llm, llm.tokenize(TEXT_A), steps)
     st = llm.kv_state()
@@ -35,15 +35,15 @@ def test_h2o_keeps_what_the_reference_rule_keeps(tiny_model, budget, heavy, rece
 
 
 def test_default_split_is_half_heavy_half_recent(tiny_model):
-    llm = Llama(tiny_model, budget=128)
+    llm = Llama(tiny_model, policy="h2o", budget=128)
     assert (llm.sinks, llm.heavy, llm.recent) == (0, 64, 64)
-    llm = Llama(tiny_model, budget=7)
+    llm = Llama(tiny_model, policy="h2o", budget=7)
     assert (llm.sinks, llm.heavy, llm.recent) == (0, 3, 4)
 
 
 def test_h2o_differs_from_a_window(tiny_model):
     """Heavy hitters are old tokens: the kept set is not just the last `budget` positions."""
-    llm = Llama(tiny_model, budget=16)
+    llm = Llama(tiny_model, policy="h2o", budget=16)
     llm.eval(llm.tokenize(TEXT_A + TEXT_B))
     kept = llm.kv_state().positions
     assert kept.min() < kept.max() - 16
@@ -81,7 +81,7 @@ def test_full_never_evicts(tiny_model):
 
 
 def test_two_sequences_in_one_batch_keep_their_own_heavy_hitters(tiny_model):
-    llm = Llama(tiny_model, budget=12, n_seq_max=2, n_batch=256)  # both prompts in one llama_decode
+    llm = Llama(tiny_model, policy="h2o", budget=12, n_seq_max=2, n_batch=256)  # both prompts in one llama_decode
     a, b = llm.tokenize(TEXT_A), llm.tokenize(TEXT_B)
     refs = {0: H2OReference(llm.heavy, llm.recent), 1: H2OReference(llm.heavy, llm.recent)}
     llm.eval_batch({0: a, 1: b})
@@ -99,7 +99,7 @@ def test_two_sequences_in_one_batch_keep_their_own_heavy_hitters(tiny_model):
     assert s0.positions.tolist() != s1.positions.tolist() or not np.allclose(s0.scores, s1.scores)
 
     # the same sequence fed alone ends in the same state
-    solo = Llama(tiny_model, budget=12, n_batch=256)
+    solo = Llama(tiny_model, policy="h2o", budget=12, n_batch=256)
     solo.eval(a)
     for i in range(12):
         solo.eval([60 + i])

@@ -7,7 +7,7 @@ from h2o_local import Llama
 
 def test_prompt_ten_times_the_budget_stays_within_budget_plus_a_batch(tiny_model, long_text):
     budget, n_batch = 128, 64
-    llm = Llama(tiny_model, budget=budget, n_batch=n_batch)
+    llm = Llama(tiny_model, policy="h2o", budget=budget, n_batch=n_batch)
     tokens = llm.tokenize(long_text)[: 10 * budget]
     assert len(tokens) == 10 * budget
     llm.eval(tokens)
@@ -25,7 +25,7 @@ def test_prompt_ten_times_the_budget_stays_within_budget_plus_a_batch(tiny_model
 
 def test_prompt_that_fits_is_attended_whole_then_compressed(tiny_model, long_text):
     """Reference mode: with room for the whole prompt, nothing is evicted before the prompt has been seen."""
-    llm = Llama(tiny_model, budget=32, n_batch=64, n_ctx=512)
+    llm = Llama(tiny_model, policy="h2o", budget=32, n_batch=64, n_ctx=512)
     tokens = llm.tokenize(long_text)[:300]
     llm.eval(tokens)
     st = llm.kv_state()
@@ -33,7 +33,7 @@ def test_prompt_that_fits_is_attended_whole_then_compressed(tiny_model, long_tex
 
 
 def test_generation_after_a_long_prompt(tiny_model, long_text):
-    llm = Llama(tiny_model, budget=64, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=64, n_batch=32)
     prompt = llm.tokenize(long_text)[:1000]
     out = llm.create_completion(prompt, max_tokens=20, temperature=0)
     assert out["usage"]["prompt_tokens"] == 1000
@@ -43,7 +43,7 @@ def test_generation_after_a_long_prompt(tiny_model, long_text):
 
 @pytest.mark.slow
 def test_real_model_long_prompt_bounded(smol_model, long_text):
-    llm = Llama(smol_model, budget=256, n_batch=128)
+    llm = Llama(smol_model, policy="h2o", budget=256, n_batch=128)
     tokens = llm.tokenize(long_text)[:2560]
     llm.eval(tokens)
     st = llm.kv_state()

@@ -17,26 +17,26 @@ def tiny_hd64(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("type_k,ratio", [("q8_0", (34 / 32 + 2) / 4), ("q4_0", (18 / 32 + 2) / 4), ("f32", 1.5)])
 def test_a_quantized_k_cache_takes_the_bytes_its_type_says(tiny_hd64, type_k, ratio):
-    f16 = Llama(tiny_hd64, budget=64)
-    q = Llama(tiny_hd64, budget=64, type_k=type_k)
+    f16 = Llama(tiny_hd64, policy="h2o", budget=64)
+    q = Llama(tiny_hd64, policy="h2o", budget=64, type_k=type_k)
     assert q._engine.kv_bytes == pytest.approx(f16._engine.kv_bytes * ratio, rel=1e-6)
     assert q.kv_bytes_per_cell == kv_bytes_per_cell(f16.kv_bytes_per_cell, type_k=type_k)
 
 
 @pytest.mark.parametrize("type_k", ["q8_0", "q4_0"])
 def test_eviction_rolling_and_snapshots_work_on_quantized_keys(tiny_hd64, type_k):
-    llm = Llama(tiny_hd64, budget=24, n_batch=32, position_rolling=True, type_k=type_k)
+    llm = Llama(tiny_hd64, policy="h2o", budget=24, n_batch=32, position_rolling=True, type_k=type_k)
     llm.eval(llm.tokenize(TEXT))
     st = llm.kv_state()
     assert st.n_cells == 24 and st.positions.tolist() == list(range(24)) and st.n_evicted > 0
-    copy = Llama(tiny_hd64, budget=24, n_batch=32, position_rolling=True, type_k=type_k)
+    copy = Llama(tiny_hd64, policy="h2o", budget=24, n_batch=32, position_rolling=True, type_k=type_k)
     copy.load_state(llm.save_state())
     for t in llm.tokenize(" and more", add_bos=False):  # the pending K shift dequantizes, rotates, requantizes
         llm.eval([t])
         copy.eval([t])
         np.testing.assert_allclose(copy.last_logits(), llm.last_logits(), atol=1e-4)
     with pytest.raises(ValueError, match="another model or cache"):
-        Llama(tiny_hd64, budget=24, n_batch=32, position_rolling=True).load_state(llm.save_state())
+        Llama(tiny_hd64, policy="h2o", budget=24, n_batch=32, position_rolling=True).load_state(llm.save_state())
 
 
 def log_softmax(x):
@@ -61,21 +61,21 @@ def test_q8_0_keys_stay_close_to_f16_and_q4_0_less_so(smol_model, long_text):
 
 def test_type_k_errors(tiny_model):
     with pytest.raises(ValueError, match="type_k must be one of"):
-        Llama(tiny_model, budget=16, type_k="q3_k")
+        Llama(tiny_model, policy="h2o", budget=16, type_k="q3_k")
     with pytest.raises(TypeError, match="type_k"):
-        Llama(tiny_model, budget=16, type_k=8)
+        Llama(tiny_model, policy="h2o", budget=16, type_k=8)
     with pytest.raises(ValueError, match="key heads hold 16"):
-        Llama(tiny_model, budget=16, type_k="q8_0")  # 16 values per head: not a whole block of 32
+        Llama(tiny_model, policy="h2o", budget=16, type_k="q8_0")  # 16 values per head: not a whole block of 32
 
 
 def test_rolling_quantized_keys_needs_heads_llama_cpp_can_shift(tmp_path):
     """llama.cpp shifts quantized keys only on its Hadamard-rotated path (heads of 64k values): refused, not crashed."""
     hd32 = str(write_tiny_llama(tmp_path / "hd32.gguf", n_embd=128))
-    llm = Llama(hd32, budget=16, type_k="q8_0")  # one block per head: fine without rolling
+    llm = Llama(hd32, policy="h2o", budget=16, type_k="q8_0")  # one block per head: fine without rolling
     llm.eval(llm.tokenize(TEXT))
     assert llm.kv_state().n_cells == 16
     with pytest.raises(ValueError, match="multiple of 64"):
-        Llama(hd32, budget=16, type_k="q8_0", position_rolling=True)
+        Llama(hd32, policy="h2o", budget=16, type_k="q8_0", position_rolling=True)
 
 
 def test_for_kv_limit_counts_quantized_cells(tiny_hd64):
@@ -86,7 +86,7 @@ def test_for_kv_limit_counts_quantized_cells(tiny_hd64):
 
 
 def test_bf16_keys_work_and_refuse_rolling_instead_of_aborting(tiny_hd64):
-    llm = Llama(tiny_hd64, budget=24, type_k="bf16")
+    llm = Llama(tiny_hd64, policy="h2o", budget=24, type_k="bf16")
     assert llm.generate(TEXT, max_tokens=8, temperature=0) is not None and llm.kv_state().n_evicted > 0
     with pytest.raises(ValueError, match="type_k 'bf16'.*f16 and f32 only"):
-        Llama(tiny_hd64, budget=24, type_k="bf16", position_rolling=True)
+        Llama(tiny_hd64, policy="h2o", budget=24, type_k="bf16", position_rolling=True)

@@ -12,7 +12,7 @@ from h2o_local.text import TextAssembler
 
 
 def test_one_llama_from_two_threads_is_serialized_not_crashed(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=32)
     outcomes = []
 
     def work(seed):
@@ -34,7 +34,7 @@ def test_one_llama_from_two_threads_is_serialized_not_crashed(tiny_model):
 
 
 def test_more_sequences_than_a_batch_holds(tiny_model):
-    llm = Llama(tiny_model, budget=8, n_seq_max=40, n_batch=32)  # used to abort in llama.cpp
+    llm = Llama(tiny_model, policy="h2o", budget=8, n_seq_max=40, n_batch=32)  # used to abort in llama.cpp
     texts = llm.generate_batch([f"prompt {i}" for i in range(40)], max_tokens=3, temperature=0)
     assert len(texts) == 40 and llm.finish_reasons.count(None) == 0
 
@@ -42,10 +42,10 @@ def test_more_sequences_than_a_batch_holds(tiny_model):
 def test_snapshot_of_another_model_is_refused(tiny_model, tmp_path):
     from tiny_model import write_tiny_llama
 
-    other = Llama(str(write_tiny_llama(tmp_path / "three-layers.gguf", n_layer=3)), budget=64)
+    other = Llama(str(write_tiny_llama(tmp_path / "three-layers.gguf", n_layer=3)), policy="h2o", budget=64)
     other.eval(other.tokenize("a snapshot from a model with three layers"))
     snap = other.save_state()
-    llm = Llama(tiny_model, budget=64)
+    llm = Llama(tiny_model, policy="h2o", budget=64)
     llm.eval(llm.tokenize("what this sequence holds"))
     before = llm.kv_state().positions.tolist()
     with pytest.raises(ValueError, match="another model"):
@@ -55,9 +55,9 @@ def test_snapshot_of_another_model_is_refused(tiny_model, tmp_path):
 
 
 def test_snapshot_larger_than_the_cache_is_refused(tiny_model):
-    big = Llama(tiny_model, budget=None, n_ctx=512)
+    big = Llama(tiny_model, policy="h2o", budget=None, n_ctx=512)
     big.eval(list(range(3, 203)))
-    small = Llama(tiny_model, budget=16, n_batch=32)
+    small = Llama(tiny_model, policy="h2o", budget=16, n_batch=32)
     with pytest.raises(ValueError, match="only 48 cells are free"):
         small.load_state(big.save_state())
     assert small.generate("fine", max_tokens=3, temperature=0) is not None
@@ -66,7 +66,7 @@ def test_snapshot_larger_than_the_cache_is_refused(tiny_model):
 
 
 def test_breaking_out_of_a_stream_then_continuing_feeds_what_was_shown(tiny_model):
-    llm = Llama(tiny_model, budget=None, n_ctx=512)
+    llm = Llama(tiny_model, policy="h2o", budget=None, n_ctx=512)
     prompt = llm.tokenize("Once upon a time")
     shown = 0
     for _ in llm.generate_events(prompt, max_tokens=50, temperature=0):
@@ -83,7 +83,7 @@ def test_breaking_out_of_a_stream_then_continuing_feeds_what_was_shown(tiny_mode
 def test_a_call_on_another_sequence_keeps_the_shown_token_of_sequence_0(tiny_model):
     """The token a generation showed and did not feed belongs to sequence 0's session: eval, compress, reset, save
     and load on sequence 1 (and a policy switch) leave it to be fed when sequence 0 goes on."""
-    llm = Llama(tiny_model, budget=64, n_seq_max=2)
+    llm = Llama(tiny_model, policy="h2o", budget=64, n_seq_max=2)
     prompt = llm.tokenize("Once upon a time")
     list(llm.generate_events(prompt, max_tokens=3, temperature=0))
     assert llm.kv_state(0).n_seen == len(prompt) + 2  # the 3rd token was shown, not fed
@@ -97,7 +97,7 @@ def test_a_call_on_another_sequence_keeps_the_shown_token_of_sequence_0(tiny_mod
 
 
 def test_two_streams_used_alternately_do_not_share_the_context(tiny_model):
-    llm = Llama(tiny_model, budget=32, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=32, n_batch=32)
     a = llm.generate("first story", max_tokens=20, stream=True, temperature=0)
     b = llm.generate("second story", max_tokens=20, stream=True, temperature=0)
     next(a)
@@ -115,7 +115,7 @@ def test_a_cut_character_is_dropped_not_replaced():
 
 
 def test_ctrl_c_stops_a_long_prefill_between_chunks(tiny_model):
-    llm = Llama(tiny_model, budget=8, n_batch=8)
+    llm = Llama(tiny_model, policy="h2o", budget=8, n_batch=8)
     tokens = list(range(3, 259)) * 200  # 51,200 tokens in 6,400 chunks
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
     t0 = time.perf_counter()
@@ -131,13 +131,13 @@ def test_ctrl_c_stops_a_long_prefill_between_chunks(tiny_model):
 
 
 def test_generation_past_the_trained_context_warns_once(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=32)
     with pytest.warns(RuntimeWarning, match="trained context"):
         llm.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         llm.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
-    rolling = Llama(tiny_model, budget=16, n_batch=32, position_rolling=True)
+    rolling = Llama(tiny_model, policy="h2o", budget=16, n_batch=32, position_rolling=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rolling.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
@@ -147,7 +147,7 @@ def test_generation_past_the_trained_context_warns_once(tiny_model):
 def test_the_full_cache_ends_only_the_sequence_whose_room_is_gone(tiny_model, kv_unified):
     """Policy full, two sequences of different prompt lengths: the longer fills its stream (or, unified, the shared
     cache) first and ends with "length"; the other goes on. No error for either."""
-    llm = Llama(tiny_model, budget=None, n_ctx=256, n_seq_max=2, kv_unified=kv_unified, n_threads=1)
+    llm = Llama(tiny_model, policy="h2o", budget=None, n_ctx=256, n_seq_max=2, kv_unified=kv_unified, n_threads=1)
     long_prompt, short_prompt = list(range(5, 5 + 100)), [1, 2, 3]
     texts = llm.generate_batch([long_prompt, short_prompt], max_tokens=200, temperature=0, ignore_eos=True)
     assert llm.finish_reasons[0] == "length" and all(isinstance(t, str) for t in texts)

@@ -8,7 +8,7 @@ PROMPT = "A long story begins here and goes on and on."
 
 
 def test_positions_stay_contiguous_from_zero(tiny_model):
-    llm = Llama(tiny_model, budget=16, position_rolling=True, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=16, position_rolling=True, n_batch=32)
     llm.eval(llm.tokenize(PROMPT))
     for i in range(40):
         st = llm.kv_state()
@@ -19,7 +19,7 @@ def test_positions_stay_contiguous_from_zero(tiny_model):
 
 
 def test_generation_runs_well_past_the_trained_context(tiny_model):
-    llm = Llama(tiny_model, budget=32, position_rolling=True, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=32, position_rolling=True, n_batch=32)
     n_train = llm.n_ctx_train()
     assert n_train == 128
     out = llm.generate(PROMPT, max_tokens=5 * n_train, temperature=0.8, seed=1)
@@ -30,7 +30,7 @@ def test_generation_runs_well_past_the_trained_context(tiny_model):
 
 
 def test_without_rolling_positions_keep_growing(tiny_model):
-    llm = Llama(tiny_model, budget=32, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=32, n_batch=32)
     llm.eval(llm.tokenize(PROMPT))
     for i in range(200):
         llm.eval([3 + (i * 37) % 256])
@@ -59,7 +59,7 @@ def test_rolling_a_contiguous_window_keeps_the_logits(tiny_model):
 
 def test_a_roll_interval_bounds_the_drift_of_positions(tiny_model):
     """roll_interval=8: positions may drift up to 8 past 0..n-1, then are renumbered at once."""
-    llm = Llama(tiny_model, budget=16, position_rolling=True, roll_interval=8, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=16, position_rolling=True, roll_interval=8, n_batch=32)
     llm.eval(llm.tokenize(PROMPT))
     drifts = []
     for i in range(60):
@@ -78,7 +78,7 @@ def test_a_roll_interval_longer_than_the_run_never_rolls(tiny_model):
     """Rolling is only renumbering: if it never triggers, the run is bit-identical to one without rolling."""
     runs = {}
     for rolling in (False, True):
-        llm = Llama(tiny_model, budget=16, position_rolling=rolling, roll_interval=10**6, n_batch=32)
+        llm = Llama(tiny_model, policy="h2o", budget=16, position_rolling=rolling, roll_interval=10**6, n_batch=32)
         llm.eval(llm.tokenize(PROMPT))
         logits = []
         for i in range(30):
@@ -91,7 +91,7 @@ def test_a_roll_interval_longer_than_the_run_never_rolls(tiny_model):
 
 def test_a_roll_interval_below_one_is_refused(tiny_model):
     with pytest.raises(ValueError, match="roll_interval"):
-        Llama(tiny_model, budget=16, position_rolling=True, roll_interval=0)
+        Llama(tiny_model, policy="h2o", budget=16, position_rolling=True, roll_interval=0)
 
 
 @pytest.mark.parametrize("kv_f32", [False, True])
@@ -99,8 +99,8 @@ def test_a_snapshot_taken_while_a_shift_is_pending_continues_exactly(tiny_model,
     """Rolling renumbers positions at once but llama.cpp rotates the keys at the next decode: a snapshot taken
     in between must hold keys rotated for the positions it records (it used to keep the old rotation: the
     restored copy then disagreed by several logits)."""
-    a = Llama(tiny_model, budget=24, position_rolling=True, n_batch=32, kv_f32=kv_f32)
-    b = Llama(tiny_model, budget=24, position_rolling=True, n_batch=32, kv_f32=kv_f32)
+    a = Llama(tiny_model, policy="h2o", budget=24, position_rolling=True, n_batch=32, kv_f32=kv_f32)
+    b = Llama(tiny_model, policy="h2o", budget=24, position_rolling=True, n_batch=32, kv_f32=kv_f32)
     a.eval(a.tokenize(PROMPT * 8))  # evicts and rolls after the last chunk: the shift is pending
     b.load_state(a.save_state())
     for t in a.tokenize(" and then", add_bos=False):

@@ -55,11 +55,11 @@ def test_offloading_layers_over_rpc_changes_nothing(tiny_model, rpc_server, poli
 
 def test_an_unreachable_or_malformed_rpc_server_is_a_clear_error(tiny_model):
     with pytest.raises(ConnectionError, match="cannot reach the RPC server"):
-        Llama(tiny_model, budget=16, rpc_servers=[f"127.0.0.1:{free_port()}"], n_gpu_layers=1)
+        Llama(tiny_model, policy="h2o", budget=16, rpc_servers=[f"127.0.0.1:{free_port()}"], n_gpu_layers=1)
     with pytest.raises(ValueError, match="not 'host:port'"):
-        Llama(tiny_model, budget=16, rpc_servers=["localhost"], n_gpu_layers=1)
+        Llama(tiny_model, policy="h2o", budget=16, rpc_servers=["localhost"], n_gpu_layers=1)
     with pytest.raises(TypeError, match="list of 'host:port'"):
-        Llama(tiny_model, budget=16, rpc_servers="127.0.0.1:50052")
+        Llama(tiny_model, policy="h2o", budget=16, rpc_servers="127.0.0.1:50052")
 
 
 @contextlib.contextmanager
@@ -96,9 +96,9 @@ def test_a_port_that_is_not_an_rpc_server_is_a_connection_error_not_an_abort_or_
     with fake_server(answer) as endpoint:
         t0 = time.monotonic()
         with pytest.raises(ConnectionError, match=endpoint):
-            Llama(tiny_model, budget=16, rpc_servers=[endpoint], n_gpu_layers=1)
+            Llama(tiny_model, policy="h2o", budget=16, rpc_servers=[endpoint], n_gpu_layers=1)
         assert time.monotonic() - t0 < 30
-    assert Llama(tiny_model, budget=16).generate("still here", max_tokens=2, temperature=0) is not None
+    assert Llama(tiny_model, policy="h2o", budget=16).generate("still here", max_tokens=2, temperature=0) is not None
 
 
 def test_the_handshake_accepts_the_real_server(rpc_server):

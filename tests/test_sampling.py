@@ -41,7 +41,7 @@ def test_penalties_equal_the_formula_step_by_step(tiny_model, repeat, freq, pres
 
 
 def test_logit_bias_pushes_and_bans_tokens(tiny_model):
-    llm = Llama(tiny_model, budget=24, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=24, n_batch=32)
     prompt = llm.tokenize("Once upon a time")
     plain = [e.token for e in llm.generate_events(prompt, max_tokens=6, temperature=0) if e.token is not None]
     favourite = 7 if plain[0] != 7 else 8
@@ -54,7 +54,7 @@ def test_logit_bias_pushes_and_bans_tokens(tiny_model):
 
 
 def test_bad_penalties_and_bias_raise_and_leave_the_llama_usable(tiny_model):
-    llm = Llama(tiny_model, budget=24, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=24, n_batch=32)
     before = llm.generate("abc", max_tokens=8, temperature=0)
     for kwargs, error in (({"repeat_penalty": 0}, ValueError), ({"frequency_penalty": float("nan")}, ValueError),
                           ({"penalty_last_n": -1}, ValueError), ({"logit_bias": {-1: 1.0}}, ValueError),

@@ -47,8 +47,8 @@ def test_decode_step_scores_equal_softmax_column_sums(tiny_model):
 
 def test_sum_rows_path_gives_the_same_scores(tiny_model):
     """The Metal path (transpose + sum_rows), forced on the CPU, against the out_prod path."""
-    a = Llama(tiny_model, budget=1000)
-    b = Llama(tiny_model, budget=1000, _scores_sum_rows=True)
+    a = Llama(tiny_model, policy="h2o", budget=1000)
+    b = Llama(tiny_model, policy="h2o", budget=1000, _scores_sum_rows=True)
     assert not a._engine.scores_sum_rows and b._engine.scores_sum_rows  # which reduction the engine chose
     tokens = a.tokenize(TEXT)
     for llm in (a, b):
@@ -63,7 +63,7 @@ def test_sum_rows_path_gives_the_same_scores(tiny_model):
 
 def test_scores_follow_positions_not_cells(tiny_model):
     """After eviction, freed cells are reused by new tokens: scores must still be keyed by position."""
-    llm = Llama(tiny_model, budget=8, n_batch=8)
+    llm = Llama(tiny_model, policy="h2o", budget=8, n_batch=8)
     llm.eval(llm.tokenize(TEXT))
     kept = llm.kv_state().positions.tolist()
     llm.eval([66])

@@ -25,7 +25,8 @@ def chat_model(tmp_path_factory):
 
 @contextlib.contextmanager
 def serving(model, *, slots=3, budget=48, session_mib=64, max_waiting=8, app_kwargs=None, **llama_kwargs):
-    llm = Llama(model, budget=budget, n_seq_max=slots, kv_unified=False, keep="system", n_threads=1, **llama_kwargs)
+    llm = Llama(model, budget=budget, n_seq_max=slots, kv_unified=False, keep="system", n_threads=1,
+                **{"policy": "h2o", **llama_kwargs})
     app = create_app(llm, model_id="tiny", max_waiting=max_waiting, session_mib=session_mib, max_body_bytes=64 * 1024,
                      **(app_kwargs or {}))
     with serve_in_background(app) as port:
@@ -120,7 +121,7 @@ def test_a_continued_conversation_reuses_its_cache(chat_model):
     """A saved cache is continued only when the new prompt's tokens, tokenized as a fresh request tokenizes them,
     start with the tokens it holds: the whole first exchange when its answer tokenizes back to the tokens generated,
     else the first prompt (saved on its own). With no eviction the answer is a fresh request's."""
-    llm = Llama(chat_model, budget=1000, n_threads=1)
+    llm = Llama(chat_model, policy="h2o", budget=1000, n_threads=1)
     with serving(chat_model, budget=1000) as (port, client):  # a budget that never evicts
         first_messages = [USER[0], {"role": "user", "content": "Say something."}]
         first = client.chat.completions.create(model="tiny", messages=first_messages, max_tokens=20, temperature=0)
@@ -140,7 +141,7 @@ def test_a_continued_conversation_reuses_its_cache(chat_model):
 def test_a_whole_exchange_is_continued_when_the_prompt_holds_its_tokens(chat_model):
     """A prompt of token ids that holds a finished request's prompt and generated tokens continues its saved cache:
     only the token shown last (not fed) and what follows are fed."""
-    llm = Llama(chat_model, budget=1000, n_threads=1)
+    llm = Llama(chat_model, policy="h2o", budget=1000, n_threads=1)
     prompt = llm.tokenize("Once upon a time")
     generated = [e.token for e in llm.generate_events(prompt, max_tokens=12, temperature=0) if e.token is not None]
     with serving(chat_model, budget=1000) as (port, client):
@@ -179,7 +180,7 @@ def test_no_request_changes_what_another_conversation_continues(chat_model):
         _, health = get(port, "/health")
     assert reused == fresh
     assert health["session_hits"] >= 1
-    llm = Llama(chat_model, budget=1000, n_threads=1)
+    llm = Llama(chat_model, policy="h2o", budget=1000, n_threads=1)
     assert fresh[-1][1] == len(llm.tokenize("<|im_start|>user\nhi<|im_end|>\n", special=True))  # parsed as special
 
 
@@ -258,7 +259,7 @@ def test_faults_leave_the_server_serving(chat_model):
     with serving(chat_model, slots=2, max_waiting=2, budget=256, n_batch=16) as (port, _):
         report = run_faults(f"http://127.0.0.1:{port}", slots=2, max_waiting=2, body_limit=64 * 1024,
                             disconnects=3, sequential=20, long_prompt_words=60,
-                            render=Llama(chat_model, budget=64).apply_chat_template)
+                            render=Llama(chat_model, policy="h2o", budget=64).apply_chat_template)
     assert len(report.checks) > 40 and not report.failed, report.failed
 
 
@@ -279,8 +280,8 @@ def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, c
         status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
         assert status == 400 and field in json.dumps(err), (field, value, err)
     # and within them they reach the sampler: a bias of 100 makes the token every greedy choice
-    token = Llama(chat_model, budget=16).tokenize(" banana", add_bos=False)[0]
-    piece = Llama(chat_model, budget=16).token_to_piece(token).decode()
+    token = Llama(chat_model, policy="h2o", budget=16).tokenize(" banana", add_bos=False)[0]
+    piece = Llama(chat_model, policy="h2o", budget=16).token_to_piece(token).decode()
     status, out = post(port, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0,
                                                  "logit_bias": {str(token): 100}, "presence_penalty": 0.5,
                                                  "repetition_penalty": 1.1})
@@ -292,7 +293,7 @@ def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, c
     raw = b'{"prompt": "caf\\ud800", "max_tokens": 1}'  # a lone surrogate
     status, err = post(port, "/v1/completions", None, raw=raw)
     assert status == 400 and "surrogate" in err["error"]["message"] and "incompatible" not in err["error"]["message"]
-    ids = Llama(chat_model, budget=16).tokenize("Hi there", add_bos=False)
+    ids = Llama(chat_model, policy="h2o", budget=16).tokenize("Hi there", add_bos=False)
     status, out = post(port, "/v1/completions", {"prompt": ids, "max_tokens": 1, "echo": True})
     assert status == 200 and out["choices"][0]["text"].startswith("Hi there")  # token ids are echoed as text
 
@@ -322,7 +323,7 @@ def test_a_long_prompt_is_read_between_the_running_requests_tokens(chat_model):
     from h2o_local.sampling import SamplingParams
     from h2o_local.server.scheduler import Cancelled, Scheduler
 
-    llm = Llama(chat_model, budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1)
+    llm = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1)
     scheduler = Scheduler(llm, session_bytes=0)
     log = []
     job = recorded_jobs(log)
@@ -367,7 +368,7 @@ SLOW = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if '
 
 def test_a_slow_template_is_rendered_off_the_event_loop_and_stopped(tmp_path):
     model = str(write_tiny_llama(tmp_path / "slow.gguf", chat_template=SLOW, n_ctx_train=4096))
-    llm = Llama(model, budget=64, n_seq_max=1, kv_unified=False, n_threads=1)
+    llm = Llama(model, policy="h2o", budget=64, n_seq_max=1, kv_unified=False, n_threads=1)
     app = create_app(llm, model_id="tiny", template_timeout_s=3.0)
     with serve_in_background(app) as port:
         result = {}
@@ -388,7 +389,7 @@ def test_a_slow_template_is_rendered_off_the_event_loop_and_stopped(tmp_path):
 
 
 def test_stop_lists_and_prompts_are_bounded(chat_model):
-    llm = Llama(chat_model, budget=64, n_seq_max=1, kv_unified=False, n_threads=1)
+    llm = Llama(chat_model, policy="h2o", budget=64, n_seq_max=1, kv_unified=False, n_threads=1)
     app = create_app(llm, model_id="tiny", max_prompt_tokens=100)
     with serve_in_background(app) as port:
         status, err = post(port, "/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(17)]})
@@ -409,12 +410,12 @@ def test_one_settings_declaration_for_the_cli_the_environment_and_create_app(cha
 
     monkeypatch.setenv("H2O_LOCAL_MAX_WAITING", "3")
     assert ServerSettings().max_waiting == 3 and ServerSettings(max_waiting=5).max_waiting == 5
-    llm = Llama(chat_model, budget=64, n_threads=1)
+    llm = Llama(chat_model, policy="h2o", budget=64, n_threads=1)
     app = create_app(llm, session_mib=0, model_id="m")
     assert app.state.server.scheduler.max_waiting == 3 and app.state.server.model_id == "m"
     app.state.server.scheduler.close()
     with pytest.raises(ValidationError):
-        create_app(Llama(chat_model, budget=64, n_threads=1), max_waiting=-1)
+        create_app(Llama(chat_model, policy="h2o", budget=64, n_threads=1), max_waiting=-1)
     with pytest.raises(SystemExit) as e:
         main(["serve", "--model", chat_model, "--port", "70000"])
     assert e.value.code == 2

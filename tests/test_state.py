@@ -8,7 +8,7 @@ PROMPT = "Heavy hitters receive most of the attention; the rest of the cache can
 
 
 def test_restore_continues_exactly_like_the_original(tiny_model):
-    llm = Llama(tiny_model, budget=16, n_batch=128)
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=128)
     llm.eval(llm.tokenize(PROMPT))
     snap = llm.save_state()
     snap_seen = llm.kv_state().n_seen
@@ -28,9 +28,9 @@ def test_compressing_a_full_prompt_equals_the_reference_mode(tiny_model):
     """Attend the whole prompt with a large budget, then switch to a small one and compress: the same kept set,
     scores and next logits as an engine that had the small budget from the start (reference mode)."""
     tokens = Llama(tiny_model).tokenize(PROMPT)
-    direct = Llama(tiny_model, budget=12, n_ctx=512)
+    direct = Llama(tiny_model, policy="h2o", budget=12, n_ctx=512)
     direct.eval(tokens)
-    branched = Llama(tiny_model, budget=400, n_ctx=512)
+    branched = Llama(tiny_model, policy="h2o", budget=400, n_ctx=512)
     branched.eval(tokens)
     snap = branched.save_state()
     for budget in (12, 20, 12):
@@ -46,7 +46,7 @@ def test_compressing_a_full_prompt_equals_the_reference_mode(tiny_model):
 
 
 def test_switch_to_local_and_full(tiny_model):
-    llm = Llama(tiny_model, budget=300, n_ctx=512)
+    llm = Llama(tiny_model, policy="h2o", budget=300, n_ctx=512)
     tokens = llm.tokenize(PROMPT)
     llm.eval(tokens)
     llm.set_policy("local", 10)
@@ -62,17 +62,17 @@ def test_policy_switch_errors(tiny_model):
     with pytest.raises(ValueError, match="scores"):
         llm.set_policy("h2o", 16)
     with pytest.raises(ValueError, match="no room"):
-        Llama(tiny_model, budget=16).set_policy("h2o", 10_000)
+        Llama(tiny_model, policy="h2o", budget=16).set_policy("h2o", 10_000)
 
 
 def test_a_restored_cache_answers_as_the_saved_one_up_to_the_order_of_its_cells(tiny_model):
     """llama.cpp restores a sequence's cells contiguously, in their order: holes left by eviction close up, so a
     multi-token feed afterwards sums attention in another order. The bound (docs/reliability.md): logits within
     float rounding (here 1e-3 of their range; up to 0.57 on SmolLM2 Q4_1's ~30), the same argmax and greedy text."""
-    a = Llama(tiny_model, budget=24, n_threads=1, compact_cells=False)
+    a = Llama(tiny_model, policy="h2o", budget=24, n_threads=1, compact_cells=False)
     a.generate(list(range(5, 45)), max_tokens=12, temperature=0)
     assert a.kv_state().n_evicted > 0
-    b = Llama(tiny_model, budget=24, n_threads=1)
+    b = Llama(tiny_model, policy="h2o", budget=24, n_threads=1)
     b.load_state(a.save_state())
     for llm in (a, b):  # the token shown last and not fed (the snapshot's pending one), then a message
         llm.eval(list(llm.save_state().pending) + list(range(50, 60)))

@@ -35,7 +35,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize()
     def create(self):
-        self.llm = Llama(self.model_path, budget=BUDGET, n_batch=N_BATCH, n_seq_max=N_SEQ,
+        self.llm = Llama(self.model_path, policy="h2o", budget=BUDGET, n_batch=N_BATCH, n_seq_max=N_SEQ,
                          position_rolling=self.rolling, roll_interval=3 if self.rolling else 1)
         self.budget = BUDGET
         self.seen = [0] * N_SEQ    # tokens fed since the last reset
@@ -233,7 +233,7 @@ def test_random_clients_cannot_change_what_a_conversation_continues(tmp_path):
     model = str(write_tiny_llama(tmp_path / "chat.gguf", chat_template=CHATML, n_ctx_train=4096))
 
     def app(session_mib):
-        llm = Llama(model, budget=2000, n_seq_max=2, kv_unified=False, keep="system", n_threads=1)
+        llm = Llama(model, policy="h2o", budget=2000, n_seq_max=2, kv_unified=False, keep="system", n_threads=1)
         return create_app(llm, model_id="tiny", session_mib=session_mib)
 
     with serve_in_background(app(64)) as with_sessions, serve_in_background(app(0)) as without, \
@@ -274,7 +274,7 @@ class ChatSessionMachine(RuleBasedStateMachine):
     def start(self):
         from h2o_local.chat_session import ChatSession
 
-        self.session = ChatSession(Llama(self.model_path, budget=48, n_threads=1, keep="system"),
+        self.session = ChatSession(Llama(self.model_path, policy="h2o", budget=48, n_threads=1, keep="system"),
                                    system="You are tiny.", max_tokens=6, temperature=0)
         self.stale = []
         self.saved = {}

@@ -63,13 +63,15 @@ class Llama:
     Args:
         model_path: the GGUF file.
         budget: KV entries (tokens) kept per sequence; None keeps everything (the full cache).
-        policy: a policy value (`h2o_local.policies.H2O(...)`, `Sink(...)`, a `PythonRanked` subclass, ...) or a
-            registered name (`h2o_local.policies.REGISTRY`): "h2o" (heavy hitters by accumulated attention + a
-            recent window), "local" (recent window), "sink" (first `sinks` tokens + recent window, StreamingLLM),
+        policy: None (the default: `TOVA(budget, probe="question", pool=9, follow=12, recent=min(32, budget // 2))`,
+            heavy hitters ranked by the newest query and by the prompt's own question, the best of the quality
+            suite, docs/quality.md), a policy value (`h2o_local.policies.H2O(...)`, `Sink(...)`, a `PythonRanked`
+            subclass, ...) or a registered name (`h2o_local.policies.REGISTRY`): "h2o" (the published H2O: heavy
+            hitters by accumulated attention + a recent window), "local" (recent window), "sink" (first `sinks` tokens + recent window, StreamingLLM),
             "full", and the other scorers "h2o_norm", "h2o_maxhead", "h2o_headnorm", "tova", "snapkv", "keydiff"
             (docs/policies.md).
-        heavy / recent / sinks: with a policy name, the split of the budget; h2o defaults to heavy = budget // 2,
-            recent = the rest, sinks = 0; sink defaults to 4 sinks.
+        heavy / recent / sinks: with a policy name (or the default), the split of the budget; h2o defaults to heavy =
+            budget // 2, recent = the rest, sinks = 0; sink defaults to 4 sinks.
         position_rolling: renumber the kept positions 0..n-1 after each eviction, so that generation can run past
             the model's trained context (needs a model whose cache can shift).
         roll_interval: with rolling, renumber only once the kept positions have drifted this many tokens past
@@ -117,7 +119,7 @@ class Llama:
         model_path: Union[str, os.PathLike],
         *,
         budget: Optional[int] = None,
-        policy: Union[str, Policy] = "h2o",
+        policy: Union[str, Policy, None] = None,
         heavy: Optional[int] = None,
         recent: Optional[int] = None,
         sinks: Optional[int] = None,

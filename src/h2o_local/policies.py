@@ -340,7 +340,21 @@ class _PythonRank(_engine.RankedPolicy):
         return self._rank(total, head, queries)
 
 
-def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *, heavy: Optional[int] = None,
+# The default policy of `Llama(path, budget=B)`, `h2o-local chat` and `serve`: the best mean score relative to the
+# full cache over the whole quality suite (docs/quality.md, "The default"): heavy hitters ranked by TOVA's score and
+# by the prompt's own question (the question probe, pooled over 9 entries and the 12 before each), a recent window
+# of min(32, B // 2). Plain H2O stays available by name ("h2o").
+DEFAULT_POLICY = "tova"
+DEFAULT_FIELDS: Dict[str, Any] = {"probe": "question", "pool": 9, "follow": 12}
+DEFAULT_RECENT = 32
+
+
+def default_recent(budget: int) -> int:
+    """The default policy's recent window for a budget of `budget` entries."""
+    return max(1, min(DEFAULT_RECENT, budget // 2))
+
+
+def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = None, *, heavy: Optional[int] = None,
             recent: Optional[int] = None, sinks: Optional[int] = None, query_window: Optional[int] = None,
             probe: Optional[str] = None, question: Optional[int] = None, pool: Optional[int] = None,
             follow: Optional[int] = None) -> Policy:
@@ -348,10 +362,21 @@ def resolve(policy: Union[str, Policy] = "h2o", budget: Optional[int] = None, *,
     (and, for snapkv, a `query_window` in tokens; for a scorer, a `probe` (one of PROBES; `question` tokens for
     the question probe), a `pool` width and a `follow` reach in entries).
 
-    `policy="h2o"` with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
+    `policy=None` is the default policy (DEFAULT_POLICY with DEFAULT_FIELDS; fields given override them). None or
+    "h2o" with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
     given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "query_window": query_window, "probe": probe,
              "question": question, "pool": pool, "follow": follow}
+    if policy is None:
+        if budget is None and heavy is None and recent is None and not sinks and \
+                all(given[k] is None for k in ("query_window", "probe", "question", "pool", "follow")):
+            return Full()
+        fields = {k: v for k, v in given.items() if k != "budget"}
+        for key, value in DEFAULT_FIELDS.items():
+            fields[key] = value if fields[key] is None else fields[key]
+        if recent is None and heavy is None and isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+            fields["recent"] = min(default_recent(budget), budget - (sinks or 0)) if (sinks or 0) < budget else None
+        return resolve(DEFAULT_POLICY, budget, **fields)
     if isinstance(policy, Policy):
         if any(v is not None for v in given.values()):
             raise ValueError("give budget, heavy, recent and sinks inside the policy value, not beside it")
