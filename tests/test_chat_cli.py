@@ -92,3 +92,30 @@ def test_a_bad_option_is_one_line_without_traceback(chat_model, tmp_path):
         child = pexpect.spawn(sys.executable, ["-m", "h2o_local", "chat", *args], encoding="utf-8", timeout=60)
         child.expect_exact(message)
         assert finish(child) == 2
+
+
+def test_a_file_goes_with_the_next_message_and_a_long_prompt_shows_its_progress(chat_model, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper counts the ships. " * 15, encoding="utf-8")
+    child = spawn(chat_model, "--file", str(doc), "--max-tokens", "8")
+    child.sendline("What does the keeper count?")
+    child.expect(r"reading the prompt: \d+/(\d+) tokens")
+    assert int(child.match.group(1)) > 500  # the document went with the message
+    child.expect(r"prompt (\d+) fed")
+    assert int(child.match.group(1)) > 500
+    child.expect_exact(PROMPT)
+    child.sendline(f"/file {doc}")
+    child.expect(r"\(attached .*doc.txt: (\d+) tokens; it goes with your next message\)")
+    child.expect_exact(PROMPT)
+    child.sendline("/file /nonexistent/doc.txt")
+    child.expect_exact("error: cannot attach /nonexistent/doc.txt")
+    child.expect_exact(PROMPT)
+    child.sendline("/file")
+    child.expect_exact("usage: /file PATH")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    assert finish(child) == 0
+    missing = pexpect.spawn(sys.executable, ["-m", "h2o_local", "chat", "--model", chat_model, "--file", "/nope.txt"],
+                            env={"TERM": "dumb", "PATH": "/usr/bin:/bin"}, encoding="utf-8", timeout=60)
+    missing.expect_exact("error: cannot attach /nope.txt")
+    assert finish(missing) == 2

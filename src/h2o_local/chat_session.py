@@ -17,7 +17,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 from .chat_template import Message, normalize_messages
 from .llama import Llama, Snapshot
@@ -74,21 +74,24 @@ class ChatSession:
         self._turn += 1
         self.last = TurnStats()
 
-    def send(self, content: str, **sampling: Any) -> Iterator[str]:
+    def send(self, content: str, *, progress: Optional[Callable[[int, int], None]] = None,
+             **sampling: Any) -> Iterator[str]:
         """Add a user message and stream the answer's text pieces. Breaking off (Ctrl-C, `close()`) keeps the part
         of the answer already shown in the conversation, and the cache in step with it. A new `send` ends the
         previous answer's stream where it stands (its shown part stays in the history), so user and assistant
         messages alternate; a stream left open across a `reset` or `load` changes nothing when it is closed.
-        A message that is not text raises here, before anything changes."""
+        A message that is not text raises here, before anything changes. `progress(fed, total)` is called between
+        the pieces of a long prompt (`Llama.generate_events`)."""
         if not isinstance(content, str):
             raise TypeError(f"a message is a string, got {type(content).__name__}")
         check_text("the message", content)
         if self._stream is not None:
             self._stream.close()
-        self._stream = stream = self._answer(content, {**self.sampling, **sampling})
+        self._stream = stream = self._answer(content, {**self.sampling, **sampling}, progress)
         return stream
 
-    def _answer(self, content: str, params: Dict[str, Any]) -> Iterator[str]:
+    def _answer(self, content: str, params: Dict[str, Any],
+                progress: Optional[Callable[[int, int], None]] = None) -> Iterator[str]:
         messages = self.messages + [{"role": "user", "content": content}]
         tokens, n_keep = self.llm.chat_tokens(messages)
         n_keep = n_keep if n_keep is not None else self.llm.keep if isinstance(self.llm.keep, int) else 0
@@ -105,7 +108,7 @@ class ChatSession:
         generated: List[int] = []
         t0 = time.perf_counter()
         events = self.llm.generate_events(feed, reset=base is None, keep=n_keep if base is None else None,
-                                          sampling=CHAT, **params)
+                                          sampling=CHAT, progress=progress, **params)
         try:
             for e in events:
                 if self._prompt is None or self._prompt.tokens != tuple(tokens):

@@ -7,7 +7,7 @@ import threading
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -507,7 +507,8 @@ class Llama:
 
     def _generate_one(self, prompt_tokens: List[int], params: SamplingParams, *, reset: bool,
                       want_logits: bool = False, prompt_logits: bool = False,
-                      n_keep: Optional[int] = None) -> Iterator[generation.Event]:
+                      n_keep: Optional[int] = None,
+                      progress: Optional[Callable[[int, int], None]] = None) -> Iterator[generation.Event]:
         """One sequence (seq 0): feed the prompt, then the generation loop as a batch of one. `n_keep`: the
         protected prefix of a new session (None: the Llama's `keep`)."""
         if not prompt_tokens and reset:
@@ -523,7 +524,7 @@ class Llama:
                 if n_keep is not None:
                     self._set_keep(0, n_keep)
             if feed:
-                self._engine.eval({0: feed}, prompt_logits)
+                self._engine.eval({0: feed}, prompt_logits, _feed_progress(progress, len(feed), self.n_batch))
             self._check_context()
             self.last_eog_token = None
         events = generation.run(self._engine, [run], unbounded=not self.policy.bounded, want_logits=want_logits)
@@ -569,15 +570,17 @@ class Llama:
 
     def generate_events(self, prompt: Prompt, *, reset: bool = True, add_bos: Optional[bool] = None,
                         keep: Optional[int] = None, sampling: Optional[SamplingParams] = None,
+                        progress: Optional[Callable[[int, int], None]] = None,
                         **params: Any) -> Iterator[generation.Event]:
         """Like `generate(..., stream=True)`, one `generation.Event` per generated token (`token`, `text`) and a
         last one with the `finish_reason` ("stop" or "length"); `last_eog_token` then holds the end-of-generation
         token sampled, if any (not fed: a session that goes on should feed it first). `keep`: with `reset`, the
-        protected prefix of the new session in tokens (default: the Llama's `keep`)."""
+        protected prefix of the new session in tokens (default: the Llama's `keep`). `progress(fed, total)`: called
+        between the pieces of a long prompt with the tokens fed so far (whole batches; it may raise to stop)."""
         p = self._params(_GENERATE, sampling, params)
         if keep is not None:
             check_int("keep", keep, minimum=0)
-        return self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset, n_keep=keep)
+        return self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset, n_keep=keep, progress=progress)
 
     def create_completion(self, prompt: Prompt, *, stream: bool = False, echo: bool = False,
                           logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
@@ -795,6 +798,20 @@ class Llama:
 
 
 _GENERATE, _COMPLETION, _CHAT = sampling.GENERATE, sampling.COMPLETION, sampling.CHAT
+
+
+def _feed_progress(progress: Optional[Callable[[int, int], None]], total: int,
+                   n_batch: int) -> Optional[Callable[[], None]]:
+    """The engine's between-pieces hook that reports `progress(fed, total)` (pieces are at most one batch)."""
+    if progress is None:
+        return None
+    pieces = [0]
+
+    def between() -> None:
+        pieces[0] += 1
+        progress(min(total, pieces[0] * n_batch), total)
+
+    return between
 
 
 def _token_list(tokens: Sequence[int]) -> List[int]:

@@ -7,12 +7,16 @@ Ctrl-C at the prompt twice, Ctrl-D or /quit leaves.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import List
 
 from ..chat_session import ChatSession
+from ..text import check_text
 from .common import add_model_args, add_penalty_args, load_llama, penalty_kwargs
 
 HELP = """commands:
+  /file PATH    attach a text file: it goes into the conversation with your next message
   /reset        forget the conversation (the system prompt stays)
   /stats        the cache and the last answer
   /save FILE    write the conversation and its KV cache to FILE
@@ -29,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
+    ap.add_argument("--file", action="append", default=[], metavar="PATH",
+                    help="a text file attached to the first message (repeat for several; /file in the chat)")
     add_penalty_args(ap)
     add_model_args(ap, budget=512, keep_default="system")
     args = ap.parse_args(argv)
@@ -43,6 +49,10 @@ def main(argv=None) -> int:
     budget = "full cache" if llm.budget is None else f"budget {llm.budget} tokens"
     print(f"h2o_local chat: {llm.policy.label}, {budget}, keep={args.keep}. /help for commands, Ctrl-D to quit.",
           file=sys.stderr)
+    chat = Chat(session)
+    for path in args.file:
+        if not chat.attach(path):
+            return 2
     interrupted = False
     while True:
         try:
@@ -61,22 +71,83 @@ def main(argv=None) -> int:
         text = line.strip()
         if not text:
             continue
+        if text.startswith("/file"):
+            chat.attach(text[len("/file"):].strip())
+            continue
         if text.startswith("/"):
             if _command(session, text) == "quit":
                 return 0
             continue
-        _answer(session, line)
+        chat.answer(line)
+
+
+# a document larger than this is refused: it would be fed whole, and the cache keeps only its budget of it anyway
+MAX_FILE_BYTES = 16 * 2**20
+
+
+class Chat:
+    """The terminal's side of a conversation: documents attached for the next message."""
+
+    def __init__(self, session: ChatSession):
+        self.session = session
+        self.attached: List[str] = []
+
+    def attach(self, path: str) -> bool:
+        if not path:
+            print("usage: /file PATH", file=sys.stderr)
+            return False
+        try:
+            if os.path.getsize(path) > MAX_FILE_BYTES:
+                raise ValueError(f"larger than {MAX_FILE_BYTES // 2**20} MiB")
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            check_text("the file", text)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            print(f"error: cannot attach {path}: {e}", file=sys.stderr)
+            return False
+        self.attached.append(f"Document {os.path.basename(path)}:\n{text.strip()}")
+        n = len(self.session.llm.tokenize(text, add_bos=False))
+        print(f"(attached {path}: {n} tokens; it goes with your next message)", file=sys.stderr)
+        return True
+
+    def answer(self, line: str) -> None:
+        content = "\n\n".join(self.attached + [line])
+        self.attached = []
+        _answer(self.session, content)
+
+
+class _Progress:
+    """A line on stderr while a long prompt is read, cleared when the answer starts."""
+
+    def __init__(self) -> None:
+        self.shown = False
+
+    def __call__(self, fed: int, total: int) -> None:
+        width = 30
+        done = width * fed // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] reading the prompt: {fed}/{total} tokens")
+        sys.stderr.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.shown = False
 
 
 def _answer(session: ChatSession, line: str) -> None:
     pieces = iter(())
+    progress = _Progress()
     try:
-        pieces = session.send(line)
+        pieces = session.send(line, progress=progress)
         for piece in pieces:
+            progress.clear()
             sys.stdout.write(piece)
             sys.stdout.flush()
         note = ""
     except KeyboardInterrupt:
+        progress.clear()
         note = " · stopped"
     except (ValueError, RuntimeError) as e:
         note = ""
