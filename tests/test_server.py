@@ -539,3 +539,22 @@ def test_structured_output_through_the_official_client(server):
     status, err = post(port, "/v1/chat/completions", {"messages": USER, "json_schema": {"type": "object"},
                                                       "grammar": 'root ::= "a"'})
     assert status == 400 and "not several" in err["error"]["message"]
+
+
+def test_conversations_with_the_same_system_prompt_start_from_its_saved_cache(chat_model):
+    system = {"role": "system", "content": "You answer in the voice of a lighthouse keeper, briefly."}
+    ask = lambda client, text: client.chat.completions.create(
+        model="tiny", max_tokens=12, temperature=0, messages=[system, {"role": "user", "content": text}])
+    with serving(chat_model, slots=1, budget=256) as (_, client):
+        first = ask(client, "What do you see?")
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        second = ask(client, "Any ships tonight?")  # another conversation, same system prompt
+        n_system = second.usage.model_extra["kv_cache"]["protected"]
+        assert n_system > 0 and second.usage.prompt_tokens_details.cached_tokens == n_system
+    with serving(chat_model, slots=1, budget=256) as (_, fresh):  # the same request on a server that saved nothing
+        alone = ask(fresh, "Any ships tonight?")
+        assert alone.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message.content == alone.choices[0].message.content
+    with serving(chat_model, slots=1, budget=256, session_mib=0) as (_, off):  # sessions off: nothing saved or reused
+        ask(off, "What do you see?")
+        assert ask(off, "Any ships tonight?").usage.prompt_tokens_details.cached_tokens == 0

@@ -38,9 +38,12 @@ class Slots:
 
     def start(self, slot: int, tokens: List[int], params: SamplingParams, *, n_keep: int = 0,
               resume: Optional[Tuple[Any, int]] = None,
-              between_chunks: Optional[Callable[[], None]] = None) -> List[generation.Event]:
+              between_chunks: Optional[Callable[[], None]] = None,
+              save_prefix: Optional[Callable[[Any], None]] = None) -> List[generation.Event]:
         """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
+        `save_prefix(snapshot)`: without `resume`, the protected prefix is fed alone first and its snapshot given
+        to it (a shared system prompt that later requests start from).
         `between_chunks()` runs between the chunks of a long prompt (with `interleaves`: it may `step()`).
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
         sampler = self.llm._sampler(params, history=tokens)  # bad sampling input raises before the slot changes
@@ -55,7 +58,12 @@ class Slots:
             self.llm._set_keep(slot, n_keep)
         if not feed:
             raise ValueError("the prompt is empty")
-        self._engine.eval({slot: feed}, False, between_chunks if self.interleaves else None)
+        hook = between_chunks if self.interleaves else None
+        if save_prefix is not None and resume is None and 0 < n_keep < len(tokens):
+            self._engine.eval({slot: tokens[:n_keep]}, False, hook)
+            save_prefix(self._engine.snapshot(slot))
+            feed = tokens[n_keep:]
+        self._engine.eval({slot: feed}, False, hook)
         run = generation.SeqRun(slot, slot, sampler, TextAssembler(params.stop), params.max_tokens)
         self._runs[slot] = run
         return self._batch.add(run)

@@ -12,7 +12,9 @@ prompt and what was generated) and its protected prefix. A later request whose p
 request tokenizes them, start with those tokens, with the same protected prefix, restores it and feeds only the
 rest: a chat front end that resends the whole history continues its compressed cache, and a request can never
 continue a cache that was built from other tokens or with another prefix (nor from text cut inside a token).
-Snapshots live in an LRU bounded in bytes.
+Snapshots live in an LRU bounded in bytes. A request with a protected prefix (a chat's system prompt) that no saved
+session starts also saves the cache of that prefix alone: other conversations with the same system prompt start
+from it (`usage.prompt_tokens_details.cached_tokens`).
 """
 from __future__ import annotations
 
@@ -204,7 +206,8 @@ class Scheduler:
             session = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep) if self.sessions.limit_bytes else None
             resume = None if session is None else (session.snapshot, session.n_fed)
             events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
-                                      between_chunks=lambda: self._between_prompt_chunks(job))
+                                      between_chunks=lambda: self._between_prompt_chunks(job),
+                                      save_prefix=self._prefix_saver(job) if session is None else None)
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
             job.put(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)
@@ -221,6 +224,14 @@ class Scheduler:
         self._save(slot, job.prompt_tokens, len(job.prompt_tokens), job.n_keep)
         job.put(Started(job.reused_tokens))
         self._deliver(events)
+
+    def _prefix_saver(self, job: Job) -> Optional[Any]:
+        """For a request with a protected prefix (a chat's system prompt) that no saved session starts: save the
+        cache of that prefix alone, so that other conversations with the same system prompt start from it."""
+        if not self.sessions.limit_bytes or not 0 < job.n_keep < len(job.prompt_tokens):
+            return None
+        prefix = job.prompt_tokens[:job.n_keep]
+        return lambda snapshot: self.sessions.put(prefix, len(prefix), job.n_keep, snapshot)
 
     def _deliver(self, events: List[generation.Event]) -> None:
         for e in events:
