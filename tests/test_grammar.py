@@ -52,7 +52,7 @@ def test_bad_grammars_raise_and_leave_the_llama_usable(llm):
             llm.generate("abc", grammar=grammar, max_tokens=4)
     with pytest.raises(TypeError):
         llm.generate("abc", grammar=123, max_tokens=4)
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not several"):
         llm.create_chat_completion([{"role": "user", "content": "hi"}], grammar='root ::= "a"',
                                    response_format={"type": "json_object"})
     assert llm.generate("abc", max_tokens=6, temperature=0) == before

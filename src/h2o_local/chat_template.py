@@ -29,9 +29,9 @@ def normalize_messages(messages: Sequence[Message]) -> List[Message]:
             raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
         if not isinstance(m.get("role"), str) or not m["role"]:
             raise ValueError(f"message {i} needs a 'role' (a non-empty string)")
-        if "content" not in m:
+        if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):  # OpenAI omits it there
             raise ValueError(f"message {i} needs a 'content' (a string, a list of text parts, or None)")
-        out.append({**m, "content": _content_text(m["content"], i)})
+        out.append({**m, "content": _content_text(m.get("content"), i)})
     return out
 
 
@@ -95,25 +95,27 @@ class ChatTemplate:
         return self._jinja is not None
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-               time_limit_s: Optional[float] = None) -> str:
+               time_limit_s: Optional[float] = None, tools: Optional[List[Dict[str, Any]]] = None) -> str:
         """The prompt text for `messages` (normalised first), ending with the assistant's turn opened when
         `add_generation_prompt`. Raises ValueError when there is no template, or neither renderer accepts it, or
         (with `time_limit_s`) when the template's loops run past that many seconds."""
         msgs = normalize_messages(messages)
         _deadline.at = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
-            return self._render(msgs, add_generation_prompt)
+            return self._render(msgs, add_generation_prompt, tools)
         finally:
             _deadline.at = None
 
-    def _render(self, msgs: List[Message], add_generation_prompt: bool) -> str:
+    def _render(self, msgs: List[Message], add_generation_prompt: bool,
+                tools: Optional[List[Dict[str, Any]]] = None) -> str:
         if self.source is None:
             raise ValueError("this model has no chat template: give one (chat_template='chatml', a built-in name, "
                              "or Jinja source) or use create_completion with your own prompt")
         if self._jinja is not None:
             try:
+                extra = {} if tools is None else {"tools": tools}
                 return self._jinja.render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                          bos_token=self.bos_token, eos_token=self.eos_token)
+                                          bos_token=self.bos_token, eos_token=self.eos_token, **extra)
             except jinja2.TemplateError as e:
                 if _is_raised_by_template(e):
                     raise ValueError(f"the chat template refused these messages: {e}") from None
@@ -124,7 +126,7 @@ class ChatTemplate:
                 self.jinja_error = f"{type(e).__name__}: {e}"
         if self.given_by_user and self.jinja_error is not None:
             raise ValueError(f"the chat template given does not render ({self.jinja_error})")
-        if self._builtin is None:
+        if self._builtin is None or tools is not None:
             raise ValueError(f"cannot render the chat template ({self.jinja_error})")
         pairs = [(m["role"], m["content"]) for m in msgs]
         try:

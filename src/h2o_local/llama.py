@@ -17,6 +17,7 @@ from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
 from .cpu import physical_cores
+from . import tools as tools_mod
 from .grammar import response_format_grammar
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
@@ -717,21 +718,27 @@ class Llama:
     def create_chat_completion(self, messages: Sequence[Dict[str, Any]], *, stream: bool = False,
                                sampling: Optional[SamplingParams] = None,
                                response_format: Optional[Dict[str, Any]] = None,
+                               tools: Optional[List[Dict[str, Any]]] = None, tool_choice: Any = None,
                                **params: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
         as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`). `response_format`: `{"type":
         "json_object"}` or `{"type": "json_schema", "json_schema": {"schema": {...}}}` constrains the answer with
-        a grammar (`h2o_local.grammar`; or give `grammar=` GBNF text yourself)."""
-        fmt_grammar = response_format_grammar(response_format)
-        if fmt_grammar is not None:
-            if params.get("grammar") is not None:
-                raise ValueError("give response_format or grammar, not both")
-            params = {**params, "grammar": fmt_grammar}
+        a grammar (`h2o_local.grammar`; or give `grammar=` GBNF text yourself). `tools` / `tool_choice`: OpenAI's,
+        for templates that write calls as `<tool_call>` blocks (Hermes, Qwen2.5; `h2o_local.tools`): calls come
+        back as `message.tool_calls` with `finish_reason` "tool_calls"; "required" or a named tool forces a call
+        with a grammar. A template without that format raises ValueError."""
+        plan = tools_mod.plan(self.chat_template.source, tools, tool_choice)
+        messages = plan.messages(messages)
+        for extra in (response_format_grammar(response_format), plan.grammar):
+            if extra is not None:
+                if params.get("grammar") is not None:
+                    raise ValueError("give one of response_format, a forced tool call or grammar, not several")
+                params = {**params, "grammar": extra}
         p = self._params(_CHAT, sampling, params)
-        tokens, n_keep = self.chat_tokens(messages)
+        tokens, n_keep = self.chat_tokens(messages, tools=plan.tools)
         events = self._generate_one(tokens, p, reset=True, n_keep=n_keep)
         meta = responses.chat_meta(self.model_path)
-        if stream:
+        if stream and not plan.parses:
             return self._chat_chunks(events, meta)
         text, n, finish = [], 0, None
         with self._lock:
@@ -741,7 +748,10 @@ class Llama:
                     finish = e.finish_reason
                 else:
                     n += 1
-        return responses.chat_completion(meta, "".join(text), finish, responses.usage(len(tokens), n))
+        content, calls = plan.parse("".join(text))
+        out = responses.chat_completion(meta, content, "tool_calls" if calls else finish,
+                                        responses.usage(len(tokens), n), tool_calls=calls)
+        return responses.chat_completion_chunks(meta, out) if stream else out
 
     def _chat_chunks(self, events, meta) -> Iterator[ChatCompletionChunk]:
         yield responses.chat_chunk(meta, {"role": "assistant", "content": ""})
@@ -764,17 +774,17 @@ class Llama:
         return self._chat_template
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                            time_limit_s: Optional[float] = None) -> str:
+                            time_limit_s: Optional[float] = None, tools: Optional[List[Dict[str, Any]]] = None) -> str:
         """The prompt text the chat template makes of OpenAI-style `messages` ([{"role": ..., "content": ...}];
         content may be a string, a list of text parts or None). `time_limit_s`: a template whose loops run longer
-        raises ValueError."""
-        return self.chat_template.render(messages, add_generation_prompt, time_limit_s)
+        raises ValueError. `tools`: OpenAI tool definitions, for templates that describe them."""
+        return self.chat_template.render(messages, add_generation_prompt, time_limit_s, tools)
 
-    def chat_tokens(self, messages: Sequence[Message],
-                    time_limit_s: Optional[float] = None) -> Tuple[List[int], Optional[int]]:
+    def chat_tokens(self, messages: Sequence[Message], time_limit_s: Optional[float] = None,
+                    tools: Optional[List[Dict[str, Any]]] = None) -> Tuple[List[int], Optional[int]]:
         """The prompt tokens of a chat, and its protected prefix with `keep="system"` (the tokens of the leading
         system messages; None with another `keep`, which then applies as set)."""
-        tokens = self._template_tokens(self.apply_chat_template(messages, time_limit_s=time_limit_s))
+        tokens = self._template_tokens(self.apply_chat_template(messages, time_limit_s=time_limit_s, tools=tools))
         if self.keep != "system":
             return tokens, None
         msgs = normalize_messages(messages)
@@ -784,7 +794,7 @@ class Llama:
         if n_system == 0:
             return tokens, 0
         prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False,
-                                                                time_limit_s=time_limit_s))
+                                                                time_limit_s=time_limit_s, tools=tools))
         n = 0
         while n < min(len(prefix), len(tokens)) and prefix[n] == tokens[n]:
             n += 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs, CompletionUsage
 
@@ -43,11 +43,27 @@ def completion_chunk(meta: Dict[str, Any], text: str, finish_reason: Optional[st
                                  "finish_reason": finish_reason}]}  # type: ignore[return-value]
 
 
-def chat_completion(meta: Dict[str, Any], content: str, finish_reason: Optional[str],
-                    use: CompletionUsage) -> ChatCompletion:
+def chat_completion(meta: Dict[str, Any], content: Optional[str], finish_reason: Optional[str],
+                    use: CompletionUsage, tool_calls: Optional[List[Dict[str, Any]]] = None) -> ChatCompletion:
+    message: Dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {**meta, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": finish_reason}], "usage": use}  # type: ignore[return-value]
+
+
+def chat_completion_chunks(meta: Dict[str, Any], whole: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
+    """A finished chat completion as a stream (tool calls are parsed from the whole answer, then streamed): the
+    role, the content, each call (`delta.tool_calls` with its index), the finish reason."""
+    choice = whole["choices"][0]
+    message = choice["message"]
+    yield chat_chunk(meta, {"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield chat_chunk(meta, {"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chat_chunk(meta, {"tool_calls": [{"index": i, **call}]})
+    yield chat_chunk(meta, {}, choice["finish_reason"])
 
 
 def chat_chunk(meta: Dict[str, Any], delta: Dict[str, Any], finish_reason: Optional[str] = None) -> ChatCompletionChunk:

@@ -16,9 +16,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 # OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
 # many clients send them with their defaults); any other value is a 400 naming the field
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
-               "tools": (None, []), "tool_choice": (None, "none"),
-               "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
-               "parallel_tool_calls": (None,)}
+               "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1)}
 
 
 # stop strings are searched in the text after every token: bounded, as OpenAI bounds them (it takes 4; clients that
@@ -96,6 +94,9 @@ class CompletionRequest(_Request):
 class ChatCompletionRequest(_Request):
     messages: List[Dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    tools: Optional[List[Dict[str, Any]]] = Field(default=None, max_length=128)
+    tool_choice: Union[str, Dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None  # False: at most the first call is returned
 
 
 class APIError(Exception):

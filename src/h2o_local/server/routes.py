@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
 from .. import generation, grammar, responses
+from .. import tools as tools_mod
 from ..llama import Llama
 from ..sampling import CHAT, COMPLETION, SamplingParams
 from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
@@ -96,10 +97,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         if m.get("role") not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
                                 f"{m.get('role')!r}", param=f"messages.{i}.role")
+    if body.tools == [] and body.tool_choice in (None, "none"):  # clients that send empty tools ask for nothing
+        body.tools = None
+    try:
+        plan = tools_mod.plan(state.llm.chat_template.source, body.tools, body.tool_choice)
+        messages = plan.messages(body.messages)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
+    if plan.grammar is not None:
+        given = [k for k in ("response_format", "grammar", "json_schema") if getattr(body, k) not in (None, "")]
+        if given:
+            raise APIError(400, f"a forced tool call and {given[0]} both constrain the answer: give one", param=given[0])
+        body.grammar = plan.grammar
     limit_s = state.settings.template_timeout_s
     try:  # a template can be slow on some messages: never on the event loop, and never for long
-        rendering = asyncio.get_running_loop().run_in_executor(state.templates, state.llm.chat_tokens,
-                                                               body.messages, limit_s)
+        rendering = asyncio.get_running_loop().run_in_executor(
+            state.templates, lambda: state.llm.chat_tokens(messages, limit_s, tools=plan.tools))
         tokens, n_keep = await asyncio.wait_for(rendering, limit_s + 1)
     except asyncio.TimeoutError:
         raise APIError(400, f"the chat template took more than {limit_s:g} s to render these messages",
@@ -110,10 +123,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     job = await _submit(state, Job(tokens, _sampling(state, CHAT, body, limit),
                                    n_keep=state.default_keep if n_keep is None else n_keep), request)
     meta = responses.chat_meta(state.model_id)
-    if body.stream:
+    if body.stream and not plan.parses:
         return EventSourceResponse(_chat_stream(state, job, meta, _include_usage(body)), ping=15)
     pieces, n, finish = await _collect(state, job, request)
-    return responses.chat_completion(meta, "".join(pieces), finish, _usage(job, n))
+    content, calls = plan.parse("".join(pieces))
+    if body.parallel_tool_calls is False:
+        calls = calls[:1]
+    out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, _usage(job, n),
+                                    tool_calls=calls)
+    if body.stream:  # with tools the answer is parsed whole, then streamed
+        return EventSourceResponse(_whole_stream(meta, out, _include_usage(body)), ping=15)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -252,6 +272,14 @@ async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage
             yield json.dumps(responses.chat_chunk(meta, {}, e.finish_reason))
     if usage:
         yield json.dumps(responses.usage_chunk(meta, _usage(job, n), chat=True))
+    yield "[DONE]"
+
+
+async def _whole_stream(meta: Dict[str, Any], out: Dict[str, Any], usage: bool):
+    for chunk in responses.chat_completion_chunks(meta, out):
+        yield json.dumps(chunk)
+    if usage:
+        yield json.dumps(responses.usage_chunk(meta, out["usage"], chat=True))
     yield "[DONE]"
 
 

@@ -1,0 +1,141 @@
+"""Tool calls in OpenAI's shape, for chat templates that write them as Hermes / Qwen2.5 do:
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` after the tools are described in the prompt by the
+template itself (rendered with `tools=`).
+
+`tool_choice`: "none" (the tools are described, no call is parsed), "auto" (the model may call: its text is parsed
+for calls), "required" or {"type": "function", "function": {"name": N}} (a call is forced by a grammar over the
+tools' JSON schemas, through llama.cpp's grammar sampler). A template that has no such format is refused with a
+ValueError (HTTP 400), never guessed.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .grammar import json_schema_grammar
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def supports_tools(template_source: Optional[str]) -> bool:
+    """True when the chat template renders `tools` and writes calls as `<tool_call>` blocks (Hermes, Qwen2.5)."""
+    return bool(template_source) and "tools" in template_source and CALL_OPEN in template_source
+
+
+def check_tools(tools: Any, tool_choice: Any) -> Tuple[List[Dict[str, Any]], Any]:
+    """The tools as templates take them and the choice ("none", "auto", "required" or a tool's name as a dict);
+    ValueError naming what is wrong."""
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)) or not tools:
+        raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                             "...}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        if "parameters" in fn and not isinstance(fn["parameters"], Mapping):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        names.append(fn["name"])
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), Mapping) else None
+        if choice.get("type") != "function" or name not in names:
+            raise ValueError(f"tool_choice names no tool given (tools: {', '.join(names)})")
+    elif choice not in ("none", "auto", "required"):
+        raise ValueError(f"tool_choice must be none, auto, required or {{'type': 'function', 'function': "
+                         f"{{'name': ...}}}}, got {choice!r}")
+    return [dict(t) for t in tools], choice
+
+
+def call_grammar(tools: List[Dict[str, Any]], choice: Any) -> Optional[str]:
+    """GBNF that forces one call (of the named tool, or of any): None for "auto" and "none"."""
+    if choice in ("none", "auto"):
+        return None
+    wanted = choice["function"]["name"] if isinstance(choice, Mapping) else None
+    options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                 "arguments": t["function"].get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}
+               for t in tools if wanted is None or t["function"]["name"] == wanted]
+    body = json_schema_grammar(options[0] if len(options) == 1 else {"anyOf": options})
+    body = re.sub(r"^root ::=", "tool-call-json ::=", body, count=1, flags=re.M)
+    return f'root ::= "{CALL_OPEN}\\n" tool-call-json "\\n{CALL_CLOSE}"\n{body}'
+
+
+def parse_calls(text: str) -> Tuple[Optional[str], List[Dict[str, Any]]]:
+    """(the text outside the calls, or None when only calls were written; the calls in OpenAI's shape). A block
+    that is not a JSON object with a "name" stays in the text."""
+    calls, kept, last = [], [], 0
+    for m in _CALL_RE.finditer(text):
+        try:
+            value = json.loads(m.group(1), strict=False)  # a control character inside a string is still a call
+        except ValueError:
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            continue
+        args = value.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": value["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        kept.append(text[last:m.start()])
+        last = m.end()
+    kept.append(text[last:])
+    rest = "".join(kept).strip()
+    return (rest or None) if calls else text, calls
+
+
+def messages_for_template(messages: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """OpenAI messages as tool-aware templates read them: an assistant's calls with their arguments as objects
+    (OpenAI sends JSON strings; the templates write them with `tojson`)."""
+    out = []
+    for m in messages:
+        m = dict(m) if isinstance(m, Mapping) else m
+        if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
+            calls = []
+            for c in m["tool_calls"]:
+                if isinstance(c, Mapping) and isinstance(c.get("function"), Mapping):
+                    fn = dict(c["function"])
+                    if isinstance(fn.get("arguments"), str):
+                        try:
+                            fn["arguments"] = json.loads(fn["arguments"])
+                        except ValueError:
+                            pass
+                    c = {**c, "function": fn}
+                calls.append(c)
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+class ToolPlan:
+    """What one chat request does with tools: the tools the template renders, the grammar that forces a call,
+    whether the answer is parsed for calls."""
+
+    def __init__(self, tools: Optional[List[Dict[str, Any]]] = None, choice: Any = None):
+        self.tools = tools
+        self.choice = choice
+        self.grammar = call_grammar(tools, choice) if tools is not None else None
+        self.parses = tools is not None and choice != "none"
+
+    def messages(self, messages: Sequence[Mapping[str, Any]]) -> Any:
+        return messages_for_template(messages) if self.tools is not None else messages
+
+    def parse(self, text: str) -> Tuple[Optional[str], List[Dict[str, Any]]]:
+        return parse_calls(text) if self.parses else (text, [])
+
+
+def plan(template_source: Optional[str], tools: Any, tool_choice: Any) -> ToolPlan:
+    """The ToolPlan of a request; ValueError for tools a template cannot take or a choice without tools."""
+    if tools is None:
+        if tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice needs tools")
+        return ToolPlan()
+    checked, choice = check_tools(tools, tool_choice)
+    if choice != "none" and not supports_tools(template_source):
+        raise ValueError("this model's chat template has no tool-call format this library reads (Hermes / Qwen2.5 "
+                         "<tool_call> blocks): tools are not supported with it")
+    return ToolPlan(checked, choice)

@@ -1,0 +1,116 @@
+"""Tool calls in OpenAI's shape, through a Hermes / Qwen2.5-style template (`<tool_call>` blocks): forced calls by a
+grammar, parsed calls, the round trip with a tool's result, streaming, and refusal where a template has no format."""
+import json
+
+import pytest
+
+import openai
+
+from h2o_local import Llama
+from h2o_local.server import create_app
+from h2o_local.tools import parse_calls
+from tiny_model import write_tiny_llama
+
+# the shape of Qwen2.5's template, reduced: tools described in the system turn, calls as <tool_call> blocks, a
+# tool's result as a user turn in <tool_response>
+HERMES = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\nCall one with "
+    "<tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'system' %}{%- elif m.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 12},
+                                                "unit": {"type": "string", "enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tools") / "hermes.gguf", chat_template=HERMES,
+                                n_ctx_train=4096))
+
+
+def test_a_forced_call_follows_the_tools_schema(model):
+    llm = Llama(model, budget=512, n_batch=64)
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        for seed in range(3):
+            out = llm.create_chat_completion(ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=120,
+                                             temperature=0.7, seed=seed)
+            choice0 = out["choices"][0]
+            assert choice0["finish_reason"] == "tool_calls" and choice0["message"]["content"] is None
+            (call,) = choice0["message"]["tool_calls"]
+            assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
+            args = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "get_weather":
+                assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
+            else:
+                assert set(args) == {"zone"} and isinstance(args["zone"], int)
+    # the tools are described by the template; with "none" they are, and nothing is parsed or forced
+    assert "get_weather" in llm.apply_chat_template(ASK, tools=[WEATHER])
+    out = llm.create_chat_completion(ASK, tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0)
+    assert "tool_calls" not in out["choices"][0]["message"]
+
+
+def test_parsing_calls_out_of_text():
+    text = 'Let me check.<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>'
+    content, calls = parse_calls(text)
+    assert content == "Let me check." and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": 2}'}
+    assert parse_calls("no call here") == ("no call here", [])
+    broken = "<tool_call>{not json}</tool_call>"
+    assert parse_calls(broken) == (broken, [])
+
+
+def test_tools_need_a_template_that_has_a_call_format(tiny_model, model):
+    chatml = Llama(tiny_model, budget=64, chat_template="chatml")
+    with pytest.raises(ValueError, match="no tool-call format"):
+        chatml.create_chat_completion(ASK, tools=[WEATHER])
+    llm = Llama(model, budget=64)
+    for tools, choice in (([{"type": "function", "function": {}}], None), ([WEATHER], "sometimes"),
+                          ([WEATHER], {"type": "function", "function": {"name": "other"}}), (None, "required")):
+        with pytest.raises(ValueError):
+            llm.create_chat_completion(ASK, tools=tools, tool_choice=choice, max_tokens=2)
+    with pytest.raises(ValueError, match="not several"):
+        llm.create_chat_completion(ASK, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_the_official_client_round_trip_and_streaming(model):
+    from h2o_local.server import serve_in_background
+
+    llm = Llama(model, budget=512, n_seq_max=1, kv_unified=False, keep="system", n_threads=1)
+    with serve_in_background(create_app(llm, model_id="hermes")) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        first = client.chat.completions.create(model="hermes", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                               max_tokens=120, temperature=0)
+        assert first.choices[0].finish_reason == "tool_calls"
+        call = first.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "unit"}
+        # the call and the tool's result go back; the template renders both and the model answers
+        history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 3}'}]
+        second = client.chat.completions.create(model="hermes", messages=history, tools=[WEATHER], max_tokens=6,
+                                                temperature=0)
+        assert second.choices[0].finish_reason in ("stop", "length") and not second.choices[0].message.tool_calls
+        assert '{"temperature": 3}' in llm.apply_chat_template(history, tools=[WEATHER])
+        stream = client.chat.completions.create(model="hermes", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                                max_tokens=120, temperature=0, stream=True)
+        chunks = list(stream)
+        deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        assert deltas and deltas[0][0].function.name == "get_weather"
+        assert json.loads(deltas[0][0].function.arguments) == json.loads(call.function.arguments)  # greedy: the same
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="hermes", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           response_format={"type": "json_object"})
