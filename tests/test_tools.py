@@ -71,6 +71,12 @@ def test_parsing_calls_out_of_text():
     assert parse_calls("no call here") == ("no call here", [])
     broken = "<tool_call>{not json}</tool_call>"
     assert parse_calls(broken) == (broken, [])
+    # where <tool_call> is a control token (Qwen2.5) its text is not in the answer: bare calls of known tools count
+    bare = '{"name": "get_time", "arguments": {"zone": 1}}\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    content, calls = parse_calls(bare, ["get_time", "get_weather"])
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert parse_calls('{"name": "other", "arguments": {}}', ["get_time"])[1] == []
+    assert parse_calls(bare)[1] == []  # no tool names given: text stays text
 
 
 def test_tools_need_a_template_that_has_a_call_format(tiny_model, model):

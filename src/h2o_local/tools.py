@@ -66,26 +66,38 @@ def call_grammar(tools: List[Dict[str, Any]], choice: Any) -> Optional[str]:
     return f'root ::= "{CALL_OPEN}\\n" tool-call-json "\\n{CALL_CLOSE}"\n{body}'
 
 
-def parse_calls(text: str) -> Tuple[Optional[str], List[Dict[str, Any]]]:
+def parse_calls(text: str, names: Optional[Sequence[str]] = None) -> Tuple[Optional[str], List[Dict[str, Any]]]:
     """(the text outside the calls, or None when only calls were written; the calls in OpenAI's shape). A block
-    that is not a JSON object with a "name" stays in the text."""
+    that is not a JSON object with a "name" stays in the text. Where `<tool_call>` is a control token its text is
+    not in the answer (Qwen2.5's vocabulary): then an answer that is only JSON objects {"name": one of `names`,
+    "arguments": {...}}, one per line, is the calls."""
     calls, kept, last = [], [], 0
     for m in _CALL_RE.finditer(text):
-        try:
-            value = json.loads(m.group(1), strict=False)  # a control character inside a string is still a call
-        except ValueError:
+        call = _call(m.group(1))
+        if call is None:
             continue
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            continue
-        args = value.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": value["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        calls.append(call)
         kept.append(text[last:m.start()])
         last = m.end()
     kept.append(text[last:])
+    if not calls and names and text.strip():
+        bare = [_call(line) for line in text.strip().splitlines() if line.strip()]
+        if bare and all(c is not None and c["function"]["name"] in names for c in bare):
+            return None, bare  # type: ignore[return-value]
     rest = "".join(kept).strip()
     return (rest or None) if calls else text, calls
+
+
+def _call(source: str) -> Optional[Dict[str, Any]]:
+    try:
+        value = json.loads(source, strict=False)  # a control character inside a string is still a call
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("arguments", {})
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": value["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
 
 def messages_for_template(messages: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
@@ -125,7 +137,7 @@ class ToolPlan:
         return messages_for_template(messages) if self.tools is not None else messages
 
     def parse(self, text: str) -> Tuple[Optional[str], List[Dict[str, Any]]]:
-        return parse_calls(text) if self.parses else (text, [])
+        return parse_calls(text, [t["function"]["name"] for t in self.tools or []]) if self.parses else (text, [])
 
 
 def plan(template_source: Optional[str], tools: Any, tool_choice: Any) -> ToolPlan:
