@@ -7,6 +7,12 @@ the wall time of the whole load), time to first token, the gap between tokens, a
 and time; writes JSON and a markdown table.
 
     python -m benchmarks.serve_load --chats 4 --budget 256 --max-tokens 64 --out results/serve-load
+
+With --shared-prefix: N conversations that share one long system prompt (an article) and ask different
+questions, one after another, on a server with saved sessions and on one without (side by side in one run,
+alternating): the prompt tokens each request found cached and its time to first token.
+
+    python -m benchmarks.serve_load --shared-prefix --chats 6 --budget 1024 --out results/serve-shared-prefix
 """
 from __future__ import annotations
 
@@ -89,6 +95,66 @@ def _load(port, llm, conversations, max_tokens: int, timeout: float):
             "kv_bytes": llm.kv_state().kv_bytes, "slots": llm.n_seq_max}
 
 
+QUESTIONS = ["Who is the article about?", "Summarise it in one sentence.", "Where does it take place?",
+             "What happened first?", "What is the main number in it?", "Give it a title.", "Who said what?",
+             "What happens next?"]
+
+
+def shared_prefix(model, args, common) -> int:
+    rows = [json.loads(line) for _, line in zip(range(1), open(SHARED))] if SHARED.is_file() else []
+    article = rows[0]["article"][:args.article_chars] if rows else ("The committee met again. " * 300)[:args.article_chars]
+    system = {"role": "system", "content": "Answer questions about this article.\n\n" + article}
+    import openai
+
+    servers = {}
+    stack = []
+    for name, mib in (("sessions on", 256), ("sessions off", 0)):
+        llm = Llama(model, budget=args.budget, n_seq_max=1, keep="system", **common)
+        cm = serve_in_background(create_app(llm, model_id="m", session_mib=mib))
+        port = cm.__enter__()
+        stack.append(cm)
+        servers[name] = (llm, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                            timeout=args.timeout))
+    found = {name: [] for name in servers}
+    try:
+        for i in range(args.chats):
+            for name, (llm, client) in servers.items():  # alternating: the machine's noise falls on both
+                t0 = time.perf_counter()
+                ttft, cached, prompt = None, 0, 0
+                stream = client.chat.completions.create(
+                    model="m", messages=[system, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                    max_tokens=args.max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+                for ch in stream:
+                    if ttft is None and ch.choices and ch.choices[0].delta.content:
+                        ttft = time.perf_counter() - t0
+                    if ch.usage:
+                        cached = ch.usage.prompt_tokens_details.cached_tokens
+                        prompt = ch.usage.prompt_tokens
+                found[name].append({"request": i + 1, "prompt_tokens": prompt, "cached_tokens": cached,
+                                    "ttft_s": round(ttft, 3) if ttft is not None else None})
+                print(name, json.dumps(found[name][-1]))
+    finally:
+        for cm in stack:
+            cm.__exit__(None, None, None)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": found}, indent=1))
+    later = {name: [r["ttft_s"] for r in rs[1:] if r["ttft_s"] is not None] for name, rs in found.items()}
+    on, off = statistics.median(later["sessions on"]), statistics.median(later["sessions off"])
+    lines = [f"{args.chats} conversations sharing one system prompt ({found['sessions on'][0]['prompt_tokens']} prompt "
+             f"tokens in the first), different questions, one at a time, budget {args.budget}, "
+             f"the default policy; one run, servers alternating\n",
+             "| request | cached tokens, sessions on | TTFT s, sessions on | cached tokens, sessions off | TTFT s, sessions off |",
+             "|---|---|---|---|---|"]
+    for a, b in zip(found["sessions on"], found["sessions off"]):
+        lines.append(f"| {a['request']} | {a['cached_tokens']} | {a['ttft_s']} | {b['cached_tokens']} | {b['ttft_s']} |")
+    lines.append(f"\nRequests 2-{args.chats}, median time to first token: sessions on {on} s, off {off} s "
+                 f"(ratio {on / off:.2f}).")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file, or smollm2 (the default), qwen05b, qwen15b")
@@ -100,8 +166,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per setting at most")
     ap.add_argument("--out", default="results/serve-load")
+    ap.add_argument("--shared-prefix", action="store_true", help="conversations that share a system prompt, one at "
+                    "a time, with and without saved sessions")
     args = ap.parse_args(argv)
     model = model_path(args.model)
+    if args.shared_prefix:
+        return shared_prefix(model, args, dict(n_batch=args.n_batch, n_threads=args.threads, kv_unified=False))
     conversations = chats(args.chats, args.article_chars)
     common = dict(n_batch=args.n_batch, n_threads=args.threads, kv_unified=False)
 
