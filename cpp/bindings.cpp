@@ -290,6 +290,11 @@ PYBIND11_MODULE(_engine, m) {
              "The next token of seq_id, drawn from its last logits in place.")
         .def("set_policy", [](Engine & e, std::shared_ptr<Policy> policy) { e.set_policy(std::move(policy)); },
              py::arg("policy"), py::call_guard<py::gil_scoped_release>())
+        .def("set_seq_policy", [](Engine & e, llama_seq_id seq, std::shared_ptr<Policy> policy) {
+                 e.set_seq_policy(seq, std::move(policy));
+             }, py::arg("seq_id"), py::arg("policy").none(true), py::call_guard<py::gil_scoped_release>(),
+             "A policy for one sequence until it is reset (None: the engine's again).")
+        .def("has_seq_policy", &Engine::has_seq_policy, py::arg("seq_id"))
         .def("set_keep", &Engine::set_keep, py::arg("seq_id"), py::arg("n_keep"), py::call_guard<py::gil_scoped_release>())
         .def("compress", &Engine::compress, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
         .def("snapshot", &Engine::snapshot, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())

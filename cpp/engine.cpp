@@ -332,18 +332,7 @@ void Engine::set_policy(PolicyPtr policy) {
     if (policy == nullptr) {
         throw std::invalid_argument("set_policy needs a policy");
     }
-    if (policy->needs_scores() && scores_path_ < 0) {
-        throw std::invalid_argument("policy '" + policy->name() + "' needs attention scores: " +
-                                    (params_.flash_attn ? std::string("flash attention (on) forms no softmax to read them from")
-                                                        : "create the engine with a scoring policy or export_scores=True"));
-    }
-    const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
-    if (policy->bounded() && n_seq_stream*policy->split().total() + probe_cells(*policy) >= stream_capacity()) {
-        const int32_t n_probe = probe_cells(*policy);
-        throw std::invalid_argument("budget " + std::to_string(policy->split().total()) +
-                                    (n_probe > 0 ? " and its probe's " + std::to_string(n_probe) + " cells" : std::string()) +
-                                    " leave no room in the context's " + std::to_string(capacity_) + " cells");
-    }
+    check_fits(*policy);
     if (policy->bounded()) {
         // protected prefixes, of the sequences held and of those to come, must still fit
         policy->split().after_prefix(params_.n_keep);
@@ -352,11 +341,51 @@ void Engine::set_policy(PolicyPtr policy) {
         }
     }
     policy_ = std::move(policy);
+    seq_policies_.clear();
+}
+
+void Engine::set_seq_policy(llama_seq_id seq, PolicyPtr policy) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    SeqCache & sc = seq_cache(seq);
+    if (policy == nullptr) {
+        seq_policies_.erase(seq);
+        return;
+    }
+    check_fits(*policy);
+    if (policy->bounded()) {
+        policy->split().after_prefix(sc.state().n_keep); // its protected prefix must fit the new budget
+    }
+    seq_policies_[seq] = std::move(policy);
+}
+
+void Engine::check_fits(const Policy & policy) const {
+    if (policy.needs_scores() && scores_path_ < 0) {
+        throw std::invalid_argument("policy '" + policy.name() + "' needs attention scores: " +
+                                    (params_.flash_attn ? std::string("flash attention (on) forms no softmax to read them from")
+                                                        : "create the engine with a scoring policy or export_scores=True"));
+    }
+    const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
+    if (policy.bounded() && n_seq_stream*policy.split().total() + probe_cells(policy) >= stream_capacity()) {
+        const int32_t n_probe = probe_cells(policy);
+        throw std::invalid_argument("budget " + std::to_string(policy.split().total()) +
+                                    (n_probe > 0 ? " and its probe's " + std::to_string(n_probe) + " cells" : std::string()) +
+                                    " leave no room in the context's " + std::to_string(capacity_) + " cells");
+    }
+}
+
+bool Engine::has_seq_policy(llama_seq_id seq) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return seq_policies_.count(seq) > 0;
+}
+
+const Policy & Engine::policy_of(llama_seq_id seq) const {
+    const auto it = seq_policies_.find(seq);
+    return it == seq_policies_.end() ? *policy_ : *it->second;
 }
 
 void Engine::set_keep(llama_seq_id seq, int32_t n_keep) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    seq_cache(seq).set_keep(*policy_, n_keep);
+    seq_cache(seq).set_keep(policy_of(seq), n_keep);
 }
 
 void Engine::compress(llama_seq_id seq) {
@@ -411,8 +440,8 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
                                     " KV entries; only " + std::to_string(n_free) + " cells are free for sequence " +
                                     std::to_string(seq));
     }
-    if (policy_->bounded()) {
-        policy_->split().after_prefix(snap.state.n_keep); // its protected prefix must fit this budget
+    if (policy_of(seq).bounded()) {
+        policy_of(seq).split().after_prefix(snap.state.n_keep); // its protected prefix must fit this budget
     }
     if (snap.state.scores.n_head != n_head_ || (!snap.logits.empty() && snap.logits.size() != (size_t) model_->n_vocab())) {
         throw std::invalid_argument("the snapshot's scores or logits do not match this model");
@@ -478,19 +507,30 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     }
     // a probe needs its cells beside a piece before the piece is evicted; sequences are probed and evicted one at
     // a time, so one probe's cells per stream suffice
-    const int32_t n_probe = policy_->bounded() ? probe_cells(*policy_) : 0;
+    // (sequences with policies of their own: the plan takes the largest budget, probe and query window of those fed)
+    int32_t n_probe = 0;
+    int32_t budget = 0;
+    int32_t window = 0;
+    bool bounded = true;
+    for (const auto & kv : tokens) {
+        const Policy & policy = policy_of(kv.first);
+        bounded = bounded && policy.bounded();
+        const ProbeSpec probe = policy.probe();
+        n_probe = std::max(n_probe, policy.bounded() ? probe_cells(policy) : 0);
+        budget  = std::max(budget, policy.bounded() ? policy.split().total() : 0);
+        // the question probe's tokens are the prompt's end: decoded on their own, so that the probe's baseline
+        // (the attention the entries usually get) leaves out the question's own queries
+        window  = std::max({window, policy.query_window(), probe.source == ProbeSource::question ? probe.question : 0});
+    }
     in.capacity       = (int32_t) stream_capacity() - n_probe;
     in.kv_unified     = params_.kv_unified;
     in.defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
-    in.bounded        = policy_->bounded();
-    in.budget         = in.bounded ? policy_->split().total() : 0;
+    in.bounded        = bounded;
+    in.budget         = budget;
     in.n_batch        = n_batch();
-    // the question probe's tokens are the prompt's end: decoded on their own, so that the probe's baseline (the
-    // attention the entries usually get) leaves out the question's own queries
-    const ProbeSpec probe = policy_->probe();
-    in.query_window   = (size_t) std::max({policy_->query_window(), 0, probe.source == ProbeSource::question ? probe.question : 0});
+    in.query_window   = (size_t) window;
     const PrefillPlan plan = plan_prefill(in);
-    if (!plan.fits && !policy_->bounded()) {
+    if (!plan.fits && !bounded) {
         throw std::invalid_argument("cannot feed " + std::to_string(n_total) + " tokens: " + std::to_string(cells_used()) +
                                     " of the context's " + std::to_string(capacity_) + " KV cells are in use and policy "
                                     "'full' never evicts (use a larger n_ctx or a bounded policy)");
@@ -586,8 +626,9 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
                 add_probe_sums(sc, pos, sums, n);
             } else {
                 const bool window = query_windows.count(seq) > 0;
-                sc.observe(*policy_, pos, sums, n, n_new, window,
-                           !(window && policy_->probe().source == ProbeSource::question));
+                const Policy & policy = policy_of(seq);
+                sc.observe(policy, pos, sums, n, n_new, window,
+                           !(window && policy.probe().source == ProbeSource::question));
             }
         }
     }
@@ -607,14 +648,15 @@ int32_t Engine::probe_cells(const Policy & policy) const {
 void Engine::probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt) {
     // generation's single tokens run no probe (they stay unjudged); a prompt, or compress() (no prompt), does
     const bool is_prompt = prompt == nullptr || prompt->size() > 1;
-    if (is_prompt && policy_->bounded() && seqs_.at(seq).size() > policy_->split().total()) {
+    const Policy & policy = policy_of(seq);
+    if (is_prompt && policy.bounded() && seqs_.at(seq).size() > policy.split().total()) {
         run_probe(seq, prompt);
     }
     evict(seq);
 }
 
 void Engine::run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt) {
-    const ProbeSpec spec = policy_->probe();
+    const ProbeSpec spec = policy_of(seq).probe();
     switch (spec.source) {
         case ProbeSource::none:
             return;
@@ -667,7 +709,7 @@ void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
                false, {}, {seq});
     }
     sc.drop_newest((int32_t) toks.size());
-    sc.observe_probe(probe_sums_, (int32_t) toks.size(), policy_->probe().source == ProbeSource::repeat);
+    sc.observe_probe(probe_sums_, (int32_t) toks.size(), policy_of(seq).probe().source == ProbeSource::repeat);
     if (had_logits) {
         last_logits_[seq] = logits;
     } else {
@@ -687,7 +729,7 @@ void Engine::add_probe_sums(const SeqCache & sc, const llama_pos * pos, const fl
 }
 
 void Engine::evict(llama_seq_id seq) {
-    seqs_.at(seq).evict(*policy_, params_.position_rolling, params_.roll_interval);
+    seqs_.at(seq).evict(policy_of(seq), params_.position_rolling, params_.roll_interval);
 }
 
 // llama.cpp attends cells [0, n_kv) with n_kv padded above the highest used cell, so kept entries spread over the

@@ -82,8 +82,13 @@ public:
     void reset();                      // every sequence
     void reset_seq(llama_seq_id seq);
 
-    // switch the policy for what follows (the engine keeps exporting scores if the new policy needs them)
+    // switch the policy of every sequence for what follows (those with a policy of their own too); the engine keeps
+    // exporting scores if the new policy needs them
     void set_policy(PolicyPtr policy);
+    // a policy for seq alone (kept when seq is reset), until set_policy or nullptr (the engine's again); checked as
+    // set_policy checks: scores it needs must be exported, its budget and probe must fit a stream
+    void set_seq_policy(llama_seq_id seq, PolicyPtr policy);
+    bool has_seq_policy(llama_seq_id seq) const;
     // never evict the n_keep oldest entries of seq (a system prompt, say; llama.cpp's --keep): they count inside the
     // budget, and the policy decides over the rest; reset_seq / reset clear it
     void set_keep(llama_seq_id seq, int32_t n_keep);
@@ -104,6 +109,7 @@ public:
 
     const Model  & model()  const { return *model_; }
     const Policy & policy() const { return *policy_; }
+    const Policy & policy_of(llama_seq_id seq) const; // seq's own policy, or the engine's
     const EngineParams & params() const { return params_; }
     llama_context * ctx()   const { return ctx_; }
     uint32_t n_ctx()    const { return llama_n_ctx(ctx_); }
@@ -140,6 +146,8 @@ private:
     // add a probe decode's exported sums over the entries it probes to probe_sums_
     void add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n);
     void compact(llama_seq_id seq);
+    // throws when policy needs scores the engine does not export, or its budget and probe leave no room in a stream
+    void check_fits(const Policy & policy) const;
 
     EngineParams params_;
     std::unique_ptr<Model>  model_;
@@ -155,6 +163,7 @@ private:
     std::vector<float> probe_sums_;          // [entries probed][n_head]: the running probe's attention so far
 
     std::map<llama_seq_id, SeqCache> seqs_;
+    std::map<llama_seq_id, PolicyPtr> seq_policies_; // set_seq_policy
     std::map<llama_seq_id, std::vector<float>> last_logits_;
     std::map<llama_seq_id, std::vector<float>> logits_all_;
 

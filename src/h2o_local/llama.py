@@ -208,6 +208,7 @@ class Llama:
         self._warned_past_context = False
         self._chat_template_source = chat_template
         self._chat_template: Optional[ChatTemplate] = None
+        self._seq_policies: Dict[int, Policy] = {}  # sequences with a policy of their own (set_policy(seq_id=))
 
     @classmethod
     def for_kv_limit(
@@ -377,18 +378,42 @@ class Llama:
                        peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx,
                        n_keep=st["n_keep"], tokens=st["tokens"], probe_scores=st["probe_scores"])
 
-    def set_policy(self, policy: Union[str, Policy], budget: Optional[int] = None, *, heavy: Optional[int] = None,
-                   recent: Optional[int] = None, sinks: Optional[int] = None) -> None:
-        """Switch the eviction policy for what follows; `compress()` applies it to the cache now.
+    def set_policy(self, policy: Union[str, Policy, None], budget: Optional[int] = None, *, heavy: Optional[int] = None,
+                   recent: Optional[int] = None, sinks: Optional[int] = None, seq_id: Optional[int] = None) -> None:
+        """Switch the eviction policy for what follows (arguments as `Llama`'s); `compress()` applies it to the
+        cache now.
 
-        A policy that needs scores (h2o) needs a `Llama` created with one (or `export_scores=True`), so that scores
-        were accumulated.
+        seq_id: switch that sequence alone (a server slot, one conversation of a batch). It keeps the policy when it
+        is reset, until another `set_policy(..., seq_id=...)`, or a `set_policy` without seq_id, which switches
+        every sequence. `policy_of(seq_id)` says which policy a sequence follows.
+
+        The budget and probe must fit in the cells the `Llama` was created with (`n_ctx`), and a policy that needs
+        scores (h2o) needs a `Llama` created with one (or `export_scores=True`), so that scores were accumulated:
+        ValueError otherwise, with nothing changed.
         """
         value = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
+        seq = None if seq_id is None else self._check_seq(seq_id)
         with self._lock:
-            self._take_over(())
-            self._engine.set_policy(value.cpp)
-            self.policy = value
+            self._take_over(None if seq is None else [seq])
+            if seq is None:
+                self._engine.set_policy(value.cpp)
+                self.policy = value
+                self._seq_policies.clear()
+            else:
+                self._engine.set_seq_policy(seq, value.cpp)
+                self._seq_policies[seq] = value
+
+    def policy_of(self, seq_id: int = 0) -> Policy:
+        """The policy sequence `seq_id` follows: its own (`set_policy(..., seq_id=...)`) or the `Llama`'s."""
+        return self._seq_policies.get(self._check_seq(seq_id), self.policy)
+
+    def _set_seq_policy(self, seq_id: int, policy: Optional[Policy]) -> None:
+        """A resolved policy for one sequence, None: the `Llama`'s (a server slot, between two requests)."""
+        self._engine.set_seq_policy(seq_id, None if policy is None else policy.cpp)
+        if policy is None:
+            self._seq_policies.pop(seq_id, None)
+        else:
+            self._seq_policies[seq_id] = policy
 
     @property
     def pending(self) -> List[int]:
@@ -450,21 +475,26 @@ class Llama:
     @property
     def max_system_keep(self) -> Optional[int]:
         """The most tokens `keep="system"` protects (half the budget; None for the full cache)."""
-        return self.budget // 2 if self.policy.bounded and self.budget else None
+        return self._max_system_keep(self.policy)
+
+    @staticmethod
+    def _max_system_keep(policy: Policy) -> Optional[int]:
+        return policy.budget // 2 if policy.bounded and policy.budget else None
 
     def _set_keep(self, seq_id: int, n_keep: int) -> None:
-        if not self.policy.bounded:
+        policy = self.policy_of(seq_id)
+        if not policy.bounded:
             return
-        limit = self.max_system_keep
+        limit = self._max_system_keep(policy)
         if self.keep == "system" and limit is not None and n_keep > limit:
             _log.warning("the system prompt has %d tokens; keep='system' protects its first %d (half the budget of "
-                         "%d), the policy ranks the rest", n_keep, limit, self.budget)
+                         "%d), the policy ranks the rest", n_keep, limit, policy.budget)
             n_keep = limit
         try:
             self._engine.set_keep(seq_id, int(n_keep))
         except ValueError:
             raise ValueError(f"the protected prefix ({n_keep} tokens, keep={self.keep!r}) does not fit in the budget "
-                             f"({self.budget} tokens) with room for the newest token: raise the budget, shorten the "
+                             f"({policy.budget} tokens) with room for the newest token: raise the budget, shorten the "
                              f"system prompt, or use keep=None") from None
 
     def _check_context(self, seq_id: int = 0) -> None:
