@@ -193,6 +193,7 @@ class Llama:
         self._engine = _engine.Engine(self.model_path, params)
         self.info = ModelInfo.from_facts(self.model_path, self._engine.facts())
         self.position_rolling = bool(position_rolling)
+        self.export_scores = bool(export_scores)
         self.roll_interval = int(roll_interval)
         self.n_seq_max = int(n_seq_max)
         self.kv_unified = bool(kv_unified)

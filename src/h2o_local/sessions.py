@@ -25,26 +25,27 @@ class Session:
     n_keep: int              # its protected prefix
     snapshot: Any            # SeqSnapshot
     nbytes: int
+    policy: str = ""         # the policy that made it (a label; "": the owner's)
 
 
 class SessionCache:
-    """Saved slot caches keyed by the tokens they hold and their protected prefix, least recently used first out,
-    within `limit_bytes`."""
+    """Saved slot caches keyed by the tokens they hold, their protected prefix and the policy that made them, least
+    recently used first out, within `limit_bytes`."""
 
     def __init__(self, limit_bytes: int):
         self.limit_bytes = int(limit_bytes)
-        self._items: "collections.OrderedDict[Tuple[int, Tuple[int, ...]], Session]" = collections.OrderedDict()
+        self._items: "collections.OrderedDict[Tuple[int, str, Tuple[int, ...]], Session]" = collections.OrderedDict()
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
 
-    def put(self, tokens: Sequence[int], n_fed: int, n_keep: int, snapshot: Any) -> None:
+    def put(self, tokens: Sequence[int], n_fed: int, n_keep: int, snapshot: Any, policy: str = "") -> None:
         nbytes = int(snapshot.nbytes)
         if nbytes > self.limit_bytes or n_fed < 1:
             return
-        key = (int(n_keep), tuple(tokens))
+        key = (int(n_keep), policy, tuple(tokens))
         self._drop(key)
-        self._items[key] = Session(key[1], int(n_fed), key[0], snapshot, nbytes)
+        self._items[key] = Session(key[2], int(n_fed), key[0], snapshot, nbytes, policy)
         self.nbytes += nbytes
         while self.nbytes > self.limit_bytes:
             _, old = self._items.popitem(last=False)
@@ -55,18 +56,19 @@ class SessionCache:
         if s is not None:
             self.nbytes -= s.nbytes
 
-    def longest_prefix(self, tokens: Sequence[int], n_keep: int) -> Optional[Session]:
-        """The saved session with the same protected prefix whose tokens are the longest proper prefix of `tokens`.
-        It stays saved (a conversation may branch from it again) and becomes the most recently used."""
+    def longest_prefix(self, tokens: Sequence[int], n_keep: int, policy: str = "") -> Optional[Session]:
+        """The saved session with the same protected prefix and policy whose tokens are the longest proper prefix
+        of `tokens`. It stays saved (a conversation may branch from it again) and becomes the most recently used."""
         best = None
         for s in self._items.values():
-            if continues(s.tokens, s.n_keep, tokens, n_keep) and (best is None or len(s.tokens) > len(best.tokens)):
+            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep) and \
+                    (best is None or len(s.tokens) > len(best.tokens)):
                 best = s
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
-        self._items.move_to_end((best.n_keep, best.tokens))
+        self._items.move_to_end((best.n_keep, best.policy, best.tokens))
         return best
 
     def __len__(self) -> int:

@@ -10,6 +10,7 @@ import contextlib
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from . import generation
+from .policies import Policy
 from .sampling import SamplingParams
 from .text import TextAssembler
 
@@ -39,8 +40,10 @@ class Slots:
     def start(self, slot: int, tokens: List[int], params: SamplingParams, *, n_keep: int = 0,
               resume: Optional[Tuple[Any, int]] = None,
               between_chunks: Optional[Callable[[], None]] = None,
-              save_prefix: Optional[Callable[[Any], None]] = None) -> List[generation.Event]:
+              save_prefix: Optional[Callable[[Any], None]] = None,
+              policy: Optional[Policy] = None) -> List[generation.Event]:
         """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
+        `policy`: the slot's own (a resolved value that fits the slot's cells), None: the `Llama`'s.
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
         `save_prefix(snapshot)`: without `resume`, the protected prefix is fed alone first and its snapshot given
         to it (a shared system prompt that later requests start from).
@@ -48,6 +51,7 @@ class Slots:
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
         sampler = self.llm._sampler(params, history=tokens)  # bad sampling input raises before the slot changes
         self._engine.reset_seq(slot)
+        self.llm._set_seq_policy(slot, policy)
         feed = tokens
         if resume is not None:
             snapshot, n_fed = resume
@@ -89,9 +93,18 @@ class Slots:
         """What the slot's cache did for its request: entries `kept` now, `evicted` since the request started (a
         restored session's earlier evictions not counted), `peak` entries held at once, and the policy."""
         st = self.llm.kv_state(slot)
-        return {"policy": self.llm.policy.label, "budget": self.llm.budget, "kept": st.n_cells,
+        policy = self.llm.policy_of(slot)
+        return {"policy": policy.label, "budget": policy.budget, "kept": st.n_cells,
                 "evicted": st.n_evicted - self._evicted_before.get(slot, 0), "peak": st.peak_cells,
                 "protected": st.n_keep}
+
+    def view(self, slot: int) -> dict:
+        """What the slot's cache holds now, for a live view: the kept `positions` (token indices of the prompt and
+        answer: the server does not roll positions), their `scores` (4 significant digits), tokens `seen` (fed) and
+        `evicted` since the slot was last emptied."""
+        st = self.llm.kv_state(slot)
+        return {"positions": [int(p) for p in st.positions], "scores": [float(f"{x:.4g}") for x in st.scores],
+                "seen": int(st.n_seen), "evicted": int(st.n_evicted)}
 
     def save(self, slot: int) -> Any:
         """A snapshot of the slot's cache (`Llama.load_state` / `start(resume=...)` take it back)."""

@@ -28,6 +28,9 @@ def main(argv=None) -> int:
         shown = "" if "default" in field.description else f" (default: {field.default})"
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=field.description + shown)
     add_model_args(ap, budget=512, keep_default="system")
+    ap.add_argument("--export-scores", action="store_true", help="export attention scores even when the policy does "
+                    "not rank by them: conversations may then choose a scoring policy (kv_cache.policy), and the web "
+                    "page shades what a policy that keeps no scores kept (a few percent of speed)")
     args = ap.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields and v is not None}
     try:
@@ -35,7 +38,7 @@ def main(argv=None) -> int:
     except ValidationError as e:
         first = e.errors()[0]
         ap.error(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}")
-    llm = load_llama(ap, args, n_seq_max=settings.slots, kv_unified=False)
+    llm = load_llama(ap, args, n_seq_max=settings.slots, kv_unified=False, export_scores=args.export_scores)
     app = create_app(llm, settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0

@@ -27,6 +27,19 @@ MAX_LOGIT_BIAS = 1024  # OpenAI takes 300
 MAX_GRAMMAR_CHARS = 256 * 1024
 
 
+class KVCacheRequest(BaseModel):
+    """The request's own cache (an extension field, `kv_cache`): a policy and budget for this conversation, inside
+    the cells a slot has, and the live view of what the cache keeps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Optional[str] = Field(default=None, min_length=1, max_length=128,
+                                  description="a policy name (h2o, tova, sink, ...; 'default': the default policy) or "
+                                              "a label (h2o-128+s4); default: the server's")
+    budget: Optional[StrictInt] = Field(default=None, ge=1, description="KV entries kept (tokens); default: the server's")
+    view: bool = Field(default=False, description="streamed chunks carry what the cache holds (kv_cache)")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are kept to be checked against UNSUPPORTED
 
@@ -53,7 +66,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: Optional[Dict[str, Any]] = None
     n: int = Field(default=1, ge=1, le=1)
-
+    kv_cache: Optional[KVCacheRequest] = None
 
     @field_validator("logit_bias")
     @classmethod

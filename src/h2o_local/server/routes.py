@@ -14,12 +14,15 @@ from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
-from .. import generation, grammar, responses
+from .. import generation, grammar, policies, responses
 from .. import tools as tools_mod
 from ..llama import Llama
+from ..policies import Policy
 from ..sampling import CHAT, COMPLETION, SamplingParams
 from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
-from .scheduler import Busy, Cancelled, Job, Scheduler, Started
+from .scheduler import Busy, Cancelled, Job, Scheduler, Started, Viewed
+
+View = Optional[Dict[str, Any]]
 from .settings import ServerSettings
 
 router = APIRouter()
@@ -55,8 +58,11 @@ async def metrics(state: ServerState = Depends(server_state)) -> Response:
 
 @router.get("/v1/models")
 async def list_models(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    llm = state.llm
     return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(time.time()),
-                                        "owned_by": "h2o_local", "policy": state.llm.policy.label}]}
+                                        "owned_by": "h2o_local", "policy": llm.policy.label, "budget": llm.budget,
+                                        "policies": ["default", *sorted(policies.REGISTRY)],
+                                        "max_budget": _max_budget(state) if llm.policy.bounded else None}]}
 
 
 @router.post("/v1/completions")
@@ -77,8 +83,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                 raise ValueError(f"token ids must be in [0, {llm.n_vocab()})")
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="prompt") from None
+    policy, view = _conversation_cache(state, body)
     job = await _submit(state, Job(tokens, _sampling(state, COMPLETION, body, body.max_tokens),
-                                   n_keep=state.default_keep), request)
+                                   n_keep=state.default_keep, policy=policy, view=view), request)
     meta = responses.completion_meta(state.model_id)
     if body.echo and text is None:  # token ids: their text, as llama-cpp-python echoes it
         text = llm.detokenize(tokens).decode("utf-8", errors="replace")
@@ -120,8 +127,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    policy, view = _conversation_cache(state, body)
+    if view and plan.parses:
+        raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
+                       param="kv_cache.view")
     job = await _submit(state, Job(tokens, _sampling(state, CHAT, body, limit),
-                                   n_keep=state.default_keep if n_keep is None else n_keep), request)
+                                   n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view),
+                        request)
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
         return EventSourceResponse(_chat_stream(state, job, meta, _include_usage(body)), ping=15)
@@ -137,6 +149,55 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+def _conversation_cache(state: ServerState, body: _Request) -> Tuple[Optional[Policy], bool]:
+    """The request's own policy (None: the server's) and whether it asked for the live view (`kv_cache`)."""
+    asked = body.kv_cache
+    if asked is None:
+        return None, False
+    llm = state.llm
+    if asked.view and not body.stream:
+        raise APIError(400, "kv_cache.view needs stream: true (the view comes with every streamed chunk)",
+                       param="kv_cache.view")
+    if asked.view and llm.position_rolling:
+        raise APIError(400, "kv_cache.view shows kept entries as token indices; this server rolls positions "
+                            "(--position-rolling)", param="kv_cache.view")
+    if asked.policy is None and asked.budget is None:
+        return None, asked.view
+    if not llm.policy.bounded:
+        raise APIError(400, "this server keeps the full cache; start it with a budget to choose a policy per "
+                            "conversation", param="kv_cache")
+    name, budget = asked.policy, asked.budget
+    try:
+        if name is not None and (name == "full" or "-" in name):  # a label: it carries its budget
+            if budget is not None:
+                raise ValueError(f"the label {name!r} carries its budget; give kv_cache.budget with a policy name")
+            value = policies.parse(name)
+        else:
+            server = llm.policy
+            if name is None:  # the server's kind of policy, with this budget
+                name = "default" if server.label == policies.resolve(None, server.budget).label else server.name
+            value = policies.resolve(None if name == "default" else name, budget or llm.budget)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"kv_cache.policy: {e}", param="kv_cache.policy") from None
+    if not value.bounded:
+        raise APIError(400, "kv_cache.policy: a slot holds a bounded cache; 'full' cannot run in it",
+                       param="kv_cache.policy")
+    limit = _max_budget(state, value)
+    if value.budget > limit:
+        raise APIError(400, f"kv_cache.budget: {value.budget} entries do not fit in a slot of this server; at most "
+                            f"{limit} with policy {value.name}", param="kv_cache.budget")
+    if value.needs_scores and not llm.policy.needs_scores and not llm.export_scores:
+        raise APIError(400, f"kv_cache.policy: {value.name} ranks by attention scores, which this server does not "
+                            f"export (start it with --export-scores or a scoring policy)", param="kv_cache.policy")
+    return value, asked.view
+
+
+def _max_budget(state: ServerState, policy: Optional[Policy] = None) -> int:
+    """The largest budget a conversation can take in a slot (with `policy`'s probe; default: the server's)."""
+    engine = state.llm._engine
+    return state.scheduler.slots.cells_per_slot - 1 - engine.probe_cells((policy or state.llm.policy).cpp)
+
+
 def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int]) -> SamplingParams:
     changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
                                                               "presence_penalty", "frequency_penalty", "repeat_penalty")
@@ -207,10 +268,12 @@ async def _submit(state: ServerState, job: Job, request: Request) -> Job:
     if isinstance(first, BaseException):
         raise APIError(400, str(first)) if isinstance(first, ValueError) else APIError(500, str(first), "server_error")
     assert isinstance(first, Started)
+    job.started = first
     return job
 
 
-async def _events(state: ServerState, job: Job) -> AsyncIterator[generation.Event]:
+async def _events(state: ServerState, job: Job) -> AsyncIterator[Tuple[generation.Event, View]]:
+    """The job's events, each with the cache's view when the job asked for it (else None)."""
     try:
         while True:
             item = await job.queue.get()
@@ -218,8 +281,9 @@ async def _events(state: ServerState, job: Job) -> AsyncIterator[generation.Even
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
-            if item.token is None:
+            event, view = (item.event, item.view) if isinstance(item, Viewed) else (item, None)
+            yield event, view
+            if event.token is None:
                 return
     finally:
         state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
@@ -231,7 +295,7 @@ async def _collect(state: ServerState, job: Job, request: Request) -> Tuple[List
     events = _events(state, job)
     watcher = asyncio.ensure_future(_disconnected(state, request, job))
     try:
-        async for e in events:
+        async for e, _ in events:
             pieces.append(e.text)
             n += e.token is not None
             finish = e.finish_reason
@@ -251,28 +315,36 @@ async def _disconnected(state: ServerState, request: Request, job: Job) -> None:
 
 async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any], echo: str, usage: bool):
     n = 0
-    if echo:
-        yield json.dumps(responses.completion_chunk(meta, echo))
-    async for e in _events(state, job):
+    first = _viewed(responses.completion_chunk(meta, echo), job.started.view)
+    if echo or first.get("kv_cache"):
+        yield json.dumps(first)
+    async for e, view in _events(state, job):
         n += e.token is not None
-        yield json.dumps(responses.completion_chunk(meta, e.text, e.finish_reason))
+        yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason), view))
     if usage:
         yield json.dumps(responses.usage_chunk(meta, _usage(job, n), chat=False))
     yield "[DONE]"
 
 
 async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool):
-    yield json.dumps(responses.chat_chunk(meta, {"role": "assistant", "content": ""}))
+    yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": ""}), job.started.view))
     n = 0
-    async for e in _events(state, job):
+    async for e, view in _events(state, job):
         n += e.token is not None
-        if e.text:
-            yield json.dumps(responses.chat_chunk(meta, {"content": e.text}))
+        if e.text or (view is not None and e.token is not None):  # the view goes with every token
+            yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}), view))
         if e.token is None:
-            yield json.dumps(responses.chat_chunk(meta, {}, e.finish_reason))
+            yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
     if usage:
         yield json.dumps(responses.usage_chunk(meta, _usage(job, n), chat=True))
     yield "[DONE]"
+
+
+def _viewed(chunk: Dict[str, Any], view: View) -> Dict[str, Any]:
+    """A chunk with the cache's view (`kv_cache`, an extension field) when the request asked for it."""
+    if view is not None:
+        chunk["kv_cache"] = view
+    return chunk
 
 
 async def _whole_stream(meta: Dict[str, Any], out: Dict[str, Any], usage: bool):

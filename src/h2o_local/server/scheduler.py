@@ -28,6 +28,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 from .. import generation
 from .metrics import ServerMetrics
 from ..llama import Llama
+from ..policies import Policy
 from ..sampling import SamplingParams
 from ..sessions import SessionCache
 
@@ -40,7 +41,16 @@ class Busy(Exception):
 class Started:
     """A job's first event: its prompt is in (the response can start)."""
 
-    reused_tokens: int  # prompt tokens found in a saved session
+    reused_tokens: int                      # prompt tokens found in a saved session
+    view: Optional[Dict[str, Any]] = None   # with Job.view: the cache after the prompt, and the prompt's pieces
+
+
+@dataclass(frozen=True)
+class Viewed:
+    """An event of a job that asked for the live view, with what its cache holds at that moment."""
+
+    event: generation.Event
+    view: Dict[str, Any]
 
 
 class Cancelled(Exception):
@@ -62,6 +72,8 @@ class Job:
     prompt_tokens: List[int]
     params: SamplingParams
     n_keep: int = 0                     # the protected prefix (tokens)
+    policy: Optional[Policy] = None     # its own policy (resolved, fits a slot), None: the server's
+    view: bool = False                  # deliver the cache's state with every event (Started.view, Viewed)
     loop: Optional[asyncio.AbstractEventLoop] = None
     queue: Optional["asyncio.Queue[Any]"] = None
     cancelled: bool = False
@@ -69,6 +81,7 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     n_generated: int = 0
     kv_cache: Optional[Dict[str, Any]] = None  # what the cache did, set before the end event is delivered
+    started: Optional[Started] = None   # its first event, once delivered
 
     def put(self, item: Any) -> None:
         if self.loop is not None and self.queue is not None:
@@ -203,11 +216,13 @@ class Scheduler:
         try:
             if job.cancelled:
                 raise Cancelled()
-            session = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep) if self.sessions.limit_bytes else None
+            session = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep, _label(job)) \
+                if self.sessions.limit_bytes else None
             resume = None if session is None else (session.snapshot, session.n_fed)
             events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
                                       between_chunks=lambda: self._between_prompt_chunks(job),
-                                      save_prefix=self._prefix_saver(job) if session is None else None)
+                                      save_prefix=self._prefix_saver(job) if session is None else None,
+                                      policy=job.policy)
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
             job.put(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)
@@ -221,8 +236,14 @@ class Scheduler:
         self._started.add(slot)
         # the prompt alone is saved too: a client whose next request re-tokenizes this answer differently from the
         # tokens generated (BPE sometimes does) still continues the whole conversation before it
-        self._save(slot, job.prompt_tokens, len(job.prompt_tokens), job.n_keep)
-        job.put(Started(job.reused_tokens))
+        self._save(slot, job, job.prompt_tokens, len(job.prompt_tokens))
+        view = None
+        if job.view:
+            view = {**self.slots.view(slot), "policy": self.llm.policy_of(slot).label,
+                    "budget": self.llm.policy_of(slot).budget, "protected": self.llm.kv_state(slot).n_keep,
+                    "tokens": [self.llm.token_to_piece(t, special=True).decode("utf-8", errors="replace")
+                               for t in job.prompt_tokens]}
+        job.put(Started(job.reused_tokens, view))
         self._deliver(events)
 
     def _prefix_saver(self, job: Job) -> Optional[Any]:
@@ -231,7 +252,7 @@ class Scheduler:
         if not self.sessions.limit_bytes or not 0 < job.n_keep < len(job.prompt_tokens):
             return None
         prefix = job.prompt_tokens[:job.n_keep]
-        return lambda snapshot: self.sessions.put(prefix, len(prefix), job.n_keep, snapshot)
+        return lambda snapshot: self.sessions.put(prefix, len(prefix), job.n_keep, snapshot, _label(job))
 
     def _deliver(self, events: List[generation.Event]) -> None:
         for e in events:
@@ -247,7 +268,13 @@ class Scheduler:
                 if job.kv_cache["protected"] < job.n_keep:  # a system prompt longer than the budget lets protect
                     job.kv_cache["protected_asked"] = job.n_keep
                 self._count_finished(job)
-            job.put(e)
+            if job.view:
+                view = self.slots.view(e.index)
+                if e.token is not None:
+                    view["piece"] = self.llm.token_to_piece(e.token, special=True).decode("utf-8", errors="replace")
+                job.put(Viewed(e, view))
+            else:
+                job.put(e)
             if e.token is None:
                 self._release(e.index, save=True)
 
@@ -267,15 +294,20 @@ class Scheduler:
         if save and job is not None and slot in self._started:
             generated, n_pending = self.slots.generated(slot)
             held = job.prompt_tokens + generated  # a client that resends other tokens (a cut text) will not match
-            self._save(slot, held, len(held) - n_pending, job.n_keep)
+            self._save(slot, job, held, len(held) - n_pending)
         self.slots.release(slot)
         self._started.discard(slot)
         with self._cv:
             if self._active.pop(slot, None) is not None:
                 self.served += 1
 
-    def _save(self, slot: int, tokens: List[int], n_fed: int, n_keep: int) -> None:
+    def _save(self, slot: int, job: Job, tokens: List[int], n_fed: int) -> None:
         """Save the slot's cache as the session of `tokens` (of which it holds the first `n_fed`), when it fits."""
-        n_cells = min(n_fed, self.llm.budget or n_fed)
+        n_cells = min(n_fed, self.llm.policy_of(slot).budget or n_fed)
         if 0 < n_cells * self.llm.kv_bytes_per_cell <= self.sessions.limit_bytes:
-            self.sessions.put(tokens, n_fed, n_keep, self.slots.save(slot))
+            self.sessions.put(tokens, n_fed, job.n_keep, self.slots.save(slot), _label(job))
+
+
+def _label(job: Job) -> str:
+    """Saved sessions are continued only under the policy that made them ("": the server's)."""
+    return "" if job.policy is None else job.policy.label
