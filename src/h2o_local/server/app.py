@@ -1,5 +1,6 @@
-"""The OpenAI-compatible server on FastAPI: `create_app(llm, ...)` puts the routes (`routes.router`), the body
-limit, OpenAI-shaped errors and one `Scheduler` (the thread that decodes every request) around a `Llama`.
+"""The OpenAI-compatible server on FastAPI: `create_app(llm, ...)` puts the routes (`routes.router`), the chat page's
+static files, the body limit, OpenAI-shaped errors and one `Scheduler` (the thread that decodes every request)
+around a `Llama`.
 
 Errors are OpenAI-shaped JSON ({"error": {"message", "type", "param", "code"}}): 400 for a request that is malformed
 or does not fit, 413 for an oversized body, 429 when every slot is busy and the waiting line is full.
@@ -15,11 +16,12 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
 from .protocol import APIError, error_response
-from .routes import ServerState, router
+from .routes import STATIC_DIR, ServerState, router
 from .scheduler import Scheduler
 from .settings import ServerSettings
 
@@ -57,6 +59,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
     app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
 
@@ -110,13 +113,14 @@ class BodyLimit:
 
 class BearerAuth:
     """ASGI middleware: every HTTP request must carry `Authorization: Bearer <api_key>` (compared in constant
-    time); otherwise 401 with an OpenAI-shaped error, before the body is read."""
+    time); otherwise 401 with an OpenAI-shaped error, before the body is read. The chat page's static files are
+    public (they hold no data; the page asks for the key and sends it with its API calls)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or _is_page(scope):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not secrets.compare_digest(given, self.expected):
@@ -125,3 +129,7 @@ class BearerAuth:
             response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _is_page(scope) -> bool:
+    return scope["method"] in ("GET", "HEAD") and (scope["path"] == "/" or scope["path"].startswith("/static/"))

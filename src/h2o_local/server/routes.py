@@ -1,16 +1,18 @@
-"""The HTTP routes: /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, as importable functions on a
-module-level FastAPI router. Each request becomes a `Job` for the app's `Scheduler`; the response starts once its
+"""The HTTP routes: / (the chat page), /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, as
+importable functions on a module-level FastAPI router. Each request becomes a `Job` for the app's `Scheduler`; the response starts once its
 prompt is in, so an error in the prompt is an HTTP error, not a broken stream."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import FileResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
@@ -26,6 +28,7 @@ View = Optional[Dict[str, Any]]
 from .settings import ServerSettings
 
 router = APIRouter()
+STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")  # the chat page: plain files, no build step
 
 
 @dataclass
@@ -43,6 +46,13 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+@router.get("/", include_in_schema=False)
+async def chat_page() -> FileResponse:
+    """The chat page: a conversation streamed from /v1/chat/completions, with what its KV cache keeps beside it
+    (kv_cache.view); policy and budget chosen per conversation."""
+    return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/health")

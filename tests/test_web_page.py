@@ -1,0 +1,155 @@
+"""The chat page of `h2o-local serve`, driven in a real browser (headless Chromium through Selenium): a
+conversation streams, and the cache view beside it shows the kept tokens shaded and the evicted ones struck
+through, with the policy and budget the conversation chose."""
+import os
+import shutil
+import time
+
+import pytest
+
+from h2o_local.server.routes import STATIC_DIR
+from test_server import CHATML, serving
+from tiny_model import write_tiny_llama
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+DRIVER = shutil.which("chromedriver")
+try:
+    import selenium  # noqa: F401
+except ImportError:
+    selenium = None
+
+pytestmark = pytest.mark.skipif(
+    BROWSER is None or DRIVER is None or selenium is None,
+    reason="optional: no browser here (Debian's chromium and chromium-driver, and selenium; CI installs them)")
+
+
+def test_the_page_is_plain_files_that_need_nothing_from_outside():
+    for name in ("index.html", "chat.js", "chat.css"):
+        text = open(os.path.join(STATIC_DIR, name), encoding="utf-8").read()
+        assert "http://" not in text and "https://" not in text, f"{name} must work offline"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = BROWSER
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,900"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = str(write_tiny_llama(tmp_path_factory.mktemp("web") / "chat.gguf", chat_template=CHATML, n_ctx_train=4096))
+    with serving(model, slots=2, budget=64) as s:
+        yield s
+
+
+def wait(driver, predicate, timeout_s=60):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout_s).until(lambda d: predicate(d))
+
+
+def ask(driver, text):
+    from selenium.webdriver.common.by import By
+
+    box = driver.find_element(By.ID, "input")
+    box.send_keys(text)
+    driver.find_element(By.ID, "send").click()
+    n = len(driver.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+    wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-finish]")) == n)
+    return driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+
+
+def cache_view(driver):
+    from selenium.webdriver.common.by import By
+
+    spans = driver.find_elements(By.CSS_SELECTOR, "#cache-tokens span")
+    classes = [s.get_attribute("class") for s in spans]
+    return classes, driver.find_element(By.ID, "cache-stats")
+
+
+def test_a_conversation_in_the_browser_shows_what_its_cache_keeps(browser, server, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    port, _ = server
+    browser.get(f"http://127.0.0.1:{port}/")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
+    assert "tiny" in browser.find_element(By.ID, "model").text
+    Select(browser.find_element(By.ID, "policy")).select_by_value("sink")
+    browser.find_element(By.ID, "budget").send_keys("24")
+    answer = ask(browser, "Tell me about the cache. " * 6)
+    assert answer.get_attribute("data-finish") in ("stop", "length") and answer.text.strip()
+    classes, stats = cache_view(browser)
+    kept = [c for c in classes if "kept" in c]
+    assert len(kept) == int(stats.get_attribute("data-kept")) <= 24
+    assert sum("evicted" in c for c in classes) > 0 and stats.get_attribute("data-policy") == "sink-24"
+    # a policy that ranks by attention: the kept tokens are shaded by their scores' rank
+    assert browser.find_element(By.ID, "policy").get_attribute("disabled")  # chosen once per conversation
+    browser.save_screenshot(str(tmp_path / "sink.png"))
+
+    # the second turn continues the conversation: the view holds both turns
+    n_first = len(classes)
+    ask(browser, "And then?")
+    classes, _ = cache_view(browser)
+    assert len(classes) > n_first
+
+    browser.find_element(By.ID, "new").click()
+    assert not browser.find_elements(By.CSS_SELECTOR, ".msg")
+    assert not browser.find_element(By.ID, "policy").get_attribute("disabled")
+    Select(browser.find_element(By.ID, "policy")).select_by_value("h2o")
+    budget = browser.find_element(By.ID, "budget")
+    budget.clear()
+    budget.send_keys("32")
+    ask(browser, "Which tokens are heavy hitters? " * 4)
+    classes, stats = cache_view(browser)
+    assert stats.get_attribute("data-policy") == "h2o-32" and int(stats.get_attribute("data-kept")) <= 32
+    shades = {s.value_of_css_property("background-color")
+              for s in browser.find_elements(By.CSS_SELECTOR, "#cache-tokens span.kept")}
+    assert len(shades) > 3  # shaded by score, not one colour
+    browser.save_screenshot(str(tmp_path / "h2o.png"))
+    shutil.copy(tmp_path / "h2o.png", os.environ.get("H2O_LOCAL_SCREENSHOT", tmp_path / "copy.png"))
+
+
+def test_a_request_the_server_refuses_is_shown_and_the_page_stays_usable(browser, server):
+    from selenium.webdriver.common.by import By
+
+    port, _ = server
+    browser.get(f"http://127.0.0.1:{port}/")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
+    browser.find_element(By.ID, "budget").send_keys("100000")
+    browser.find_element(By.ID, "input").send_keys("Hello")
+    browser.find_element(By.ID, "send").click()
+    error = wait(browser, lambda d: d.find_element(By.ID, "error") if d.find_element(By.ID, "error").is_displayed() else None)
+    assert "kv_cache.budget" in error.text and "at most" in error.text
+    assert not browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")
+    budget = browser.find_element(By.ID, "budget")
+    assert not budget.get_attribute("disabled")
+    budget.clear()
+    answer = ask(browser, "Hello again")
+    assert answer.get_attribute("data-finish") in ("stop", "length")
+    assert not browser.find_element(By.ID, "error").is_displayed()
+
+
+def test_with_an_api_key_the_page_asks_for_it(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    model = str(write_tiny_llama(tmp_path / "chat.gguf", chat_template=CHATML, n_ctx_train=4096))
+    with serving(model, slots=1, budget=48, app_kwargs={"api_key": "sesame"}) as (port, _):
+        browser.get(f"http://127.0.0.1:{port}/")
+        browser.execute_script("localStorage.clear()")
+        browser.refresh()
+        key = wait(browser, lambda d: d.find_element(By.ID, "key") if d.find_element(By.ID, "key").is_displayed() else None)
+        assert "API key" in browser.find_element(By.ID, "error").text
+        key.send_keys("sesame")
+        browser.find_element(By.ID, "key-save").click()
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
+        assert ask(browser, "Hi").get_attribute("data-finish") in ("stop", "length")
+        browser.execute_script("localStorage.clear()")
