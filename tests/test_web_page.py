@@ -5,6 +5,7 @@ import os
 import shutil
 import time
 
+import httpx
 import pytest
 
 from h2o_local.server.routes import STATIC_DIR
@@ -18,15 +19,20 @@ try:
 except ImportError:
     selenium = None
 
-pytestmark = pytest.mark.skipif(
+needs_browser = pytest.mark.skipif(
     BROWSER is None or DRIVER is None or selenium is None,
     reason="optional: no browser here (Debian's chromium and chromium-driver, and selenium; CI installs them)")
 
 
-def test_the_page_is_plain_files_that_need_nothing_from_outside():
+def test_the_page_is_installed_as_plain_files_that_need_nothing_from_outside(server):
     for name in ("index.html", "chat.js", "chat.css"):
         text = open(os.path.join(STATIC_DIR, name), encoding="utf-8").read()
         assert "http://" not in text and "https://" not in text, f"{name} must work offline"
+    port, _ = server
+    for path, kind in (("/", "text/html"), ("/static/chat.js", "javascript"), ("/static/chat.css", "text/css")):
+        r = httpx.get(f"http://127.0.0.1:{port}{path}")
+        assert r.status_code == 200 and kind in r.headers["content-type"]
+    assert httpx.get(f"http://127.0.0.1:{port}/static/%2e%2e/routes.py").status_code == 404  # no way out of static/
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +81,7 @@ def cache_view(driver):
     return classes, driver.find_element(By.ID, "cache-stats")
 
 
+@needs_browser
 def test_a_conversation_in_the_browser_shows_what_its_cache_keeps(browser, server, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -118,6 +125,7 @@ def test_a_conversation_in_the_browser_shows_what_its_cache_keeps(browser, serve
     shutil.copy(tmp_path / "h2o.png", os.environ.get("H2O_LOCAL_SCREENSHOT", tmp_path / "copy.png"))
 
 
+@needs_browser
 def test_a_request_the_server_refuses_is_shown_and_the_page_stays_usable(browser, server):
     from selenium.webdriver.common.by import By
 
@@ -138,6 +146,7 @@ def test_a_request_the_server_refuses_is_shown_and_the_page_stays_usable(browser
     assert not browser.find_element(By.ID, "error").is_displayed()
 
 
+@needs_browser
 def test_with_an_api_key_the_page_asks_for_it(tmp_path, browser):
     from selenium.webdriver.common.by import By
 

@@ -71,7 +71,7 @@ async def list_models(state: ServerState = Depends(server_state)) -> Dict[str, A
     llm = state.llm
     return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(time.time()),
                                         "owned_by": "h2o_local", "policy": llm.policy.label, "budget": llm.budget,
-                                        "policies": ["default", *sorted(policies.REGISTRY)],
+                                        "policies": ["default", *sorted(n for n in policies.REGISTRY if n != "full")],
                                         "max_budget": _max_budget(state) if llm.policy.bounded else None}]}
 
 
