@@ -395,7 +395,7 @@ class Llama:
         value = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
         seq = None if seq_id is None else self._check_seq(seq_id)
         with self._lock:
-            self._take_over(None if seq is None else [seq])
+            self._take_over(())  # no cache changes until the next eval or compress()
             if seq is None:
                 self._engine.set_policy(value.cpp)
                 self.policy = value
