@@ -26,8 +26,7 @@ uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool k
 
 namespace {
 
-// the K cache types llama.cpp supports (its --cache-type-k list); V stays F16 / F32: a quantized V cache needs
-// flash attention, which the score export cannot use
+// the K / V cache types llama.cpp supports (its --cache-type-k list); a quantized V cache needs flash attention
 ggml_type kv_cache_type(const char * what, const std::string & name) {
     static const ggml_type types[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
                                       GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1};
@@ -117,12 +116,6 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.n_outputs_max   = std::max(cp.n_batch, params.n_seq_max); // a step of n_seq_max sequences has that many outputs
     cp.n_seq_max       = params.n_seq_max;
     cp.kv_unified      = params.kv_unified;
-    // scores are read from the softmax, which flash attention never forms
-    if (params.flash_attn && (policy_->needs_scores() || params.export_scores)) {
-        throw std::invalid_argument("flash_attn=True leaves no attention scores to export, and policy '" + policy_->name() +
-                                    "'" + (params.export_scores ? " with export_scores" : "") + " needs them (use "
-                                    "keydiff, local, sink or full with flash attention)");
-    }
     cp.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.no_perf         = true;
     if (params.kv_f32) {
@@ -360,9 +353,8 @@ void Engine::set_seq_policy(llama_seq_id seq, PolicyPtr policy) {
 
 void Engine::check_fits(const Policy & policy) const {
     if (policy.needs_scores() && scores_path_ < 0) {
-        throw std::invalid_argument("policy '" + policy.name() + "' needs attention scores: " +
-                                    (params_.flash_attn ? std::string("flash attention (on) forms no softmax to read them from")
-                                                        : "create the engine with a scoring policy or export_scores=True"));
+        throw std::invalid_argument("policy '" + policy.name() + "' needs attention scores: create the engine with a "
+                                    "scoring policy or export_scores=True");
     }
     const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
     if (policy.bounded() && n_seq_stream*policy.split().total() + probe_cells(policy) >= stream_capacity()) {

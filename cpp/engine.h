@@ -42,7 +42,7 @@ struct EngineParams {
     bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
     std::string type_k;               // K cells' type by ggml name ("q8_0", "q4_0", ...); empty: as V (F16 or F32)
     std::string type_v;               // V cells' type; a quantized one needs flash_attn (llama.cpp)
-    bool     flash_attn = false;      // only for policies that need no attention scores (no softmax to read)
+    bool     flash_attn = false;      // llama.cpp's flash attention (scores then come from a KQ softmax pass beside it)
     std::vector<std::string> rpc_servers; // "host:port" of ggml RPC servers that take the offloaded layers
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
     bool     verbose = false;

@@ -91,14 +91,16 @@ class Llama:
         seed: seed of the sampling RNG; each call without its own seed draws from it.
         kv_f32: store K/V in F32 instead of F16 (twice the bytes; exact position rolling).
         type_k: the K cache's type by ggml name: "q8_0" (K at 0.53 of F16's bytes, a whole cell at 0.77), "q4_0"
-            (0.28, a cell at 0.64), "q4_1", "q5_0", "q5_1", "iq4_nl", "bf16", "f16", "f32"; None: as V. V stays F16 (F32 with kv_f32): llama.cpp quantizes
-            V only with flash attention, which the score export cannot use. Works with eviction, rolling (the K
-            shift dequantizes and requantizes) and snapshots (restored only into the same types).
-        type_v: the V cache's type; a quantized one ("q8_0", ...) needs flash_attn=True.
+            (0.28, a cell at 0.64), "q4_1", "q5_0", "q5_1", "iq4_nl", "bf16", "f16", "f32"; None: as V. Works with
+            eviction, rolling (the K shift dequantizes and requantizes) and snapshots (restored only into the same
+            types).
+        type_v: the V cache's type; a quantized one ("q8_0": K and V at 0.53 of F16's bytes) needs flash_attn=True
+            (llama.cpp quantizes V only with flash attention).
         rpc_servers: "host:port" of `h2o-local rpc-server` processes (llama.cpp's RPC backend); the offloaded
             layers (`n_gpu_layers`) run there, split by their free memory. Scores and eviction work as locally.
-        flash_attn: llama.cpp's flash attention (faster and leaner on GPUs and many CPUs). It forms no softmax, so
-            only policies that need no attention scores can use it: keydiff (keys only), local, sink, full.
+        flash_attn: llama.cpp's flash attention (faster and leaner on GPUs and many CPUs), with every policy. It
+            forms no softmax: for the scoring policies the patch computes KQ and its softmax beside it (no V
+            product), the same scores as without flash attention, at the cost of that pass.
         compact_cells: after a prompt (or `compress()`) evicted, move the kept entries to the lowest KV cells, so
             that decoding attends about `budget` cells rather than every cell the prompt went through (llama.cpp
             attends up to the highest used cell). Costs one copy of the kept K/V per prompt; off only to measure it.

@@ -43,6 +43,10 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU or RPC servers (-1: all)")
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
+    g.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention (every policy; the "
+                   "scoring ones read their scores from a softmax pass beside it)")
+    g.add_argument("--cache-type-k", help="K cache type: f16 (default), q8_0, q4_0, ... (llama.cpp's -ctk)")
+    g.add_argument("--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs --flash-attn")
     g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
     g.add_argument("--seed", type=int, default=0)
 
@@ -90,7 +94,8 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
         return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                      n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
-                     chat_template=template, **extra)
+                     chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
+                     type_v=args.cache_type_v, **extra)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         ap.error(str(e))
         raise  # not reached: error() exits
