@@ -55,6 +55,12 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
         check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no follow");
         ranked->set_follow(cfg.follow);
     }
+    if (cfg.probe_share >= 0) {
+        check_policy(source != ProbeSource::none, "probe_share is the share of the heavy entries a probe ranks: it "
+                     "needs a probe");
+        check_policy(cfg.probe_share <= 100, "probe_share is a percent in [0, 100], got " + std::to_string(cfg.probe_share));
+        ranked->set_probe_share(cfg.probe_share);
+    }
     return policy;
 }
 
@@ -209,12 +215,15 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     } else if (pool_ > 1 || follow_ > 0) {
         s = max_pool(s, pool_, follow_);
     }
-    std::partial_sort(cand.begin(), cand.begin() + n_heavy, cand.end(), [&](size_t a, size_t b) {
-        if (!first.empty() && first[a] != first[b]) {
-            return first[a] > first[b];
-        }
-        return s[a] > s[b] || (s[a] == s[b] && a < b);
-    });
+    const auto by_rank = [&](size_t a, size_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
+    // the probe's share of the heavy entries (all of them by default), then rank() alone for the rest
+    const size_t n_first = first.empty() ? 0 : (n_heavy*(size_t) probe_share_ + 50)/100;
+    if (n_first > 0) {
+        std::partial_sort(cand.begin(), cand.begin() + n_first, cand.end(), [&](size_t a, size_t b) {
+            return first[a] != first[b] ? first[a] > first[b] : by_rank(a, b);
+        });
+    }
+    std::partial_sort(cand.begin() + n_first, cand.begin() + n_heavy, cand.end(), by_rank);
     cand.resize(n_heavy);
     return sinks_middle_recent(n, split.sinks, split.recent, std::move(cand));
 }

@@ -27,6 +27,8 @@ struct PolicyConfig {
     int32_t question = -1; // the question probe's length: a prompt's last N tokens; < 0: kDefaultQuestionTokens
     int32_t pool   = -1; // rank an entry by the best of the `pool` entries centred on it (a fact's span); < 0: 1
     int32_t follow = -1; // and by the best of the `follow` entries before it (a value after its key); < 0: 0
+    int32_t probe_share = -1; // percent of the heavy entries chosen by the probe's ranking, the rest by rank() alone
+                              // (what the newest query looks at, for tova); < 0: 100
 };
 
 // A probe: tokens decoded after what a sequence holds, whose attention to it ranks it, and which are then removed
@@ -163,15 +165,18 @@ public:
     ProbeSpec probe() const override { return probe_; }
     int32_t pool() const { return pool_; }
     int32_t follow() const { return follow_; }
+    int32_t probe_share() const { return probe_share_; }
     // by make_policy, before the policy is shared
     void set_probe(ProbeSpec probe) { probe_ = probe; }
     void set_pool(int32_t pool) { pool_ = pool; }
     void set_follow(int32_t follow) { follow_ = follow; }
+    void set_probe_share(int32_t percent) { probe_share_ = percent; }
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
     // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties, entries no probe
     // has judged yet first of all), each entry taking the best of the pool() entries centred on it and of the
-    // follow() entries before it; ties go to the older position
+    // follow() entries before it; ties go to the older position. With a probe_share() below 100, that share of the
+    // heavy entries is chosen so and the rest by rank() alone among the others
     std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                              const BudgetSplit & split) const override;
 
@@ -185,6 +190,7 @@ private:
     ProbeSpec   probe_;
     int32_t     pool_ = 1;
     int32_t     follow_ = 0; // entries before an entry whose score it takes (at least pool_/2)
+    int32_t     probe_share_ = 100; // percent of the heavy entries ranked by the probe first
 };
 
 // A scorer that only ranks differently is one function: `make_ranked<RankedBy<mean_per_query>, half_recent>`

@@ -40,6 +40,7 @@ class Setting:
     question: Optional[int] = None
     pool: Optional[int] = None
     follow: Optional[int] = None
+    probe_share: Optional[int] = None
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
@@ -73,7 +74,7 @@ class Setting:
     def is_plain(self) -> bool:
         """The policy with its own defaults: no sinks, query window or recent given."""
         return (self.sinks is None and self.query_window is None and self.recent is None and self.recent_percent is None
-                and self.probe is None and self.pool is None and self.follow is None)
+                and self.probe is None and self.pool is None and self.follow is None and self.probe_share is None)
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
         if self.percent is None and self.recent_percent is None:

@@ -191,6 +191,35 @@ def test_follow_keeps_what_comes_after_a_found_entry():
     assert _engine.Policy("h2o", 6, heavy=5, recent=1, pool=3).select(*args) == [0, 1, 2, 6, 7, 9]
 
 
+def test_a_probe_share_leaves_the_rest_of_the_heavy_entries_to_the_scorer():
+    """probe_share=P: round(P% of heavy) entries by the probe's ranking (the scorer's breaking ties), then the rest by
+    the scorer's own ranking among the others; against a NumPy reference over random scores."""
+    rng = np.random.default_rng(0)
+    n, heavy, recent = 40, 12, 4
+    for share in (0, 25, 50, 75, 100):
+        for _ in range(20):
+            total = rng.random(n).astype(np.float32)
+            probe = (rng.random(n) + 0.01).astype(np.float32)
+            probe[rng.random(n) < 0.1] = 0.0  # unjudged entries (generated tokens) rank first of all
+            cand = range(n - recent)
+            by_probe = sorted(cand, key=lambda i: (-(np.inf if probe[i] == 0 else probe[i]), -total[i], i))
+            n_first = (heavy * share + 50) // 100
+            first = by_probe[:n_first]
+            rest = sorted((i for i in cand if i not in first), key=lambda i: (-total[i], i))[:heavy - n_first]
+            expected = sorted(first + rest) + list(range(n - recent, n))
+            cpp = _engine.Policy("tova", heavy + recent, heavy=heavy, recent=recent, probe="catalyst",
+                                 probe_share=share)
+            got = cpp.select(list(range(n)), total.tolist(), np.zeros((n, 1), np.float32), [1] * n, probe=probe.tolist())
+            assert got == expected, share
+    assert policies.parse("tova-256+q32+p9+f12+m50+r32") == TOVA(budget=256, probe="question", question=32, pool=9,
+                                                                 follow=12, probe_share=50, recent=32)
+    assert policies.parse("tova-256+q32+m50").label == "tova-256+q32+m50"
+    with pytest.raises(ValueError, match="needs a probe"):
+        TOVA(budget=64, probe_share=50)
+    with pytest.raises(ValueError, match="percent"):
+        TOVA(budget=64, probe="question", probe_share=101)
+
+
 def test_labels_and_refusals():
     assert policies.parse("tova-256+s4+q16") == TOVA(budget=256, sinks=4, probe="question", question=16)
     assert TOVA(budget=256, sinks=4, probe="question", question=16).label == "tova-256+s4+q16"

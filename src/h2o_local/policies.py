@@ -26,7 +26,8 @@ from . import _engine
 
 REGISTRY: Dict[str, Type["Policy"]] = {}
 # the fields a policy value passes to its C++ factory (PolicyConfig), in order
-ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow")
+ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow",
+                 "probe_share")
 # what a probe decodes after a piece of a prompt to rank it before eviction (cpp/policy.h ProbeSource)
 PROBES = ("question", "repeat", "catalyst")
 
@@ -93,6 +94,7 @@ class Policy:
             object.__setattr__(self, "question", cpp.question or None)
             object.__setattr__(self, "pool", cpp.pool if cpp.pool > 1 else None)
             object.__setattr__(self, "follow", cpp.follow or None)
+            object.__setattr__(self, "probe_share", cpp.probe_share if cpp.probe_share < 100 else None)
         object.__setattr__(self, "_cpp", cpp)
 
     @classmethod
@@ -143,7 +145,7 @@ class Policy:
     def label(self) -> str:
         """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4", "tova-256+s4+r192" (a recent
         window other than the policy's default split), "tova-256+q32" / "+repeat" / "+catalyst" (a probe), "+p7" (a
-        pool), "+f12" (a follow); `parse` reads it back."""
+        pool), "+f12" (a follow), "+m50" (the probe's share of the heavy entries); `parse` reads it back."""
         if not self.bounded:
             return self.name
         sinks = getattr(self, "sinks", 0)
@@ -160,6 +162,8 @@ class Policy:
             extra += f"+p{self.pool}"  # type: ignore[attr-defined]
         if getattr(self, "follow", None):
             extra += f"+f{self.follow}"  # type: ignore[attr-defined]
+        if getattr(self, "probe_share", None) is not None:
+            extra += f"+m{self.probe_share}"  # type: ignore[attr-defined]
         recent = getattr(self, "recent", None)
         if isinstance(self, Scored) and recent is not None:
             default = resolve(self.name, self.budget, sinks=sinks or None, query_window=window)  # probes split nothing
@@ -217,6 +221,10 @@ class Scored(Policy):
     # and by the best of the `follow` entries before it: what follows an entry a probe found (a value after its
     # key) is kept with it
     follow: Optional[int] = None
+    # with a probe: the percent of the heavy entries the probe's ranking chooses (default 100); the rest are chosen
+    # by the scorer's own rank (tova: what the newest query looks at), so that a chat's continuation keeps what it
+    # reads besides what the question found
+    probe_share: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -319,7 +327,7 @@ class PythonRanked(Scored):
             if self.heavy is None or self.recent is None:
                 raise ValueError(f"policy {self.name!r} needs a budget (KV entries kept per sequence), or heavy and recent")
             object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
-        if any(getattr(self, k) is not None for k in ("probe", "question", "pool", "follow")):
+        if any(getattr(self, k) is not None for k in ("probe", "question", "pool", "follow", "probe_share")):
             raise ValueError("a PythonRanked policy takes no probe, pool or follow (yet)")
         # resolved once, in C++ (the split), as a RankedPolicy whose rank() is this value's
         self._adopt(_PythonRank(self, self.name, *map(_engine_int, (self.budget, self.heavy, self.recent, self.sinks))))
@@ -357,19 +365,20 @@ def default_recent(budget: int) -> int:
 def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = None, *, heavy: Optional[int] = None,
             recent: Optional[int] = None, sinks: Optional[int] = None, query_window: Optional[int] = None,
             probe: Optional[str] = None, question: Optional[int] = None, pool: Optional[int] = None,
-            follow: Optional[int] = None) -> Policy:
+            follow: Optional[int] = None, probe_share: Optional[int] = None) -> Policy:
     """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split
     (and, for snapkv, a `query_window` in tokens; for a scorer, a `probe` (one of PROBES; `question` tokens for
-    the question probe), a `pool` width and a `follow` reach in entries).
+    the question probe), a `pool` width and a `follow` reach in entries, and the `probe_share` of the heavy entries
+    the probe chooses, in percent).
 
     `policy=None` is the default policy (DEFAULT_POLICY with DEFAULT_FIELDS; fields given override them). None or
     "h2o" with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
     given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "query_window": query_window, "probe": probe,
-             "question": question, "pool": pool, "follow": follow}
+             "question": question, "pool": pool, "follow": follow, "probe_share": probe_share}
     if policy is None:
         if budget is None and heavy is None and recent is None and not sinks and \
-                all(given[k] is None for k in ("query_window", "probe", "question", "pool", "follow")):
+                all(given[k] is None for k in ("query_window", "probe", "question", "pool", "follow", "probe_share")):
             return Full()
         fields = {k: v for k, v in given.items() if k != "budget"}
         for key, value in DEFAULT_FIELDS.items():
@@ -391,7 +400,7 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
         else:
             check_int(key, value, minimum=1 if key == "budget" else 0)
     if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and \
-            all(given[k] is None for k in ("query_window", "probe", "question", "pool", "follow")):
+            all(given[k] is None for k in ("query_window", "probe", "question", "pool", "follow", "probe_share")):
         return Full()
     # the C++ policy validates every combination (with its own messages) and resolves it, once
     cpp = _engine.Policy(policy, *_engine_args(tuple(given.values())))
@@ -402,12 +411,14 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
 _DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True), and below 2^31
 
 
-_SUFFIX_FIELDS = {"s": "sinks", "w": "query_window", "r": "recent", "q": "question", "p": "pool", "f": "follow"}
+_SUFFIX_FIELDS = {"s": "sinks", "w": "query_window", "r": "recent", "q": "question", "p": "pool", "f": "follow",
+                  "m": "probe_share"}
 
 
 def suffix_fields(suffix: str) -> Optional[Dict[str, Any]]:
     """The policy fields one label suffix stands for ("s4" -> sinks=4, "q32" -> the question probe of 32 tokens,
-    "repeat" -> the repeat probe, "p7" -> pool=7, "f12" -> follow=12); None when it is not a policy suffix."""
+    "repeat" -> the repeat probe, "p7" -> pool=7, "f12" -> follow=12, "m50" -> probe_share=50); None when it is not a
+    policy suffix."""
     if suffix in PROBES:
         return {"probe": suffix}
     key = _SUFFIX_FIELDS.get(suffix[:1])
@@ -419,7 +430,7 @@ def suffix_fields(suffix: str) -> Optional[Dict[str, Any]]:
 def parse(text: str) -> Policy:
     """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks),
     "snapkv-256+w64" (a query window of 64), "tova-256+s4+r192" (192 recent entries), "tova-256+q32" (the question
-    probe, 32 tokens), "tova-256+repeat" / "+catalyst" (the query-agnostic probes), "tova-256+p7" (a pool of 7), "tova-256+p9+f12" (and a follow of 12)."""
+    probe, 32 tokens), "tova-256+repeat" / "+catalyst" (the query-agnostic probes), "tova-256+p7" (a pool of 7), "tova-256+p9+f12" (and a follow of 12), "tova-256+q32+m50" (half the heavy entries by the probe)."""
     if not isinstance(text, str) or not text:
         raise ValueError(f"not a policy label: {text!r}")
     if text == "full":
@@ -436,6 +447,6 @@ def parse(text: str) -> Policy:
     if not _DIGITS.fullmatch(budget_text):
         raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks), +wN "
                          "(query window), +rN (recent entries), +qN (the question probe), +repeat or +catalyst (the "
-                         "query-agnostic probes), +pN (pool) and +fN (follow), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
+                         "query-agnostic probes), +pN (pool), +fN (follow) and +mN (the probe's share), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
                          "tova-256+s4+r192, tova-256+repeat+p5)")
     return resolve(name, int(budget_text), **extra)

@@ -30,6 +30,8 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    "(repeat, about twice the prefill) or a short generic instruction (catalyst) (default: none)")
     g.add_argument("--question", type=int, help="tokens of the question probe (default: 32)")
     g.add_argument("--pool", type=int, help="scorers: rank each entry by the best of the N entries centred on it")
+    g.add_argument("--probe-share", type=int, help="with a probe: the percent of the heavy entries its ranking "
+                   "chooses, the rest by the scorer's own (default: 100)")
     g.add_argument("--follow", type=int, help="scorers: and by the best of the N entries before it (a value after "
                    "the key a probe found)")
     g.add_argument("--keep", default=keep_default, type=_keep_value,
@@ -90,7 +92,8 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                 template = f.read()
         policy = "full" if budget is None else resolve(args.policy, budget, heavy=args.heavy, recent=args.recent,
                                                        sinks=args.sinks, query_window=args.query_window, probe=args.probe,
-                                                       question=args.question, pool=args.pool, follow=args.follow)
+                                                       question=args.question, pool=args.pool, follow=args.follow,
+                                                       probe_share=args.probe_share)
         return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                      n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
