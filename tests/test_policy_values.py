@@ -91,19 +91,23 @@ def test_sampling_params_are_one_value_for_every_entry_point(tiny_model):
 
 
 def test_the_default_policy_is_the_suites_winner_and_h2o_stays_by_name(tiny_model):
-    from h2o_local.policies import TOVA, default_recent
+    from h2o_local.policies import TOVA, default_recent, default_sinks
 
     llm = Llama(tiny_model, budget=64)
-    assert llm.policy == TOVA(budget=64, probe="question", pool=9, follow=12, recent=32)
-    assert llm.policy.label == "tova-64+q32+p9+f12+r32" and policies.parse(llm.policy.label) == llm.policy
+    assert llm.policy == TOVA(budget=64, sinks=4, probe="question", pool=9, follow=12, recent=32)
+    assert llm.policy.label == "tova-64+s4+q32+p9+f12+r32" and policies.parse(llm.policy.label) == llm.policy
     assert isinstance(Llama(tiny_model).policy, policies.Full)  # no budget: the full cache, as before
     assert Llama(tiny_model, policy="h2o", budget=64).policy == policies.H2O(budget=64)  # heavy 32, recent 32
     # fields given override the default's; small budgets keep a recent window of half the budget
     assert policies.resolve(None, 64, recent=8).recent == 8
     assert policies.resolve(None, 64, probe="catalyst").probe == "catalyst"
-    assert policies.resolve(None, 64, sinks=4) == TOVA(budget=64, sinks=4, probe="question", pool=9, follow=12, recent=32)
+    assert policies.resolve(None, 64, sinks=0) == TOVA(budget=64, probe="question", pool=9, follow=12, recent=32)
     for budget in (1, 2, 3, 8, 40):
         assert default_recent(budget) == max(1, min(32, budget // 2))
+        assert default_sinks(budget) == min(4, budget // 8)
+        assert policies.resolve(None, budget).split == (default_sinks(budget),
+                                                        budget - default_sinks(budget) - default_recent(budget),
+                                                        default_recent(budget))
         small = Llama(tiny_model, budget=budget, n_batch=16)
         small.generate("a prompt longer than every one of these budgets", max_tokens=6, temperature=0)
         assert small.kv_state().n_cells <= budget

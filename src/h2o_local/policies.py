@@ -351,15 +351,23 @@ class _PythonRank(_engine.RankedPolicy):
 # The default policy of `Llama(path, budget=B)`, `h2o-local chat` and `serve`: the best mean score relative to the
 # full cache over the whole quality suite (docs/quality.md, "The default"): heavy hitters ranked by TOVA's score and
 # by the prompt's own question (the question probe, pooled over 9 entries and the 12 before each), a recent window
-# of min(32, B // 2). Plain H2O stays available by name ("h2o").
+# of min(32, B // 2) and min(4, B // 8) attention sinks. Plain H2O stays available by name ("h2o").
 DEFAULT_POLICY = "tova"
 DEFAULT_FIELDS: Dict[str, Any] = {"probe": "question", "pool": 9, "follow": 12}
 DEFAULT_RECENT = 32
+DEFAULT_SINKS = 4
 
 
 def default_recent(budget: int) -> int:
     """The default policy's recent window for a budget of `budget` entries."""
     return max(1, min(DEFAULT_RECENT, budget // 2))
+
+
+def default_sinks(budget: int) -> int:
+    """The default policy's attention sinks (the first entries, always kept) for a budget of `budget` entries: the
+    question probe ranks by lift over the attention an entry usually gets, so the sinks, which get the most, would
+    rank last."""
+    return min(DEFAULT_SINKS, budget // 8)
 
 
 def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = None, *, heavy: Optional[int] = None,
@@ -383,8 +391,11 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
         fields = {k: v for k, v in given.items() if k != "budget"}
         for key, value in DEFAULT_FIELDS.items():
             fields[key] = value if fields[key] is None else fields[key]
-        if recent is None and heavy is None and isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-            fields["recent"] = min(default_recent(budget), budget - (sinks or 0)) if (sinks or 0) < budget else None
+        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+            if sinks is None and heavy is None and recent is None:
+                fields["sinks"] = sinks = default_sinks(budget)
+            if recent is None and heavy is None:
+                fields["recent"] = min(default_recent(budget), budget - (sinks or 0)) if (sinks or 0) < budget else None
         return resolve(DEFAULT_POLICY, budget, **fields)
     if isinstance(policy, Policy):
         if any(v is not None for v in given.values()):

