@@ -35,11 +35,12 @@ py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
 
 PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
                            int32_t query_window, const std::string & probe = "", int32_t question = -1, int32_t pool = -1,
-                           int32_t follow = -1, int32_t probe_share = -1) {
+                           int32_t follow = -1, int32_t probe_share = -1, bool per_head = false) {
     PolicyConfig cfg;
     cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks;
     cfg.query_window = query_window;
     cfg.probe = probe; cfg.question = question; cfg.pool = pool; cfg.follow = follow; cfg.probe_share = probe_share;
+    cfg.per_head = per_head;
     return cfg;
 }
 
@@ -66,6 +67,19 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["n_evicted"]   = st.n_evicted;
     d["peak_cells"]  = st.peak_cells;
     d["n_keep"]      = st.n_keep;
+    // per-head cells: [layer][KV head][cell] the position each cell holds there (None: every cell holds its own)
+    const HeadParts & hp = st.parts;
+    if (hp.empty()) {
+        d["head_positions"] = py::none();
+        d["head_layers"]    = py::none();
+    } else {
+        py::array_t<llama_pos> hpos({(py::ssize_t) hp.layers.size(), (py::ssize_t) hp.n_head_kv, n});
+        for (size_t k = 0; k < hp.pos.size(); ++k) {
+            std::copy(hp.pos[k].begin(), hp.pos[k].end(), hpos.mutable_data() + k*n);
+        }
+        d["head_positions"] = hpos;
+        d["head_layers"]    = to_numpy(hp.layers.data(), {(py::ssize_t) hp.layers.size()});
+    }
     return d;
 }
 
@@ -165,12 +179,12 @@ PYBIND11_MODULE(_engine, m) {
     py::class_<Policy, std::shared_ptr<Policy>>(m, "Policy", "A resolved eviction policy (see h2o_local.policies).")
         .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
                          int32_t query_window, const std::string & probe, int32_t question, int32_t pool,
-                         int32_t follow, int32_t probe_share) {
+                         int32_t follow, int32_t probe_share, bool per_head) {
                  return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, query_window,
-                                                                          probe, question, pool, follow, probe_share)));
+                                                                          probe, question, pool, follow, probe_share, per_head)));
              }), py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1,
              py::arg("sinks") = -1, py::arg("query_window") = -1, py::arg("probe") = "", py::arg("question") = -1,
-             py::arg("pool") = -1, py::arg("follow") = -1, py::arg("probe_share") = -1)
+             py::arg("pool") = -1, py::arg("follow") = -1, py::arg("probe_share") = -1, py::arg("per_head") = false)
         .def_property_readonly("probe", [](const Policy & p) { return probe_source_name(p.probe().source); })
         .def_property_readonly("question", [](const Policy & p) { return p.probe().question; })
         .def_property_readonly("pool", [](const Policy & p) {
@@ -185,6 +199,7 @@ PYBIND11_MODULE(_engine, m) {
             const auto * r = dynamic_cast<const RankedPolicy *>(&p);
             return r != nullptr ? r->probe_share() : 100;
         })
+        .def_property_readonly("per_head", &Policy::per_head)
         .def_property_readonly("name", &Policy::name)
         .def_property_readonly("bounded", &Policy::bounded)
         .def_property_readonly("needs_scores", &Policy::needs_scores)

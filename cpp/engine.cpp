@@ -80,6 +80,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     if (params.n_batch < 1) {
         throw std::invalid_argument("n_batch must be >= 1");
     }
+    check_per_head(*policy_);
     if (params.roll_interval < 1) {
         throw std::invalid_argument("roll_interval must be >= 1 (tokens), got " + std::to_string(params.roll_interval));
     }
@@ -184,6 +185,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
             throw std::runtime_error("cannot export attention scores for this model" + llama_error_suffix());
         }
     }
+    use_per_head(*policy_);
 }
 
 Engine::~Engine() {
@@ -333,6 +335,10 @@ void Engine::set_policy(PolicyPtr policy) {
             policy->split().after_prefix(kv.second.state().n_keep);
         }
     }
+    for (const auto & kv : seqs_) {
+        check_parts(kv.first, kv.second.state(), *policy);
+    }
+    use_per_head(*policy);
     policy_ = std::move(policy);
     seq_policies_.clear();
 }
@@ -340,15 +346,39 @@ void Engine::set_policy(PolicyPtr policy) {
 void Engine::set_seq_policy(llama_seq_id seq, PolicyPtr policy) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     SeqCache & sc = seq_cache(seq);
+    check_parts(seq, sc.state(), policy == nullptr ? *policy_ : *policy);
     if (policy == nullptr) {
         seq_policies_.erase(seq);
         return;
     }
     check_fits(*policy);
+    use_per_head(*policy);
     if (policy->bounded()) {
         policy->split().after_prefix(sc.state().n_keep); // its protected prefix must fit the new budget
     }
     seq_policies_[seq] = std::move(policy);
+}
+
+void Engine::check_parts(llama_seq_id seq, const SeqState & state, const Policy & policy) const {
+    if (!state.parts.empty() && !policy.per_head()) {
+        throw std::invalid_argument("sequence " + std::to_string(seq) + " holds per-head cells (each layer and KV head "
+                                    "keeps its own tokens): a policy that keeps whole tokens ('" + policy.name() +
+                                    "') cannot take them over; reset the sequence first");
+    }
+}
+
+void Engine::check_per_head(const Policy & policy) const {
+    if (policy.per_head() && params_.position_rolling) {
+        throw std::invalid_argument("policy '" + policy.name() + "' with per_head keeps different tokens per layer and "
+                                    "KV head in a cell: position_rolling cannot shift them (not built); use absolute positions");
+    }
+}
+
+void Engine::use_per_head(const Policy & policy) {
+    check_per_head(policy);
+    if (policy.per_head()) {
+        llama_attn_scores_per_layer(ctx_, true);
+    }
 }
 
 void Engine::check_fits(const Policy & policy) const {
@@ -435,6 +465,7 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
     if (policy_of(seq).bounded()) {
         policy_of(seq).split().after_prefix(snap.state.n_keep); // its protected prefix must fit this budget
     }
+    check_parts(seq, snap.state, policy_of(seq));
     if (snap.state.scores.n_head != n_head_ || (!snap.logits.empty() && snap.logits.size() != (size_t) model_->n_vocab())) {
         throw std::invalid_argument("the snapshot's scores or logits do not match this model");
     }
@@ -621,6 +652,9 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
                 const Policy & policy = policy_of(seq);
                 sc.observe(policy, pos, sums, n, n_new, window,
                            !(window && policy.probe().source == ProbeSource::question));
+                if (policy.per_head()) {
+                    sc.observe_heads(policy, n_new, window);
+                }
             }
         }
     }

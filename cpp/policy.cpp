@@ -61,6 +61,14 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
         check_policy(cfg.probe_share <= 100, "probe_share is a percent in [0, 100], got " + std::to_string(cfg.probe_share));
         ranked->set_probe_share(cfg.probe_share);
     }
+    if (cfg.per_head) {
+        check_policy(!policy->needs_keys(), "policy '" + cfg.name + "' ranks by keys: per_head is built for the "
+                     "attention scorers (h2o, tova, snapkv and their variants)");
+        check_policy(ranked != nullptr && policy->needs_scores(),
+                     "policy '" + cfg.name + "' ranks by no attention scores: it has no per-head choice");
+        check_policy(source == ProbeSource::none, "per_head with a probe is not built yet: give one or the other");
+        ranked->set_per_head(true);
+    }
     return policy;
 }
 

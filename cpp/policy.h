@@ -29,6 +29,8 @@ struct PolicyConfig {
     int32_t follow = -1; // and by the best of the `follow` entries before it (a value after its key); < 0: 0
     int32_t probe_share = -1; // percent of the heavy entries chosen by the probe's ranking, the rest by rank() alone
                               // (what the newest query looks at, for tova); < 0: 100
+    bool per_head = false; // every scored layer and KV head keeps its own entries (H2O's published rule), inside the
+                           // same budget of cells (see HeadParts)
 };
 
 // A probe: tokens decoded after what a sequence holds, whose attention to it ranks it, and which are then removed
@@ -89,6 +91,20 @@ struct SeqScores {
 
     size_t size() const { return total.size(); }
 
+    // n_new entries fed after the others: each older one is attended by their n_new queries, new one i by the
+    // n_new - i from itself on (causal)
+    void append(int32_t n_new) {
+        for (auto & q : queries) {
+            q += n_new;
+        }
+        for (int32_t i = 0; i < n_new; ++i) {
+            queries.push_back(n_new - i);
+        }
+        total.resize(queries.size(), 0.0f);
+        probe.resize(queries.size(), 0.0f);
+        head.resize(queries.size()*n_head, 0.0f);
+    }
+
     // the entries at `indices`, in that order
     SeqScores gather(const std::vector<size_t> & indices) const {
         SeqScores out;
@@ -136,6 +152,9 @@ public:
     // sees their attention alone (ScoreUpdate::in_query_window); single tokens (generation) never form a window
     virtual int32_t query_window() const { return 0; }
 
+    // true: each scored layer and KV head chooses its own entries by its own scores (SeqCache::evict_heads)
+    virtual bool per_head() const { return false; }
+
     // a probe (see ProbeSource) ranks the entries before a prompt's evictions; its scores go to SeqScores::probe
     // (observe_probe), never through observe()
     virtual ProbeSpec probe() const { return {}; }
@@ -166,11 +185,13 @@ public:
     int32_t pool() const { return pool_; }
     int32_t follow() const { return follow_; }
     int32_t probe_share() const { return probe_share_; }
+    bool per_head() const override { return per_head_; }
     // by make_policy, before the policy is shared
     void set_probe(ProbeSpec probe) { probe_ = probe; }
     void set_pool(int32_t pool) { pool_ = pool; }
     void set_follow(int32_t follow) { follow_ = follow; }
     void set_probe_share(int32_t percent) { probe_share_ = percent; }
+    void set_per_head(bool per_head) { per_head_ = per_head; }
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
     // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties, entries no probe
@@ -191,6 +212,7 @@ private:
     int32_t     pool_ = 1;
     int32_t     follow_ = 0; // entries before an entry whose score it takes (at least pool_/2)
     int32_t     probe_share_ = 100; // percent of the heavy entries ranked by the probe first
+    bool        per_head_ = false;
 };
 
 // A scorer that only ranks differently is one function: `make_ranked<RankedBy<mean_per_query>, half_recent>`

@@ -21,17 +21,13 @@ void SeqCache::append(const std::vector<llama_token> & tokens) {
         st_.positions.push_back(st_.next_pos + i);
     }
     st_.tokens.insert(st_.tokens.end(), tokens.begin(), tokens.end());
-    SeqScores & s = st_.scores;
-    // every old entry is attended by the n_new queries, new token i by the n_new - i from itself on (causal)
-    for (auto & q : s.queries) {
-        q += n_new;
+    st_.scores.append(n_new);
+    for (size_t k = 0; k < st_.parts.pos.size(); ++k) {
+        for (int32_t i = 0; i < n_new; ++i) {
+            st_.parts.pos[k].push_back(st_.next_pos + i);
+        }
+        st_.parts.scores[k].append(n_new);
     }
-    for (int32_t i = 0; i < n_new; ++i) {
-        s.queries.push_back(n_new - i);
-    }
-    s.total.resize(st_.positions.size(), 0.0f);
-    s.probe.resize(st_.positions.size(), 0.0f);
-    s.head.resize(st_.positions.size()*s.n_head, 0.0f);
     st_.next_pos  += n_new;
     st_.n_seen    += n_new;
     st_.peak_cells = std::max(st_.peak_cells, size());
@@ -65,6 +61,59 @@ void SeqCache::observe(const Policy & policy, const llama_pos * pos, const float
     }
 }
 
+void SeqCache::init_parts() {
+    const llama_model * model = llama_get_model(ctx_);
+    HeadParts & hp = st_.parts;
+    hp = HeadParts();
+    hp.n_head_kv = llama_model_n_head_kv(model);
+    for (int32_t il = 0; il < llama_model_n_layer(model); ++il) {
+        const llama_pos * pos = nullptr;
+        const float * sums = nullptr;
+        if (llama_attn_scores_get_layer(ctx_, seq_, il, &pos, &sums) >= 0) {
+            hp.layers.push_back(il);
+        }
+    }
+    if (hp.layers.empty() || hp.n_head_kv < 1 || st_.scores.n_head % hp.n_head_kv != 0) {
+        throw std::logic_error("no per-layer attention scores for sequence " + std::to_string(seq_));
+    }
+    // until now every cell held its own position everywhere
+    SeqScores fresh;
+    fresh.n_head  = st_.scores.n_head/hp.n_head_kv;
+    fresh.queries = st_.scores.queries;
+    fresh.total.assign(size(), 0.0f);
+    fresh.probe.assign(size(), 0.0f);
+    fresh.head.assign((size_t) size()*fresh.n_head, 0.0f);
+    const size_t n_parts = hp.layers.size()*hp.n_head_kv;
+    hp.pos.assign(n_parts, st_.positions);
+    hp.scores.assign(n_parts, fresh);
+}
+
+void SeqCache::observe_heads(const Policy & policy, int32_t n_new, bool in_query_window) {
+    if (st_.parts.empty()) {
+        init_parts();
+    }
+    HeadParts & hp = st_.parts;
+    const int32_t n_head = st_.scores.n_head;
+    const int32_t group  = n_head/hp.n_head_kv; // query head j reads KV head j / group
+    const int32_t n = size();
+    std::vector<float> sums((size_t) n*group);
+    for (size_t l = 0; l < hp.layers.size(); ++l) {
+        const llama_pos * pos = nullptr;
+        const float * layer_sums = nullptr;
+        const int32_t got = llama_attn_scores_get_layer(ctx_, seq_, hp.layers[l], &pos, &layer_sums);
+        if (got != n || !std::equal(st_.positions.begin(), st_.positions.end(), pos)) {
+            throw std::logic_error("layer " + std::to_string(hp.layers[l]) + "'s attention scores of sequence " +
+                                   std::to_string(seq_) + " do not cover its cells");
+        }
+        for (int32_t h = 0; h < hp.n_head_kv; ++h) {
+            for (int32_t i = 0; i < n; ++i) {
+                std::copy_n(layer_sums + (size_t) i*n_head + h*group, group, sums.begin() + (size_t) i*group);
+            }
+            policy.observe(hp.scores[l*hp.n_head_kv + h], {sums.data(), n, group, n_new, in_query_window});
+        }
+    }
+}
+
 void SeqCache::observe_probe(const std::vector<float> & head_sums, int32_t n_queries, bool keep_best) {
     if (head_sums.size() != (size_t) size()*st_.scores.n_head) {
         throw std::logic_error("probe scores of sequence " + std::to_string(seq_) + " do not cover its entries");
@@ -78,10 +127,14 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
         return;
     }
 
+    if (policy.per_head()) {
+        evict_heads(policy);
+        return;
+    }
     if (policy.needs_keys()) {
         observe_keys(policy);
     }
-    const std::vector<size_t> keep = kept_indices(policy);
+    const std::vector<size_t> keep = select(policy, st_.positions, st_.scores, (size_t) st_.n_keep);
     std::vector<bool> kept(n, false);
     for (const size_t k : keep) {
         kept[k] = true;
@@ -123,22 +176,118 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     }
 }
 
-std::vector<size_t> SeqCache::kept_indices(const Policy & policy) const {
-    const size_t n_keep = std::min<size_t>(st_.n_keep, st_.positions.size());
+std::vector<size_t> SeqCache::select(const Policy & policy, const std::vector<llama_pos> & positions,
+                                     const SeqScores & scores, size_t n_keep) {
+    n_keep = std::min(n_keep, positions.size());
     if (n_keep == 0) {
-        return policy.select(st_.positions, st_.scores, policy.split());
+        return policy.select(positions, scores, policy.split());
     }
     // the policy decides over the entries after the prefix, within what the prefix leaves of the budget
-    std::vector<size_t> after(st_.positions.size() - n_keep);
+    std::vector<size_t> after(positions.size() - n_keep);
     std::iota(after.begin(), after.end(), n_keep);
-    const std::vector<llama_pos> tail = gather_rows(st_.positions, 1, after);
+    const std::vector<llama_pos> tail = gather_rows(positions, 1, after);
 
     std::vector<size_t> keep(n_keep);
     std::iota(keep.begin(), keep.end(), 0);
-    for (const size_t k : policy.select(tail, st_.scores.gather(after), policy.split().after_prefix((int32_t) n_keep))) {
+    for (const size_t k : policy.select(tail, scores.gather(after), policy.split().after_prefix((int32_t) n_keep))) {
         keep.push_back(n_keep + k);
     }
     return keep;
+}
+
+void SeqCache::evict_heads(const Policy & policy) {
+    if (st_.parts.empty()) {
+        init_parts(); // no decode observed under this policy yet (compress() after set_policy)
+    }
+    HeadParts & hp = st_.parts;
+    const size_t n = st_.positions.size();
+    const size_t n_parts = hp.pos.size();
+
+    // each part's choice, over its entries in position order (what select() expects)
+    std::vector<std::vector<bool>> kept(n_parts, std::vector<bool>(n, false));
+    std::vector<int32_t> n_kept_in(n, 0); // parts that keep what they hold in cell i
+    for (size_t k = 0; k < n_parts; ++k) {
+        std::vector<size_t> order(n);
+        std::iota(order.begin(), order.end(), 0);
+        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return hp.pos[k][a] < hp.pos[k][b]; });
+        const std::vector<llama_pos> pos = gather_rows(hp.pos[k], 1, order);
+        const std::vector<size_t> keep = select(policy, pos, hp.scores[k].gather(order), (size_t) st_.n_keep);
+        if (keep.empty() || keep.back() != n - 1) {
+            throw std::logic_error("policy '" + policy.name() + "' evicted the newest token");
+        }
+        for (const size_t j : keep) {
+            kept[k][order[j]] = true;
+            ++n_kept_in[order[j]];
+        }
+    }
+    const size_t budget = (size_t) std::count(kept[0].begin(), kept[0].end(), true);
+
+    // the cells that stay: those most parts keep (every part keeps the newest cell and the protected prefix)
+    std::vector<size_t> stay(n);
+    std::iota(stay.begin(), stay.end(), 0);
+    std::stable_sort(stay.begin(), stay.end(), [&](size_t a, size_t b) { return n_kept_in[a] > n_kept_in[b]; });
+    stay.resize(budget);
+    std::sort(stay.begin(), stay.end());
+    std::vector<bool> stays(n, false);
+    for (const size_t c : stay) {
+        stays[c] = true;
+    }
+
+    // in each part, what it keeps in a leaving cell moves into a staying cell whose part it evicts
+    std::vector<int32_t> mv_layer, mv_head;
+    std::vector<llama_pos> mv_src, mv_dst;
+    std::vector<std::vector<size_t>> source(n_parts); // [part][j]: the cell whose part ends up in stay[j]
+    for (size_t k = 0; k < n_parts; ++k) {
+        std::vector<size_t> movers;
+        for (size_t i = 0; i < n; ++i) {
+            if (kept[k][i] && !stays[i]) {
+                movers.push_back(i);
+            }
+        }
+        size_t m = 0;
+        for (const size_t c : stay) {
+            if (kept[k][c]) {
+                source[k].push_back(c);
+                continue;
+            }
+            const size_t from = movers.at(m++);
+            source[k].push_back(from);
+            mv_layer.push_back(hp.layers[k/hp.n_head_kv]);
+            mv_head.push_back((int32_t) (k % hp.n_head_kv));
+            mv_src.push_back(st_.positions[from]);
+            mv_dst.push_back(st_.positions[c]);
+        }
+    }
+    if (!mv_src.empty()) {
+        const int32_t rc = llama_kv_head_move(ctx_, seq_, (int32_t) mv_src.size(), mv_layer.data(), mv_head.data(),
+                                              mv_src.data(), mv_dst.data());
+        if (rc != 0) {
+            throw std::runtime_error("llama_kv_head_move failed with status " + std::to_string(rc));
+        }
+    }
+
+    // the leaving cells go in runs: positions between two staying ones are exactly the run's
+    for (size_t i = 0; i < n; ) {
+        if (stays[i]) {
+            ++i;
+            continue;
+        }
+        size_t e = i;
+        while (e + 1 < n && !stays[e + 1]) {
+            ++e;
+        }
+        llama_memory_seq_rm(mem_, seq_, st_.positions[i], st_.positions[e] + 1);
+        i = e + 1;
+    }
+
+    st_.positions = gather_rows(st_.positions, 1, stay);
+    st_.tokens    = gather_rows(st_.tokens, 1, stay);
+    st_.scores    = st_.scores.gather(stay);
+    for (size_t k = 0; k < n_parts; ++k) {
+        hp.pos[k]    = gather_rows(hp.pos[k], 1, source[k]);
+        hp.scores[k] = hp.scores[k].gather(source[k]);
+    }
+    st_.n_evicted += (int64_t) (n - budget);
 }
 
 void SeqCache::observe_keys(const Policy & policy) {
@@ -219,6 +368,13 @@ void SeqCache::drop_newest(int32_t n) {
     st_.scores    = st_.scores.gather(older);
     for (auto & q : st_.scores.queries) {
         q -= n; // the removed tokens' queries are not counted
+    }
+    for (size_t k = 0; k < st_.parts.pos.size(); ++k) { // the newest cells were never moved into
+        st_.parts.pos[k].resize(kept);
+        st_.parts.scores[k] = st_.parts.scores[k].gather(older);
+        for (auto & q : st_.parts.scores[k].queries) {
+            q -= n;
+        }
     }
     st_.next_pos -= n;
     st_.n_seen   -= n;

@@ -12,6 +12,18 @@
 
 namespace h2o {
 
+// A sequence's cells under a per-head policy (Policy::per_head): every scored layer and KV head keeps its own
+// entries, moved into the cells the others free, so cell i (SeqState::positions[i], the position it was written
+// at, which the mask reads) holds in a given (layer, KV head) the K and V of the position pos[part][i].
+struct HeadParts {
+    std::vector<int32_t> layers;   // the scored layers, in order (part = layer index * n_head_kv + KV head)
+    int32_t n_head_kv = 0;
+    std::vector<std::vector<llama_pos>> pos; // [part][cell]
+    std::vector<SeqScores> scores;           // [part]: aligned with the cells; n_head: the query heads of the group
+
+    bool empty() const { return pos.empty(); }
+};
+
 struct SeqState {
     std::vector<llama_pos> positions;   // kept positions, ascending
     std::vector<llama_token> tokens;    // the token of each kept entry (aligned with positions)
@@ -21,6 +33,7 @@ struct SeqState {
     int64_t   n_evicted  = 0;
     int32_t   peak_cells = 0;           // most entries held at once (between a decode and its eviction)
     int32_t   n_keep     = 0;           // the oldest entries never evicted (a protected prefix, inside the budget)
+    HeadParts parts;                    // per-head cells (empty: every cell holds its own position everywhere)
 };
 
 // A sequence's cache and its bookkeeping, to branch several continuations from one prefix.
@@ -37,6 +50,10 @@ class SeqCache {
 public:
     SeqCache(llama_context * ctx, llama_seq_id seq, int32_t n_head);
 
+    // the indices of positions to keep: a protected prefix of n_keep, then what the policy keeps of the rest
+    static std::vector<size_t> select(const Policy & policy, const std::vector<llama_pos> & positions,
+                                      const SeqScores & scores, size_t n_keep);
+
     const SeqState & state() const { return st_; }
     int32_t size() const { return (int32_t) st_.positions.size(); }
     llama_pos next_pos() const { return st_.next_pos; }
@@ -46,6 +63,8 @@ public:
     // fold the scores the patch exported in the last decode (checked against the kept positions)
     void observe(const Policy & policy, const llama_pos * pos, const float * head_sums, int32_t n, int32_t n_new,
                  bool in_query_window, bool add_to_baseline = true);
+    // fold each scored layer's scores of the last decode into its KV heads' part scores (a per-head policy)
+    void observe_heads(const Policy & policy, int32_t n_new, bool in_query_window);
     // a probe's attention to the entries: head_sums [size()][n_head] summed over its n_queries queries
     void observe_probe(const std::vector<float> & head_sums, int32_t n_queries, bool keep_best);
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more
@@ -65,8 +84,11 @@ public:
     void set_keep(const Policy & policy, int32_t n);
 
 private:
+    // evict() of a per-head policy: each (layer, KV head) keeps what the policy chooses from its own parts; the
+    // cells most parts keep stay, and the parts kept in the other cells move into the stayers' evicted parts
+    void evict_heads(const Policy & policy);
+    void init_parts();
     void observe_keys(const Policy & policy); // the policy reads the kept entries' keys of every layer
-    std::vector<size_t> kept_indices(const Policy & policy) const;
     void roll_positions();
 
     void forget_keys() { keys_.clear(); key_rows_ = 0; }

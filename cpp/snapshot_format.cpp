@@ -8,7 +8,7 @@ namespace h2o {
 
 namespace {
 
-constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '2'};
+constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '3'};
 
 struct ByteWriter {
     std::vector<uint8_t> out;
@@ -21,6 +21,14 @@ struct ByteWriter {
     template <typename T> void array(const std::vector<T> & v) {
         value<uint64_t>(v.size());
         raw(v.data(), v.size()*sizeof(T));
+    }
+    void scores(const SeqScores & s) {
+        value(s.n_head);
+        array(s.total);
+        array(s.head);
+        array(s.queries);
+        array(s.probe);
+        array(s.seen);
     }
 };
 
@@ -53,7 +61,23 @@ struct ByteReader {
         raw(v.data(), n*sizeof(T));
         return v;
     }
+    SeqScores scores() {
+        SeqScores s;
+        s.n_head  = value<int32_t>();
+        s.total   = array<float>();
+        s.head    = array<float>();
+        s.queries = array<int64_t>();
+        s.probe   = array<float>();
+        s.seen    = array<float>();
+        return s;
+    }
 };
+
+// the scores' arrays all cover n entries
+bool consistent(const SeqScores & s, size_t n) {
+    return s.n_head >= 0 && s.total.size() == n && s.queries.size() == n && s.probe.size() == n &&
+           s.head.size() == n*s.n_head && (s.seen.empty() || s.seen.size() == n*s.n_head);
+}
 
 } // namespace
 
@@ -65,12 +89,14 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     const SeqState & st = snap.state;
     w.array(st.positions);
     w.array(st.tokens);
-    w.value(st.scores.n_head);
-    w.array(st.scores.total);
-    w.array(st.scores.head);
-    w.array(st.scores.queries);
-    w.array(st.scores.probe);
-    w.array(st.scores.seen);
+    w.scores(st.scores);
+    w.array(st.parts.layers);
+    w.value(st.parts.n_head_kv);
+    w.value<uint64_t>(st.parts.pos.size());
+    for (size_t k = 0; k < st.parts.pos.size(); ++k) {
+        w.array(st.parts.pos[k]);
+        w.scores(st.parts.scores[k]);
+    }
     w.value(st.next_pos);
     w.value(st.n_seen);
     w.value(st.n_evicted);
@@ -99,12 +125,17 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     SeqState & st = snap.state;
     st.positions      = r.array<llama_pos>();
     st.tokens         = r.array<llama_token>();
-    st.scores.n_head  = r.value<int32_t>();
-    st.scores.total   = r.array<float>();
-    st.scores.head    = r.array<float>();
-    st.scores.queries = r.array<int64_t>();
-    st.scores.probe   = r.array<float>();
-    st.scores.seen    = r.array<float>();
+    st.scores         = r.scores();
+    st.parts.layers    = r.array<int32_t>();
+    st.parts.n_head_kv = r.value<int32_t>();
+    const uint64_t n_parts = r.value<uint64_t>();
+    if (n_parts != st.parts.layers.size()*(uint64_t) std::max(st.parts.n_head_kv, 0)) {
+        throw std::invalid_argument("not a session snapshot: its per-head parts do not agree");
+    }
+    for (uint64_t k = 0; k < n_parts; ++k) {
+        st.parts.pos.push_back(r.array<llama_pos>());
+        st.parts.scores.push_back(r.scores());
+    }
     st.next_pos   = r.value<llama_pos>();
     st.n_seen     = r.value<int64_t>();
     st.n_evicted  = r.value<int64_t>();
@@ -113,12 +144,14 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     snap.logits   = r.array<float>();
     snap.pending  = r.array<llama_token>();
     const size_t n = st.positions.size();
+    for (size_t k = 0; k < st.parts.pos.size(); ++k) {
+        if (st.parts.pos[k].size() != n || !consistent(st.parts.scores[k], n)) {
+            throw std::invalid_argument("not a session snapshot: its per-head parts do not agree");
+        }
+    }
     const bool ascending = std::adjacent_find(st.positions.begin(), st.positions.end(),
                                               [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();
-    if (r.left != 0 || st.scores.n_head < 0 || st.scores.total.size() != n || st.scores.queries.size() != n ||
-        st.tokens.size() != n || st.scores.probe.size() != n ||
-        (!st.scores.seen.empty() && st.scores.seen.size() != n*st.scores.n_head) ||
-        st.scores.head.size() != n*st.scores.n_head || !ascending || (n > 0 && (st.positions.front() < 0 ||
+    if (r.left != 0 || !consistent(st.scores, n) || st.tokens.size() != n || !ascending || (n > 0 && (st.positions.front() < 0 ||
         st.positions.back() >= st.next_pos)) || st.n_keep < 0 || st.n_seen < (int64_t) n || st.n_evicted < 0) {
         throw std::invalid_argument("not a session snapshot: its parts do not agree");
     }

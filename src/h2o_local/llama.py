@@ -51,6 +51,11 @@ class KVState:
     n_keep: int = 0          # the oldest entries protected from eviction (`keep`)
     tokens: Optional[np.ndarray] = None        # int32 [n]: the token of each kept entry
     probe_scores: Optional[np.ndarray] = None  # float32 [n]: the most attention a probe gave each (0: none yet)
+    # a per-head policy (`per_head=True`): int32 [n_layers, n_head_kv, n], the position whose K and V cell i holds
+    # in that layer and KV head (`positions[i]` is where the cell was written, what the attention mask reads);
+    # None when every cell holds its own position everywhere
+    head_positions: Optional[np.ndarray] = None
+    head_layers: Optional[np.ndarray] = None   # int32 [n_layers]: the layers of head_positions
 
     @property
     def n_cells(self) -> int:
@@ -379,7 +384,8 @@ class Llama:
         return KVState(positions=st["positions"], scores=st["scores"], head_scores=st["head_scores"],
                        queries=st["queries"], n_evicted=st["n_evicted"], n_seen=st["n_seen"],
                        peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx,
-                       n_keep=st["n_keep"], tokens=st["tokens"], probe_scores=st["probe_scores"])
+                       n_keep=st["n_keep"], tokens=st["tokens"], probe_scores=st["probe_scores"],
+                       head_positions=st["head_positions"], head_layers=st["head_layers"])
 
     def set_policy(self, policy: Union[str, Policy, None], budget: Optional[int] = None, *, heavy: Optional[int] = None,
                    recent: Optional[int] = None, sinks: Optional[int] = None, seq_id: Optional[int] = None) -> None:

@@ -27,7 +27,9 @@ from . import _engine
 REGISTRY: Dict[str, Type["Policy"]] = {}
 # the fields a policy value passes to its C++ factory (PolicyConfig), in order
 ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow",
-                 "probe_share")
+                 "probe_share", "per_head")
+# the optional fields beside the split; a name with none of them and no budget is the full cache
+OPTION_FIELDS = ("query_window", "probe", "question", "pool", "follow", "probe_share", "per_head")
 # what a probe decodes after a piece of a prompt to rank it before eviction (cpp/policy.h ProbeSource)
 PROBES = ("question", "repeat", "catalyst")
 
@@ -54,8 +56,15 @@ def _engine_int(value: Optional[int]) -> int:
 
 
 def _engine_args(values: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    """ENGINE_FIELDS' values as the C++ factory takes them: -1 for an int left out, "" for no probe."""
-    return tuple(("" if v is None else v) if k == "probe" else _engine_int(v) for k, v in zip(ENGINE_FIELDS, values))
+    """ENGINE_FIELDS' values as the C++ factory takes them: -1 for an int left out, "" for no probe, False for no
+    per-head choice."""
+    return tuple(("" if v is None else v) if k == "probe" else bool(v) if k == "per_head" else _engine_int(v)
+                 for k, v in zip(ENGINE_FIELDS, values))
+
+
+def check_per_head(per_head: Any) -> None:
+    if per_head is not None and not isinstance(per_head, (bool, np.bool_)):
+        raise TypeError(f"per_head must be True, False or None, got {per_head!r}")
 
 
 def check_probe(probe: Any) -> None:
@@ -78,6 +87,8 @@ class Policy:
         for f in dataclasses.fields(self):
             if f.name == "probe":
                 check_probe(self.probe)  # type: ignore[attr-defined]
+            elif f.name == "per_head":
+                check_per_head(self.per_head)  # type: ignore[attr-defined]
             else:
                 check_int(f.name, getattr(self, f.name), minimum=0)
         self._adopt(_engine.Policy(self.name, *_engine_args(self._request())))
@@ -95,6 +106,8 @@ class Policy:
             object.__setattr__(self, "pool", cpp.pool if cpp.pool > 1 else None)
             object.__setattr__(self, "follow", cpp.follow or None)
             object.__setattr__(self, "probe_share", cpp.probe_share if cpp.probe_share < 100 else None)
+        if "per_head" in self._field_names():
+            object.__setattr__(self, "per_head", True if cpp.per_head else None)
         object.__setattr__(self, "_cpp", cpp)
 
     @classmethod
@@ -145,7 +158,8 @@ class Policy:
     def label(self) -> str:
         """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4", "tova-256+s4+r192" (a recent
         window other than the policy's default split), "tova-256+q32" / "+repeat" / "+catalyst" (a probe), "+p7" (a
-        pool), "+f12" (a follow), "+m50" (the probe's share of the heavy entries); `parse` reads it back."""
+        pool), "+f12" (a follow), "+m50" (the probe's share of the heavy entries), "+ph" (per-head choice); `parse`
+        reads it back."""
         if not self.bounded:
             return self.name
         sinks = getattr(self, "sinks", 0)
@@ -169,6 +183,8 @@ class Policy:
             default = resolve(self.name, self.budget, sinks=sinks or None, query_window=window)  # probes split nothing
             if default.recent != recent:  # type: ignore[attr-defined]
                 extra += f"+r{recent}"
+        if getattr(self, "per_head", None):
+            extra += "+ph"
         return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
 
 
@@ -225,6 +241,11 @@ class Scored(Policy):
     # by the scorer's own rank (tova: what the newest query looks at), so that a chat's continuation keeps what it
     # reads besides what the question found
     probe_share: Optional[int] = None
+    # H2O's published rule: every layer and KV head keeps its own `budget` entries by its own scores (the paper's
+    # per-head heavy hitters), inside the same `budget` cells per sequence ("composite cells": a cell holds a
+    # different token in each layer and head). Sinks, recent window and keep= stay shared by all heads. Attention
+    # scorers only (not keydiff), no probe, no position_rolling. Label suffix `+ph`.
+    per_head: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -327,8 +348,8 @@ class PythonRanked(Scored):
             if self.heavy is None or self.recent is None:
                 raise ValueError(f"policy {self.name!r} needs a budget (KV entries kept per sequence), or heavy and recent")
             object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
-        if any(getattr(self, k) is not None for k in ("probe", "question", "pool", "follow", "probe_share")):
-            raise ValueError("a PythonRanked policy takes no probe, pool or follow (yet)")
+        if any(getattr(self, k) is not None for k in ("probe", "question", "pool", "follow", "probe_share", "per_head")):
+            raise ValueError("a PythonRanked policy takes no probe, pool, follow or per_head (yet)")
         # resolved once, in C++ (the split), as a RankedPolicy whose rank() is this value's
         self._adopt(_PythonRank(self, self.name, *map(_engine_int, (self.budget, self.heavy, self.recent, self.sinks))))
 
@@ -373,7 +394,7 @@ def default_sinks(budget: int) -> int:
 def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = None, *, heavy: Optional[int] = None,
             recent: Optional[int] = None, sinks: Optional[int] = None, query_window: Optional[int] = None,
             probe: Optional[str] = None, question: Optional[int] = None, pool: Optional[int] = None,
-            follow: Optional[int] = None, probe_share: Optional[int] = None) -> Policy:
+            follow: Optional[int] = None, probe_share: Optional[int] = None, per_head: Optional[bool] = None) -> Policy:
     """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split
     (and, for snapkv, a `query_window` in tokens; for a scorer, a `probe` (one of PROBES; `question` tokens for
     the question probe), a `pool` width and a `follow` reach in entries, and the `probe_share` of the heavy entries
@@ -383,10 +404,10 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
     "h2o" with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
     given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "query_window": query_window, "probe": probe,
-             "question": question, "pool": pool, "follow": follow, "probe_share": probe_share}
+             "question": question, "pool": pool, "follow": follow, "probe_share": probe_share, "per_head": per_head}
     if policy is None:
         if budget is None and heavy is None and recent is None and not sinks and \
-                all(given[k] is None for k in ("query_window", "probe", "question", "pool", "follow", "probe_share")):
+                all(given[k] is None for k in OPTION_FIELDS):
             return Full()
         fields = {k: v for k, v in given.items() if k != "budget"}
         for key, value in DEFAULT_FIELDS.items():
@@ -408,10 +429,12 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
     for key, value in given.items():
         if key == "probe":
             check_probe(value)
+        elif key == "per_head":
+            check_per_head(value)
         else:
             check_int(key, value, minimum=1 if key == "budget" else 0)
     if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and \
-            all(given[k] is None for k in ("query_window", "probe", "question", "pool", "follow", "probe_share")):
+            all(given[k] is None for k in OPTION_FIELDS):
         return Full()
     # the C++ policy validates every combination (with its own messages) and resolves it, once
     cpp = _engine.Policy(policy, *_engine_args(tuple(given.values())))
@@ -432,6 +455,8 @@ def suffix_fields(suffix: str) -> Optional[Dict[str, Any]]:
     policy suffix."""
     if suffix in PROBES:
         return {"probe": suffix}
+    if suffix == "ph":
+        return {"per_head": True}
     key = _SUFFIX_FIELDS.get(suffix[:1])
     if key is None or not _DIGITS.fullmatch(suffix[1:]):
         return None
@@ -441,7 +466,7 @@ def suffix_fields(suffix: str) -> Optional[Dict[str, Any]]:
 def parse(text: str) -> Policy:
     """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks),
     "snapkv-256+w64" (a query window of 64), "tova-256+s4+r192" (192 recent entries), "tova-256+q32" (the question
-    probe, 32 tokens), "tova-256+repeat" / "+catalyst" (the query-agnostic probes), "tova-256+p7" (a pool of 7), "tova-256+p9+f12" (and a follow of 12), "tova-256+q32+m50" (half the heavy entries by the probe)."""
+    probe, 32 tokens), "tova-256+repeat" / "+catalyst" (the query-agnostic probes), "tova-256+p7" (a pool of 7), "tova-256+p9+f12" (and a follow of 12), "tova-256+q32+m50" (half the heavy entries by the probe), "h2o-128+ph" (per-head choice)."""
     if not isinstance(text, str) or not text:
         raise ValueError(f"not a policy label: {text!r}")
     if text == "full":
@@ -458,6 +483,6 @@ def parse(text: str) -> Policy:
     if not _DIGITS.fullmatch(budget_text):
         raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks), +wN "
                          "(query window), +rN (recent entries), +qN (the question probe), +repeat or +catalyst (the "
-                         "query-agnostic probes), +pN (pool), +fN (follow) and +mN (the probe's share), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
+                         "query-agnostic probes), +pN (pool), +fN (follow), +mN (the probe's share) and +ph (per head), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
                          "tova-256+s4+r192, tova-256+repeat+p5)")
     return resolve(name, int(budget_text), **extra)

@@ -1,0 +1,194 @@
+"""Per-head eviction in composite cells (`per_head=True`): every layer and KV head keeps its own entries, H2O's
+published rule, inside the same budget of cells.
+
+The reference is independent of llama.cpp and of the engine: a NumPy forward pass over the GGUF weights (float64)
+in which each (layer, KV head) attends only the positions it keeps, with H2O's per-head rule applied after every
+decode (accumulated column sums over the group's query heads; the `heavy` best-scored older entries and the
+`recent` newest; ties to the older position). The engine must keep the same positions in every (layer, head) step
+by step, and its logits (from cells holding a different token in each head) must equal the reference's.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+import pytest
+
+from attention_reference import LlamaReference
+from h2o_local import Llama
+from h2o_local.policies import H2O, TOVA, KeyDiff, SnapKV, parse
+
+TEXT = "The lighthouse keeper climbed the stairs every evening to light the great lamp above the sea."
+
+
+class PerHeadH2OReference:
+    """A growing sequence under per-head H2O, computed from the model's weights alone."""
+
+    def __init__(self, ref: LlamaReference, budget: int):
+        self.r = ref
+        self.heavy, self.recent = budget // 2, budget - budget // 2
+        self.budget = budget
+        self.n = 0
+        self.k: List[np.ndarray] = []      # per layer [n, n_head_kv, d] after RoPE
+        self.v: List[np.ndarray] = []
+        self.kept: List[np.ndarray] = []   # per layer bool [n_head_kv, n]
+        self.score: List[np.ndarray] = []  # per layer [n_head_kv, n]
+
+    def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        d = x.shape[-1]
+        theta = self.r.rope_base ** (-np.arange(0, d, 2) / d)
+        ang = pos[:, None] * theta[None, :]
+        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        out = np.empty_like(x)
+        out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
+        out[..., 1::2] = x[..., 0::2] * sin + x[..., 1::2] * cos
+        return out
+
+    def feed(self, tokens: List[int]) -> np.ndarray:
+        """Decode `tokens` at the next positions, then evict per head; returns the last token's logits."""
+        r, w = self.r, self.r.w
+        m = len(tokens)
+        pos = np.arange(self.n, self.n + m)
+        x = w["token_embd.weight"][tokens]
+        group = r.n_head // r.n_head_kv
+        for il in range(r.n_layer):
+            h = r._rms(x, w[f"blk.{il}.attn_norm.weight"])
+            q, k, v = (h @ w[f"blk.{il}.attn_{t}.weight"].T for t in "qkv")
+            d = q.shape[1] // r.n_head
+            q = self._rope(q.reshape(m, r.n_head, d), pos)
+            k = self._rope(k.reshape(m, r.n_head_kv, d), pos)
+            v = v.reshape(m, r.n_head_kv, d)
+            if il == len(self.k):
+                self.k.append(np.zeros((0, r.n_head_kv, d)))
+                self.v.append(np.zeros((0, r.n_head_kv, d)))
+                self.kept.append(np.zeros((r.n_head_kv, 0), bool))
+                self.score.append(np.zeros((r.n_head_kv, 0)))
+            self.k[il] = np.concatenate([self.k[il], k])
+            self.v[il] = np.concatenate([self.v[il], v])
+            self.kept[il] = np.concatenate([self.kept[il], np.ones((r.n_head_kv, m), bool)], axis=1)
+            self.score[il] = np.concatenate([self.score[il], np.zeros((r.n_head_kv, m))], axis=1)
+            att = np.zeros((m, r.n_head, d))
+            all_pos = np.arange(self.n + m)
+            for qh in range(r.n_head):
+                hk = qh // group  # query head qh reads KV head qh // group
+                logits = q[:, qh] @ self.k[il][:, hk].T / np.sqrt(d)  # [m, n + m]
+                visible = (all_pos[None, :] <= pos[:, None]) & self.kept[il][hk][None, :]
+                logits = np.where(visible, logits, -np.inf)
+                p = np.exp(logits - logits.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                att[:, qh] = p @ self.v[il][:, hk]
+                self.score[il][hk] += p.sum(0)
+            x = x + att.reshape(m, -1) @ w[f"blk.{il}.attn_output.weight"].T
+            h = r._rms(x, w[f"blk.{il}.ffn_norm.weight"])
+            g = h @ w[f"blk.{il}.ffn_gate.weight"].T
+            u = h @ w[f"blk.{il}.ffn_up.weight"].T
+            x = x + (g / (1 + np.exp(-g)) * u) @ w[f"blk.{il}.ffn_down.weight"].T
+        self.n += m
+        for il in range(r.n_layer):
+            for hk in range(r.n_head_kv):
+                held = np.flatnonzero(self.kept[il][hk])
+                if len(held) <= self.budget:
+                    continue
+                older = held[: len(held) - self.recent]
+                s = self.score[il][hk][older]
+                top = sorted(range(len(older)), key=lambda i: (-s[i], i))[: self.heavy]
+                keep = set(older[top].tolist()) | set(held[len(held) - self.recent:].tolist())
+                self.kept[il][hk] = np.isin(np.arange(self.n), sorted(keep))
+        return r._rms(x[-1], w["output_norm.weight"]) @ w["output.weight"].T
+
+    def kept_positions(self) -> np.ndarray:
+        """[n_layer, n_head_kv, budget]: each head's kept positions, ascending."""
+        return np.array([[np.flatnonzero(k) for k in layer] for layer in self.kept])
+
+
+def test_each_head_keeps_what_the_per_head_reference_keeps(tiny_model):
+    budget = 8
+    llm = Llama(tiny_model, policy=H2O(budget=budget, per_head=True), kv_f32=True, n_batch=16)
+    ref = PerHeadH2OReference(LlamaReference(tiny_model), budget)
+    tokens = llm.tokenize(TEXT)
+    # a prompt piece, then generation steps and short pieces
+    chunks, at = [], 0
+    for size in [12, 1, 1, 3, 1, 1, 5, 1, 1, 1, 2, 1, 1, 1, 1, 4, 1, 1]:
+        chunks.append(tokens[at:at + size])
+        at += size
+    moved = 0
+    for chunk in chunks:
+        llm.eval(chunk)
+        expected_logits = ref.feed(chunk)
+        st = llm.kv_state()
+        held = np.sort(st.head_positions, axis=-1)
+        np.testing.assert_array_equal(held, ref.kept_positions())
+        np.testing.assert_allclose(llm.last_logits(), expected_logits, rtol=1e-4, atol=1e-4)
+        assert st.n_cells == budget  # B cells per sequence, whatever the heads chose
+        moved += int((st.head_positions != st.positions[None, None, :]).sum())
+    assert moved > 0  # the heads did choose differently: cells hold other positions' parts
+    heads = ref.kept_positions().reshape(-1, budget)
+    assert len({tuple(h) for h in heads}) > 1
+
+
+def test_a_budget_that_never_evicts_equals_the_full_cache(tiny_model):
+    tokens = Llama(tiny_model).tokenize(TEXT)
+    full = Llama(tiny_model, kv_f32=True)
+    ph = Llama(tiny_model, policy=H2O(budget=200, per_head=True), kv_f32=True)
+    for llm in (full, ph):
+        llm.eval(tokens[:20])
+        llm.eval(tokens[20:])
+    np.testing.assert_array_equal(full.last_logits(), ph.last_logits())
+    assert ph.kv_state().n_evicted == 0
+
+
+def test_label_round_trips_and_options_are_checked():
+    assert H2O(budget=64, per_head=True).label == "h2o-64+ph"
+    assert parse("tova-128+s4+ph") == TOVA(budget=128, sinks=4, per_head=True)
+    assert parse("snapkv-96+w8+ph").per_head
+    assert H2O(budget=64).per_head is None and H2O(budget=64, per_head=False).label == "h2o-64"
+    with pytest.raises(ValueError, match="probe"):
+        TOVA(budget=64, probe="question", per_head=True)
+    with pytest.raises(ValueError, match="keys"):
+        KeyDiff(budget=64, per_head=True)
+    with pytest.raises(ValueError, match="no attention scores"):
+        parse("sink-64+ph")
+    with pytest.raises(TypeError, match="per_head"):
+        H2O(budget=64, per_head=1)
+
+
+def test_rolling_and_whole_token_policies_are_refused_clearly(tiny_model):
+    with pytest.raises(ValueError, match="position_rolling"):
+        Llama(tiny_model, policy=H2O(budget=8, per_head=True), position_rolling=True)
+    llm = Llama(tiny_model, policy=H2O(budget=8, per_head=True))
+    llm.eval(llm.tokenize(TEXT)[:30])
+    with pytest.raises(ValueError, match="per-head cells"):
+        llm.set_policy("h2o", 8)
+    with pytest.raises(ValueError, match="per-head cells"):
+        llm.set_policy("local", 8, seq_id=0)
+    llm.eval([70])  # still usable under its own policy
+    assert llm.kv_state().n_cells == 8
+    llm.reset()
+    llm.set_policy("h2o", 8)  # an empty sequence takes any policy
+    llm.eval(llm.tokenize(TEXT)[:30])
+    assert llm.kv_state().head_positions is None
+
+
+def test_snapshots_and_saved_sessions_carry_the_heads(tiny_model, tmp_path):
+    tokens = Llama(tiny_model).tokenize(TEXT)
+    llm = Llama(tiny_model, policy=SnapKV(budget=10, per_head=True), kv_f32=True, n_batch=16)
+    llm.eval(tokens[:16])
+    llm.eval(tokens[16:40])
+    snap = llm.save_state()
+    before = llm.kv_state()
+    llm.eval(tokens[40:50])
+    logits_a, heads_a = llm.last_logits().copy(), llm.kv_state().head_positions.copy()
+
+    llm.load_state(snap)
+    np.testing.assert_array_equal(llm.kv_state().head_positions, before.head_positions)
+    llm.eval(tokens[40:50])
+    np.testing.assert_array_equal(llm.last_logits(), logits_a)
+    np.testing.assert_array_equal(llm.kv_state().head_positions, heads_a)
+
+    # through bytes, into another Llama with the same policy
+    other = Llama(tiny_model, policy=SnapKV(budget=10, per_head=True), kv_f32=True, n_batch=16)
+    path = tmp_path / "s.bin"
+    path.write_bytes(snap.to_bytes())
+    other.load_state(type(snap).from_bytes(path.read_bytes()))
+    other.eval(tokens[40:50])
+    np.testing.assert_array_equal(other.last_logits(), logits_a)
