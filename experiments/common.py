@@ -41,6 +41,7 @@ class Setting:
     pool: Optional[int] = None
     follow: Optional[int] = None
     probe_share: Optional[int] = None
+    per_head: Optional[bool] = None
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
@@ -74,7 +75,8 @@ class Setting:
     def is_plain(self) -> bool:
         """The policy with its own defaults: no sinks, query window or recent given."""
         return (self.sinks is None and self.query_window is None and self.recent is None and self.recent_percent is None
-                and self.probe is None and self.pool is None and self.follow is None and self.probe_share is None)
+                and self.probe is None and self.pool is None and self.follow is None and self.probe_share is None
+                and self.per_head is None)
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
         if self.percent is None and self.recent_percent is None:
@@ -120,7 +122,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
             fields["recent_percent"] = float(s[1:-1])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

@@ -52,3 +52,12 @@ def test_an_unwritable_png_is_one_error_line_after_the_html(tiny_model, tmp_path
     err = capsys.readouterr().err
     assert code == 1 and html.is_file()
     assert "error: no PNG" in err and "Traceback" not in err
+
+
+def test_a_per_head_policy_shows_how_many_heads_hold_each_token(tiny_model):
+    (ins,) = inspect_text(tiny_model, TEXT, ["h2o-16+ph"], max_tokens=3)
+    # 2 layers x 2 KV heads, 16 entries each: a token is kept when one of them holds it
+    assert ins.head_share is not None and ins.head_share.sum() == pytest.approx(16)
+    assert 16 <= ins.kept.sum() <= 4 * 16 and ins.kept[-1] and ins.head_share[-1] == 1.0
+    assert 0 < ins.head_share[ins.kept].min() < 1  # some tokens are held by some heads only
+    assert "of the layers' KV heads" in to_html([ins])

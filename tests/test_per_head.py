@@ -17,6 +17,7 @@ import pytest
 from attention_reference import LlamaReference
 from h2o_local import Llama
 from h2o_local.policies import H2O, TOVA, KeyDiff, SnapKV, parse
+from tiny_model import write_tiny_llama
 
 TEXT = "The lighthouse keeper climbed the stairs every evening to light the great lamp above the sea."
 
@@ -192,3 +193,57 @@ def test_snapshots_and_saved_sessions_carry_the_heads(tiny_model, tmp_path):
     other.load_state(type(snap).from_bytes(path.read_bytes()))
     other.eval(tokens[40:50])
     np.testing.assert_array_equal(other.last_logits(), logits_a)
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_batched_sequences_each_keep_their_own_heads(tiny_model, kv_unified):
+    text_b = "A small boat crossed the harbour at dawn while gulls circled over the fish market and the old pier."
+    single = Llama(tiny_model, policy=H2O(budget=8, per_head=True), kv_f32=True, n_batch=16)
+    tok_a, tok_b = single.tokenize(TEXT), single.tokenize(text_b)
+    batched = Llama(tiny_model, policy=H2O(budget=8, per_head=True), kv_f32=True, n_batch=32, n_seq_max=2,
+                    kv_unified=kv_unified)
+    expected = {}
+    for seq, toks in ((0, tok_a), (1, tok_b)):
+        single.reset()
+        for a in range(0, 40, 4):
+            single.eval(toks[a:a + 4])
+        expected[seq] = (single.last_logits().copy(), single.kv_state().head_positions.copy())
+    for a in range(0, 40, 4):
+        batched.eval_batch({0: tok_a[a:a + 4], 1: tok_b[a:a + 4]})
+    for seq in (0, 1):
+        np.testing.assert_allclose(batched.last_logits(seq), expected[seq][0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(batched.kv_state(seq).head_positions, expected[seq][1])
+        assert batched.kv_state(seq).n_cells == 8
+
+
+def test_flash_attention_moves_untransposed_values(tiny_model):
+    """With flash attention V is stored like K (one run per head and cell): the per-head reference again, within
+    flash attention's own rounding (its F16 steps: about 0.01 on these logits for the full cache too)."""
+    budget = 10
+    llm = Llama(tiny_model, policy=H2O(budget=budget, per_head=True), kv_f32=True, n_batch=16, flash_attn=True)
+    ref = PerHeadH2OReference(LlamaReference(tiny_model), budget)
+    tokens = llm.tokenize(TEXT)
+    for a in range(0, 60, 6):
+        llm.eval(tokens[a:a + 6])
+        expected = ref.feed(tokens[a:a + 6])
+        np.testing.assert_array_equal(np.sort(llm.kv_state().head_positions, axis=-1), ref.kept_positions())
+        np.testing.assert_allclose(llm.last_logits(), expected, atol=0.1)
+        assert int(np.argmax(llm.last_logits())) == int(np.argmax(expected))
+
+
+def test_quantized_cells_move_whole_blocks(tmp_path):
+    """q8_0 K and V (flash attention) on a model whose heads are one q8_0 block (32 values): each move copies a
+    head's blocks as they are, so the heads choose what the F16 cache's heads choose, nearly."""
+    model = str(write_tiny_llama(tmp_path / "tiny-128.gguf", n_embd=128))
+    tokens = Llama(model).tokenize(TEXT)
+    q8 = Llama(model, policy=H2O(budget=10, per_head=True), n_batch=16, flash_attn=True, type_k="q8_0", type_v="q8_0")
+    f16 = Llama(model, policy=H2O(budget=10, per_head=True), n_batch=16, flash_attn=True)
+    for llm in (q8, f16):
+        for a in range(0, 60, 6):
+            llm.eval(tokens[a:a + 6])
+    a, b = q8.kv_state().head_positions, f16.kv_state().head_positions
+    assert (a != q8.kv_state().positions[None, None, :]).any()  # parts were moved
+    same = np.mean([len(set(x) & set(y)) / len(x) for x, y in zip(a.reshape(-1, 10), b.reshape(-1, 10))])
+    assert same >= 0.8
+    assert int(np.argmax(q8.last_logits())) == int(np.argmax(f16.last_logits()))
+    assert np.corrcoef(q8.last_logits(), f16.last_logits())[0, 1] > 0.995  # q8_0's rounding, not another token's K/V

@@ -239,7 +239,7 @@ def test_labels_and_refusals():
     class Mean(PythonRanked):
         name = "mean"
 
-    with pytest.raises(ValueError, match="no probe, pool or follow"):
+    with pytest.raises(ValueError, match="no probe, pool, follow or per_head"):
         Mean(budget=64, probe="catalyst")
 
 

@@ -28,6 +28,9 @@ class Inspection:
     head_scores: np.ndarray      # float32 [n, n_head]: per head (zeros when the policy keeps no scores)
     n_evicted: int
     n_tokens: int
+    # a per-head policy: float [n], the share of the (layer, KV head) parts that hold the token (kept = share > 0;
+    # scores is then this share); None for a policy that keeps whole tokens
+    head_share: Optional[np.ndarray] = None
 
     @property
     def has_scores(self) -> bool:
@@ -56,12 +59,21 @@ def inspect_text(model_path: str, text: str, policies: Sequence[Union[str, Polic
         kept = np.zeros(n, bool)
         scores = np.zeros(n, np.float32)
         head = np.zeros((n, st.head_scores.shape[1]), np.float32)
-        pos = st.positions[st.positions < n]
-        kept[pos] = True
-        scores[pos] = st.scores[: len(pos)]
-        head[pos] = st.head_scores[: len(pos)]
+        share = None
+        if st.head_positions is not None:
+            # each (layer, KV head) holds its own tokens: a cell's position is not what every head holds there
+            parts = st.head_positions.reshape(-1, st.head_positions.shape[-1])
+            share = np.zeros(n)
+            for held in parts:
+                share[held[held < n]] += 1.0 / len(parts)
+            kept, scores = share > 0, share.astype(np.float32)
+        else:
+            pos = st.positions[st.positions < n]
+            kept[pos] = True
+            scores[pos] = st.scores[: len(pos)]
+            head[pos] = st.head_scores[: len(pos)]
         pieces = [llm.token_to_piece(t, special=True).decode("utf-8", errors="replace") for t in all_tokens]
-        out.append(Inspection(policy.label, pieces, kept, scores, head, st.n_evicted, n))
+        out.append(Inspection(policy.label, pieces, kept, scores, head, st.n_evicted, n, share))
     return out
 
 
@@ -90,13 +102,16 @@ def to_html(inspections: Sequence[Inspection], title: str = "h2o_local inspect")
              + " &nbsp; <span class='e'>evicted</span></p>"]
     for ins in inspections:
         shade = _shade(ins.scores, ins.kept) if ins.has_scores else np.where(ins.kept, 0.5, 0.0)
-        parts.append(f"<h2>{html.escape(ins.label)}: {int(ins.kept.sum())} of {ins.n_tokens} tokens kept, "
+        held = " by at least one layer's KV head" if ins.head_share is not None else ""
+        parts.append(f"<h2>{html.escape(ins.label)}: {int(ins.kept.sum())} of {ins.n_tokens} tokens kept{held}, "
                      f"{ins.n_evicted} evicted</h2><div class='t'>")
         for i, piece in enumerate(ins.pieces):
             text = html.escape(piece)
             if ins.kept[i]:
+                what = (f"held by {ins.head_share[i]:.0%} of the layers' KV heads" if ins.head_share is not None
+                        else f"score {ins.scores[i]:.4g}")
                 parts.append(f"<span class='k' style='background:{_color(shade[i])}' "
-                             f"title='position {i}, score {ins.scores[i]:.4g}'>{text}</span>")
+                             f"title='position {i}, {what}'>{text}</span>")
             else:
                 parts.append(f"<span class='e' title='position {i}, evicted'>{text}</span>")
         parts.append("</div>")
@@ -116,7 +131,7 @@ def to_png(inspections: Sequence[Inspection], path: Union[str, os.PathLike]) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per_head = next((ins for ins in inspections if ins.has_scores), None)
+    per_head = next((ins for ins in inspections if ins.has_scores and ins.head_share is None), None)
     rows = len(inspections) + (1 if per_head is not None else 0)
     fig, axes = plt.subplots(rows, 1, figsize=(12, 1.0 + 1.2 * rows + (1.5 if per_head is not None else 0)),
                              squeeze=False, gridspec_kw={"height_ratios": [1] * len(inspections) + ([3] if per_head else [])})

@@ -34,6 +34,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    "chooses, the rest by the scorer's own (default: 100)")
     g.add_argument("--follow", type=int, help="scorers: and by the best of the N entries before it (a value after "
                    "the key a probe found)")
+    g.add_argument("--per-head", action="store_true", default=None, help="attention scorers: every layer and KV head "
+                   "keeps its own heavy hitters (H2O's published rule) inside the same budget of cells; no probe, no "
+                   "--position-rolling")
     g.add_argument("--keep", default=keep_default, type=_keep_value,
                    help="protected prefix inside the budget: N tokens, 'system' (the system prompt) or 'none'"
                         + (f" (default: {keep_default})" if keep_default else ""))
@@ -93,7 +96,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
         policy = "full" if budget is None else resolve(args.policy, budget, heavy=args.heavy, recent=args.recent,
                                                        sinks=args.sinks, query_window=args.query_window, probe=args.probe,
                                                        question=args.question, pool=args.pool, follow=args.follow,
-                                                       probe_share=args.probe_share)
+                                                       probe_share=args.probe_share, per_head=args.per_head)
         return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                      n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,

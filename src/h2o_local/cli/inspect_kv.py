@@ -52,7 +52,8 @@ def main(argv=None) -> int:
             print(f"h2o-local inspect: error: no PNG: {e}", file=sys.stderr)
             return 1
     for ins in inspections:
-        print(f"{ins.label}: kept {int(ins.kept.sum())} of {ins.n_tokens} tokens, evicted {ins.n_evicted}")
+        held = " (held by at least one layer's KV head)" if ins.head_share is not None else ""
+        print(f"{ins.label}: kept {int(ins.kept.sum())} of {ins.n_tokens} tokens{held}, evicted {ins.n_evicted}")
     return 0
 
 
