@@ -75,7 +75,8 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     } else {
         py::array_t<llama_pos> hpos({(py::ssize_t) hp.layers.size(), (py::ssize_t) hp.n_head_kv, n});
         for (size_t k = 0; k < hp.pos.size(); ++k) {
-            std::copy(hp.pos[k].begin(), hp.pos[k].end(), hpos.mutable_data() + k*n);
+            const std::vector<llama_pos> in_cells = hp.positions_in_cells(k);
+            std::copy(in_cells.begin(), in_cells.end(), hpos.mutable_data() + k*n);
         }
         d["head_positions"] = hpos;
         d["head_layers"]    = to_numpy(hp.layers.data(), {(py::ssize_t) hp.layers.size()});

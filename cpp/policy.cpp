@@ -114,8 +114,17 @@ std::vector<size_t> sinks_middle_recent(size_t n, size_t sinks, size_t recent, s
     for (size_t i = 0; i < sinks; ++i) {
         keep.push_back(i);
     }
-    std::sort(middle.begin(), middle.end());
-    keep.insert(keep.end(), middle.begin(), middle.end());
+    // in index order: a mark per entry, not a sort (the middle is most of a budget, and per-head policies select
+    // once per layer and KV head)
+    std::vector<char> in_middle(n, 0);
+    for (const size_t i : middle) {
+        in_middle[i] = 1;
+    }
+    for (size_t i = sinks; i < n - recent; ++i) {
+        if (in_middle[i]) {
+            keep.push_back(i);
+        }
+    }
     for (size_t i = n - recent; i < n; ++i) {
         keep.push_back(i);
     }
@@ -226,12 +235,15 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     const auto by_rank = [&](size_t a, size_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
     // the probe's share of the heavy entries (all of them by default), then rank() alone for the rest
     const size_t n_first = first.empty() ? 0 : (n_heavy*(size_t) probe_share_ + 50)/100;
-    if (n_first > 0) {
-        std::partial_sort(cand.begin(), cand.begin() + n_first, cand.end(), [&](size_t a, size_t b) {
+    // the best n of a strict order form one set, in any order (sinks_middle_recent puts it in order): nth_element suffices
+    if (n_first > 0 && n_first < cand.size()) {
+        std::nth_element(cand.begin(), cand.begin() + n_first, cand.end(), [&](size_t a, size_t b) {
             return first[a] != first[b] ? first[a] > first[b] : by_rank(a, b);
         });
     }
-    std::partial_sort(cand.begin() + n_first, cand.begin() + n_heavy, cand.end(), by_rank);
+    if (n_heavy > n_first && n_heavy < cand.size()) {
+        std::nth_element(cand.begin() + n_first, cand.begin() + n_heavy, cand.end(), by_rank);
+    }
     cand.resize(n_heavy);
     return sinks_middle_recent(n, split.sinks, split.recent, std::move(cand));
 }

@@ -7,6 +7,7 @@
 
 #include "llama.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -79,6 +80,23 @@ std::vector<T> gather_rows(const std::vector<T> & rows, size_t width, const std:
     return out;
 }
 
+// keep only the rows of a [n][width] array at `indices` (ascending), in place
+template <typename T>
+void keep_rows(std::vector<T> & rows, size_t width, const std::vector<size_t> & indices) {
+    // in runs of consecutive indices (an eviction step keeps long runs)
+    for (size_t i = 0; i < indices.size(); ) {
+        size_t e = i + 1;
+        while (e < indices.size() && indices[e] == indices[e - 1] + 1) {
+            ++e;
+        }
+        if (indices[i] != i) {
+            std::copy(rows.begin() + indices[i]*width, rows.begin() + (indices[e - 1] + 1)*width, rows.begin() + i*width);
+        }
+        i = e;
+    }
+    rows.resize(indices.size()*width);
+}
+
 struct SeqScores {
     int32_t n_head = 0;
     std::vector<float>   total;   // [n]: the score the policy ranks by
@@ -103,6 +121,17 @@ struct SeqScores {
         total.resize(queries.size(), 0.0f);
         probe.resize(queries.size(), 0.0f);
         head.resize(queries.size()*n_head, 0.0f);
+    }
+
+    // keep only the entries at `indices` (ascending), in place
+    void keep_only(const std::vector<size_t> & indices) {
+        keep_rows(total, 1, indices);
+        keep_rows(head, (size_t) n_head, indices);
+        keep_rows(queries, 1, indices);
+        keep_rows(probe, 1, indices);
+        if (!seen.empty()) {
+            keep_rows(seen, (size_t) n_head, indices);
+        }
     }
 
     // the entries at `indices`, in that order

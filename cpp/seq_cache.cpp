@@ -22,9 +22,10 @@ void SeqCache::append(const std::vector<llama_token> & tokens) {
     }
     st_.tokens.insert(st_.tokens.end(), tokens.begin(), tokens.end());
     st_.scores.append(n_new);
-    for (size_t k = 0; k < st_.parts.pos.size(); ++k) {
+    for (size_t k = 0; k < st_.parts.pos.size(); ++k) { // new entries: the newest positions, in new cells
         for (int32_t i = 0; i < n_new; ++i) {
             st_.parts.pos[k].push_back(st_.next_pos + i);
+            st_.parts.cell[k].push_back(size() - n_new + i);
         }
         st_.parts.scores[k].append(n_new);
     }
@@ -84,7 +85,10 @@ void SeqCache::init_parts() {
     fresh.probe.assign(size(), 0.0f);
     fresh.head.assign((size_t) size()*fresh.n_head, 0.0f);
     const size_t n_parts = hp.layers.size()*hp.n_head_kv;
+    std::vector<int32_t> cells(size());
+    std::iota(cells.begin(), cells.end(), 0);
     hp.pos.assign(n_parts, st_.positions);
+    hp.cell.assign(n_parts, cells);
     hp.scores.assign(n_parts, fresh);
 }
 
@@ -106,10 +110,11 @@ void SeqCache::observe_heads(const Policy & policy, int32_t n_new, bool in_query
                                    std::to_string(seq_) + " do not cover its cells");
         }
         for (int32_t h = 0; h < hp.n_head_kv; ++h) {
-            for (int32_t i = 0; i < n; ++i) {
-                std::copy_n(layer_sums + (size_t) i*n_head + h*group, group, sums.begin() + (size_t) i*group);
+            const size_t k = l*hp.n_head_kv + h;
+            for (int32_t j = 0; j < n; ++j) { // the part's entries in position order, from the cells that hold them
+                std::copy_n(layer_sums + (size_t) hp.cell[k][j]*n_head + h*group, group, sums.begin() + (size_t) j*group);
             }
-            policy.observe(hp.scores[l*hp.n_head_kv + h], {sums.data(), n, group, n_new, in_query_window});
+            policy.observe(hp.scores[k], {sums.data(), n, group, n_new, in_query_window});
         }
     }
 }
@@ -203,59 +208,56 @@ void SeqCache::evict_heads(const Policy & policy) {
     const size_t n = st_.positions.size();
     const size_t n_parts = hp.pos.size();
 
-    // each part's choice, over its entries in position order (what select() expects)
-    std::vector<std::vector<bool>> kept(n_parts, std::vector<bool>(n, false));
+    // each part's choice, over its entries in position order
+    std::vector<std::vector<size_t>> keep(n_parts);
     std::vector<int32_t> n_kept_in(n, 0); // parts that keep what they hold in cell i
     for (size_t k = 0; k < n_parts; ++k) {
-        std::vector<size_t> order(n);
-        std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return hp.pos[k][a] < hp.pos[k][b]; });
-        const std::vector<llama_pos> pos = gather_rows(hp.pos[k], 1, order);
-        const std::vector<size_t> keep = select(policy, pos, hp.scores[k].gather(order), (size_t) st_.n_keep);
-        if (keep.empty() || keep.back() != n - 1) {
+        keep[k] = select(policy, hp.pos[k], hp.scores[k], (size_t) st_.n_keep);
+        if (keep[k].empty() || keep[k].back() != n - 1) {
             throw std::logic_error("policy '" + policy.name() + "' evicted the newest token");
         }
-        for (const size_t j : keep) {
-            kept[k][order[j]] = true;
-            ++n_kept_in[order[j]];
+        for (const size_t j : keep[k]) {
+            ++n_kept_in[hp.cell[k][j]];
         }
     }
-    const size_t budget = (size_t) std::count(kept[0].begin(), kept[0].end(), true);
-
+    const size_t budget = keep[0].size();
     // the cells that stay: those most parts keep (every part keeps the newest cell and the protected prefix)
     std::vector<size_t> stay(n);
     std::iota(stay.begin(), stay.end(), 0);
     std::stable_sort(stay.begin(), stay.end(), [&](size_t a, size_t b) { return n_kept_in[a] > n_kept_in[b]; });
     stay.resize(budget);
     std::sort(stay.begin(), stay.end());
-    std::vector<bool> stays(n, false);
-    for (const size_t c : stay) {
-        stays[c] = true;
+    std::vector<int32_t> new_index(n, -1); // a staying cell's index once the others are gone
+    for (size_t i = 0; i < budget; ++i) {
+        new_index[stay[i]] = (int32_t) i;
     }
 
     // in each part, what it keeps in a leaving cell moves into a staying cell whose part it evicts
     std::vector<int32_t> mv_layer, mv_head;
     std::vector<llama_pos> mv_src, mv_dst;
-    std::vector<std::vector<size_t>> source(n_parts); // [part][j]: the cell whose part ends up in stay[j]
+    std::vector<bool> holds(n);
     for (size_t k = 0; k < n_parts; ++k) {
-        std::vector<size_t> movers;
-        for (size_t i = 0; i < n; ++i) {
-            if (kept[k][i] && !stays[i]) {
-                movers.push_back(i);
-            }
+        std::fill(holds.begin(), holds.end(), false);
+        for (const size_t j : keep[k]) {
+            holds[hp.cell[k][j]] = true;
         }
-        size_t m = 0;
-        for (const size_t c : stay) {
-            if (kept[k][c]) {
-                source[k].push_back(c);
-                continue;
+        size_t hole = 0;
+        keep_rows(hp.cell[k], 1, keep[k]);
+        keep_rows(hp.pos[k], 1, keep[k]);
+        hp.scores[k].keep_only(keep[k]);
+        for (auto & c : hp.cell[k]) {
+            if (new_index[c] < 0) {
+                while (holds[stay[hole]]) {
+                    ++hole;
+                }
+                holds[stay[hole]] = true;
+                mv_layer.push_back(hp.layers[k/hp.n_head_kv]);
+                mv_head.push_back((int32_t) (k % hp.n_head_kv));
+                mv_src.push_back(st_.positions[c]);
+                mv_dst.push_back(st_.positions[stay[hole]]);
+                c = (int32_t) stay[hole];
             }
-            const size_t from = movers.at(m++);
-            source[k].push_back(from);
-            mv_layer.push_back(hp.layers[k/hp.n_head_kv]);
-            mv_head.push_back((int32_t) (k % hp.n_head_kv));
-            mv_src.push_back(st_.positions[from]);
-            mv_dst.push_back(st_.positions[c]);
+            c = new_index[c];
         }
     }
     if (!mv_src.empty()) {
@@ -268,12 +270,12 @@ void SeqCache::evict_heads(const Policy & policy) {
 
     // the leaving cells go in runs: positions between two staying ones are exactly the run's
     for (size_t i = 0; i < n; ) {
-        if (stays[i]) {
+        if (new_index[i] >= 0) {
             ++i;
             continue;
         }
         size_t e = i;
-        while (e + 1 < n && !stays[e + 1]) {
+        while (e + 1 < n && new_index[e + 1] < 0) {
             ++e;
         }
         llama_memory_seq_rm(mem_, seq_, st_.positions[i], st_.positions[e] + 1);
@@ -283,10 +285,6 @@ void SeqCache::evict_heads(const Policy & policy) {
     st_.positions = gather_rows(st_.positions, 1, stay);
     st_.tokens    = gather_rows(st_.tokens, 1, stay);
     st_.scores    = st_.scores.gather(stay);
-    for (size_t k = 0; k < n_parts; ++k) {
-        hp.pos[k]    = gather_rows(hp.pos[k], 1, source[k]);
-        hp.scores[k] = hp.scores[k].gather(source[k]);
-    }
     st_.n_evicted += (int64_t) (n - budget);
 }
 
@@ -369,8 +367,9 @@ void SeqCache::drop_newest(int32_t n) {
     for (auto & q : st_.scores.queries) {
         q -= n; // the removed tokens' queries are not counted
     }
-    for (size_t k = 0; k < st_.parts.pos.size(); ++k) { // the newest cells were never moved into
+    for (size_t k = 0; k < st_.parts.pos.size(); ++k) { // the newest entries, last in every part, in the newest cells
         st_.parts.pos[k].resize(kept);
+        st_.parts.cell[k].resize(kept);
         st_.parts.scores[k] = st_.parts.scores[k].gather(older);
         for (auto & q : st_.parts.scores[k].queries) {
             q -= n;

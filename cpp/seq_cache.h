@@ -12,16 +12,26 @@
 
 namespace h2o {
 
-// A sequence's cells under a per-head policy (Policy::per_head): every scored layer and KV head keeps its own
-// entries, moved into the cells the others free, so cell i (SeqState::positions[i], the position it was written
-// at, which the mask reads) holds in a given (layer, KV head) the K and V of the position pos[part][i].
+// A sequence's cells under a per-head policy (Policy::per_head): every scored layer and KV head (a "part") keeps its
+// own entries, moved into the cells the others free. A part's entries are in position order (what a policy's
+// select() reads), each with the cell that holds it: entry j of part k is position pos[k][j], held in cell
+// cell[k][j] (an index into SeqState::positions, the position each cell was written at, which the mask reads).
 struct HeadParts {
     std::vector<int32_t> layers;   // the scored layers, in order (part = layer index * n_head_kv + KV head)
     int32_t n_head_kv = 0;
-    std::vector<std::vector<llama_pos>> pos; // [part][cell]
-    std::vector<SeqScores> scores;           // [part]: aligned with the cells; n_head: the query heads of the group
+    std::vector<std::vector<llama_pos>> pos;  // [part][entry], ascending
+    std::vector<std::vector<int32_t>>   cell; // [part][entry]
+    std::vector<SeqScores> scores;            // [part]: aligned with pos; n_head: the query heads of the group
 
     bool empty() const { return pos.empty(); }
+    // [n_cells]: the position each cell holds in part k
+    std::vector<llama_pos> positions_in_cells(size_t k) const {
+        std::vector<llama_pos> out(pos[k].size());
+        for (size_t j = 0; j < pos[k].size(); ++j) {
+            out[cell[k][j]] = pos[k][j];
+        }
+        return out;
+    }
 };
 
 struct SeqState {

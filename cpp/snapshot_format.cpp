@@ -95,6 +95,7 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.value<uint64_t>(st.parts.pos.size());
     for (size_t k = 0; k < st.parts.pos.size(); ++k) {
         w.array(st.parts.pos[k]);
+        w.array(st.parts.cell[k]);
         w.scores(st.parts.scores[k]);
     }
     w.value(st.next_pos);
@@ -134,6 +135,7 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     }
     for (uint64_t k = 0; k < n_parts; ++k) {
         st.parts.pos.push_back(r.array<llama_pos>());
+        st.parts.cell.push_back(r.array<int32_t>());
         st.parts.scores.push_back(r.scores());
     }
     st.next_pos   = r.value<llama_pos>();
@@ -145,7 +147,14 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     snap.pending  = r.array<llama_token>();
     const size_t n = st.positions.size();
     for (size_t k = 0; k < st.parts.pos.size(); ++k) {
-        if (st.parts.pos[k].size() != n || !consistent(st.parts.scores[k], n)) {
+        std::vector<int32_t> cells = st.parts.cell[k];
+        std::sort(cells.begin(), cells.end());
+        bool each_cell_once = cells.size() == n;
+        for (size_t i = 0; each_cell_once && i < n; ++i) {
+            each_cell_once = cells[i] == (int32_t) i;
+        }
+        if (st.parts.pos[k].size() != n || !each_cell_once || !consistent(st.parts.scores[k], n) ||
+            !std::is_sorted(st.parts.pos[k].begin(), st.parts.pos[k].end())) {
             throw std::invalid_argument("not a session snapshot: its per-head parts do not agree");
         }
     }
