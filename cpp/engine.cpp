@@ -650,11 +650,11 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             } else {
                 const bool window = query_windows.count(seq) > 0;
                 const Policy & policy = policy_of(seq);
-                sc.observe(policy, pos, sums, n, n_new, window,
-                           !(window && policy.probe().source == ProbeSource::question));
-                if (policy.per_head()) {
+                if (policy.per_head()) { // first: a sequence's first per-head decode starts from the scores before it
                     sc.observe_heads(policy, n_new, window);
                 }
+                sc.observe(policy, pos, sums, n, n_new, window,
+                           !(window && policy.probe().source == ProbeSource::question));
             }
         }
     }

@@ -233,6 +233,18 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
         s = max_pool(s, pool_, follow_);
     }
     const auto by_rank = [&](size_t a, size_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
+    if (first.empty() && cand.size() == n_heavy + 1) {
+        // one entry leaves (a generation step): the lowest-ranked, found in one pass
+        const size_t worst = *std::min_element(cand.begin(), cand.end(), [&](size_t a, size_t b) { return by_rank(b, a); });
+        std::vector<size_t> keep;
+        keep.reserve(n - 1);
+        for (size_t i = 0; i < n; ++i) {
+            if (i != worst) {
+                keep.push_back(i);
+            }
+        }
+        return keep;
+    }
     // the probe's share of the heavy entries (all of them by default), then rank() alone for the rest
     const size_t n_first = first.empty() ? 0 : (n_heavy*(size_t) probe_share_ + 50)/100;
     // the best n of a strict order form one set, in any order (sinks_middle_recent puts it in order): nth_element suffices

@@ -77,19 +77,32 @@ void SeqCache::init_parts() {
     if (hp.layers.empty() || hp.n_head_kv < 1 || st_.scores.n_head % hp.n_head_kv != 0) {
         throw std::logic_error("no per-layer attention scores for sequence " + std::to_string(seq_));
     }
-    // until now every cell held its own position everywhere
-    SeqScores fresh;
-    fresh.n_head  = st_.scores.n_head/hp.n_head_kv;
-    fresh.queries = st_.scores.queries;
-    fresh.total.assign(size(), 0.0f);
-    fresh.probe.assign(size(), 0.0f);
-    fresh.head.assign((size_t) size()*fresh.n_head, 0.0f);
+    // until now every cell held its own position everywhere; each part starts from its KV head's share of the
+    // scores summed over layers (what a switch from a whole-token policy has), until it observes its own
+    const int32_t group = st_.scores.n_head/hp.n_head_kv;
+    const float per_layer = 1.0f/(float) hp.layers.size();
     const size_t n_parts = hp.layers.size()*hp.n_head_kv;
     std::vector<int32_t> cells(size());
     std::iota(cells.begin(), cells.end(), 0);
     hp.pos.assign(n_parts, st_.positions);
     hp.cell.assign(n_parts, cells);
-    hp.scores.assign(n_parts, fresh);
+    hp.scores.resize(n_parts);
+    for (size_t k = 0; k < n_parts; ++k) {
+        SeqScores & s = hp.scores[k];
+        s.n_head  = group;
+        s.queries = st_.scores.queries;
+        s.total.assign(size(), 0.0f);
+        s.probe.assign(size(), 0.0f);
+        s.head.assign((size_t) size()*group, 0.0f);
+        const int32_t h = (int32_t) (k % hp.n_head_kv);
+        for (int32_t i = 0; i < size(); ++i) {
+            for (int32_t g = 0; g < group; ++g) {
+                const float v = st_.scores.head[(size_t) i*st_.scores.n_head + h*group + g]*per_layer;
+                s.head[(size_t) i*group + g] = v;
+                s.total[i] += v;
+            }
+        }
+    }
 }
 
 void SeqCache::observe_heads(const Policy & policy, int32_t n_new, bool in_query_window) {

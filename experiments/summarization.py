@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from h2o_local import Llama
-from h2o_local.policies import REGISTRY, resolve
+from h2o_local.policies import REGISTRY, H2O, parse
 from experiments.models import model_path
-from .common import JsonlRecords, experiment_parser, parse_setting, save_figure
+from .common import JsonlRecords, experiment_parser, save_figure
 
 GEN = dict(max_tokens=64, top_p=1.0, top_k=0, min_p=0.0, stop=["###"])
 
@@ -47,9 +47,21 @@ def rouge_scores(hyp: str, ref: str) -> Dict[str, float]:
 
 
 def settings(policies: List[str], budgets: List[str]) -> List[Tuple[str, Optional[int]]]:
-    """(policy, budget) of every setting: the labels `full` and `POLICY-BUDGET`, as the result records name them."""
-    labels = (["full"] if "full" in budgets else []) + [f"{p}-{b}" for p in policies for b in budgets if b != "full"]
-    return [(s.policy, s.budget) for s in map(parse_setting, labels)]
+    """(policy, budget) of every setting: `full` and each policy at each budget, as the result records name them
+    (a policy may carry label suffixes: `h2o+ph` is per-head H2O)."""
+    out = [("full", None)] if "full" in budgets else []
+    for p in policies:
+        for b in budgets:
+            if b != "full":
+                policy_value(p, int(b))  # checked now, not after an hour of other settings
+                out.append((p, int(b)))
+    return out
+
+
+def policy_value(policy: str, budget: int):
+    """`h2o` at 64 -> H2O(budget=64); `h2o+ph` at 64 -> the label h2o-64+ph."""
+    name, plus, suffixes = policy.partition("+")
+    return parse(f"{name}-{budget}{plus}{suffixes}")
 
 
 def decodings(seeds: List[int], greedy: bool) -> List[Tuple[str, Optional[int]]]:
@@ -82,19 +94,26 @@ def run(args) -> None:
         tokens = llm.tokenize(row["article"], add_bos=args.add_bos)
         if len(tokens) + GEN["max_tokens"] > args.n_ctx:
             raise SystemExit(f"row {i}: {len(tokens)} prompt tokens do not fit n_ctx={args.n_ctx}")
-        llm.set_policy("h2o", args.n_ctx - args.n_batch)
-        llm.reset()
-        llm.eval(tokens)
-        snap = llm.save_state()
+        snaps: Dict[bool, Any] = {}  # the attended prompt, scored per token or per layer and KV head
         for policy, budget, dec, seed in pending:
-            if resolve(policy, budget).query_window:
+            value = policy_value(policy, budget) if budget is not None else parse("full")
+            per_head = bool(getattr(value, "per_head", None))
+            if value.query_window:
                 # a prompt scored by its last queries must be fed under that policy (its window decoded alone)
                 llm.reset()
-                llm.set_policy(policy, budget)
+                llm.set_policy(value)
                 llm.eval(tokens)
+                snaps.clear()  # the sequence was fed under another policy
             else:
-                llm.load_state(snap)
-                llm.set_policy(policy, budget)
+                if per_head not in snaps:
+                    llm.reset()
+                    llm.set_policy(H2O(budget=args.n_ctx - args.n_batch, per_head=per_head or None))
+                    llm.eval(tokens)
+                    snaps[per_head] = llm.save_state()
+                llm.reset()
+                llm.set_policy(H2O(budget=args.n_ctx - args.n_batch, per_head=per_head or None))
+                llm.load_state(snaps[per_head])
+                llm.set_policy(value)
                 llm.compress()
             temperature = 0.0 if seed is None else float(row.get("temperature", 0.3))
             text = llm.generate([], max_tokens=GEN["max_tokens"], temperature=temperature, top_p=GEN["top_p"],
@@ -259,7 +278,9 @@ def main(argv=None) -> int:
     ap = experiment_parser("experiments.summarization", __doc__)
     ap.add_argument("--output-path", required=True)
     ap.add_argument("--budgets", nargs="+", default=["64", "128", "256", "512", "1024", "full"])
-    ap.add_argument("--policies", nargs="+", default=["h2o", "local"], choices=sorted(set(REGISTRY) - {"full"}))
+    ap.add_argument("--policies", nargs="+", default=["h2o", "local"],
+                    help=f"policy names ({', '.join(sorted(set(REGISTRY) - {'full'}))}), with label suffixes if any "
+                         "(h2o+ph: per-head H2O)")
     ap.add_argument("--sample-num", type=int, default=100)
     ap.add_argument("--first-row", type=int, default=0,
                     help="start at this row (a second process on another core can take the last rows)")

@@ -247,3 +247,25 @@ def test_quantized_cells_move_whole_blocks(tmp_path):
     assert same >= 0.8
     assert int(np.argmax(q8.last_logits())) == int(np.argmax(f16.last_logits()))
     assert np.corrcoef(q8.last_logits(), f16.last_logits())[0, 1] > 0.995  # q8_0's rounding, not another token's K/V
+
+
+def test_a_switch_to_per_head_ranks_each_kv_head_by_its_share_of_the_summed_scores(tiny_model):
+    """A sequence fed under a whole-token policy has no per-layer scores: after set_policy(per_head) + compress,
+    each KV head ranks by its query heads' scores summed over layers (the same in every layer) until it observes
+    its own."""
+    llm = Llama(tiny_model, policy=H2O(budget=100), kv_f32=True)
+    llm.eval(llm.tokenize(TEXT)[:40])
+    head_scores = llm.kv_state().head_scores  # [40, n_head]
+    llm.set_policy(H2O(budget=8, per_head=True))
+    llm.compress()
+    st = llm.kv_state()
+    assert st.n_cells == 8
+    group = head_scores.shape[1] // st.head_positions.shape[1]
+    for h in range(st.head_positions.shape[1]):
+        score = head_scores[:, h * group:(h + 1) * group].sum(axis=1)
+        older = np.arange(40 - 4)  # recent: the 4 newest
+        heavy = sorted(older[np.lexsort((older, -score[:36]))][:4].tolist())
+        for layer in st.head_positions:
+            assert sorted(layer[h].tolist()) == heavy + [36, 37, 38, 39]
+    llm.eval([70, 71])  # and it goes on observing its own
+    assert llm.kv_state().n_cells == 8
