@@ -269,3 +269,19 @@ def test_a_switch_to_per_head_ranks_each_kv_head_by_its_share_of_the_summed_scor
             assert sorted(layer[h].tolist()) == heavy + [36, 37, 38, 39]
     llm.eval([70, 71])  # and it goes on observing its own
     assert llm.kv_state().n_cells == 8
+
+
+def test_a_protected_prefix_is_held_by_every_head_and_memory_is_the_budget(tiny_model):
+    tokens = Llama(tiny_model).tokenize(TEXT)
+    ph = Llama(tiny_model, policy=H2O(budget=12, sinks=2, per_head=True), keep=5, n_batch=16)
+    whole = Llama(tiny_model, policy=H2O(budget=12, sinks=2), keep=5, n_batch=16)
+    for llm in (ph, whole):
+        for a in range(0, 60, 6):
+            llm.eval(tokens[a:a + 6])
+    st = ph.kv_state()
+    for part in st.head_positions.reshape(-1, 12):
+        assert set(range(5)) <= set(part.tolist())  # the prefix (it stands for the 2 sinks too)
+        assert {57, 58, 59} <= set(part.tolist())    # the newest entries (recent window)
+    assert st.n_cells == 12 and st.kv_bytes == whole.kv_state().kv_bytes and st.kv_cells == whole.kv_state().kv_cells
+    positions, share = st.held()
+    assert share.sum() == pytest.approx(12) and set(range(5)) <= set(positions.tolist())

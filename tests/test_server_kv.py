@@ -124,3 +124,16 @@ def test_a_scoring_policy_needs_a_server_that_exports_scores(tmp_path):
         assert chat(client, messages=USER, policy="local", budget=20).usage.model_extra["kv_cache"]["policy"] == "local-20"
     with serving(model, slots=1, budget=48, policy="sink", export_scores=True) as (port, client):
         assert chat(client, messages=USER, policy="h2o").usage.model_extra["kv_cache"]["policy"] == "h2o-48"
+
+
+def test_a_per_head_conversation_shows_what_some_head_holds(server):
+    port, client = server
+    use = chat(client, policy="tova-32+ph").usage.model_extra["kv_cache"]
+    assert use["policy"] == "tova-32+ph" and use["kept"] <= 32 and use["evicted"] > 0
+    chunks = stream_chunks(port, {"messages": LONG, "max_tokens": 4, "temperature": 0, "stream": True,
+                                  "kv_cache": {"policy": "tova-32+ph", "view": True}})
+    last = [c["kv_cache"] for c in chunks if "kv_cache" in c and "positions" in c["kv_cache"]][-1]
+    # (keep="system" takes half the budget, tova ranks the rest) tokens held by at least one layer's KV head: more
+    # than the 32 cells, each with the share of heads holding it
+    assert len(last["positions"]) > 32 and all(0 < s <= 1 for s in last["scores"])
+    assert sum(last["scores"]) == pytest.approx(32, abs=0.01)

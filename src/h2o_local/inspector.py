@@ -62,10 +62,9 @@ def inspect_text(model_path: str, text: str, policies: Sequence[Union[str, Polic
         share = None
         if st.head_positions is not None:
             # each (layer, KV head) holds its own tokens: a cell's position is not what every head holds there
-            parts = st.head_positions.reshape(-1, st.head_positions.shape[-1])
+            held, held_share = st.held()
             share = np.zeros(n)
-            for held in parts:
-                share[held[held < n]] += 1.0 / len(parts)
+            share[held[held < n]] = held_share[held < n]
             kept, scores = share > 0, share.astype(np.float32)
         else:
             pos = st.positions[st.positions < n]

@@ -62,6 +62,15 @@ class KVState:
         """Entries held now."""
         return int(self.positions.shape[0])
 
+    def held(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The positions whose K and V the cache holds, ascending (per-head cells: in at least one layer's KV
+        head), and the share of the layers' KV heads that hold each (1.0 everywhere for whole-token cells)."""
+        if self.head_positions is None:
+            return self.positions, np.ones(self.n_cells)
+        parts = self.head_positions.reshape(-1, self.head_positions.shape[-1])
+        positions, counts = np.unique(parts, return_counts=True)
+        return positions, counts / parts.shape[0]
+
 
 class Llama:
     """A GGUF model on a patched llama.cpp whose KV cache never holds more than `budget` entries per sequence.
