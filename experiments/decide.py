@@ -11,6 +11,11 @@ Cells (a record's file says its model: `longctx-smollm2-d.jsonl` -> smollm2):
   compressed) are a task of their own, `kv-later`.
 - fidelity and chat (experiments.quality): top-1 agreement with the full cache (the full cache's own is 1).
 A family is a setting label without its size: `tova-25%+q32+p9+f12+r32` -> `tova+q32+p9+f12+r32` at `25%`.
+
+`--paired A B` (repeatable) also writes, per model and budget, the paired difference A - B over the rows both
+families ran (fidelity and chat: a row's top-1 agreement; retrieval: a row's score, per task and mode), mean ±
+standard error, and whether A wins by more than two standard errors: issue #27's rule for per-head selection
+(`--paired h2o+ph h2o --paired tova+ph tova`).
 """
 from __future__ import annotations
 
@@ -70,6 +75,50 @@ def agreement_cells(rows: List[Dict], model: str, kind: str) -> Dict[Tuple[str, 
             for (prefill, size, fam), v in per.items()}
 
 
+def row_values(rows: List[Dict], kind: str) -> Dict[Tuple[str, str, Tuple], float]:
+    """(family, size, row key) -> the row's value: top-1 agreement (fidelity, chat) or score (retrieval)."""
+    out = {}
+    for r in rows:
+        if r["setting"] == "full":
+            continue
+        fam, size = family_and_size(r["setting"])
+        if kind == "longctx":
+            key = (r["task"], r["mode"], r["row"])
+            out[(fam, size, key)] = float(r["score"])
+        else:
+            out[(fam, size, (kind, r.get("prefill", ""), r["row"]))] = float(r["agree"])
+    return out
+
+
+def paired(values: Dict[Tuple[str, str, Tuple], float], a: str, b: str, size: str) -> Tuple[float, float, int]:
+    """Mean and standard error of A - B over the row keys both ran at this size."""
+    diffs = [v - values[(b, sz, key)] for (fam, sz, key), v in values.items()
+             if fam == a and sz == size and (b, sz, key) in values]
+    if len(diffs) < 2:
+        return float("nan"), float("nan"), len(diffs)
+    return float(np.mean(diffs)), float(np.std(diffs, ddof=1) / np.sqrt(len(diffs))), len(diffs)
+
+
+def paired_lines(by_kind: Dict[Tuple[str, str], List[Dict]], pairs: List[List[str]]) -> List[str]:
+    lines = ["", "## Paired differences", "",
+             "A - B over the rows both ran (fidelity and chat: top-1 agreement per row; retrieval: score per row, "
+             "task and mode), pooled per model and budget; `wins` when the mean exceeds two standard errors.", ""]
+    body = []
+    for model in MODELS:
+        values: Dict[Tuple[str, str, Tuple], float] = {}
+        for (kind, m), rows in by_kind.items():
+            if m == model:
+                values.update(row_values(rows, kind))
+        sizes = sorted({sz for (_, sz, _) in values}, key=lambda x: float(x.rstrip("%") or 0))
+        for a, b in pairs:
+            for size in sizes:
+                mean, se, n = paired(values, a, b, size)
+                if n >= 2:
+                    verdict = "wins" if mean > 2 * se else ("loses" if mean < -2 * se else "no difference")
+                    body.append([model, f"{a} - {b}", size, str(n), f"{mean:+.3f} ± {se:.3f}", verdict])
+    return lines + table(["model", "A - B", "budget", "rows", "mean ± s.e.", "verdict"], body)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m experiments.decide", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,6 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--families", nargs="+", required=True)
     ap.add_argument("--min-full", type=float, default=0.8)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--paired", nargs=2, action="append", default=[], metavar=("A", "B"),
+                    help="also the paired difference of family A minus family B, per model and budget")
     args = ap.parse_args(argv)
     by_kind = defaultdict(list)  # (kind, model) -> records
     for path in args.files:
@@ -99,6 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
              f"cache keeps at >= {args.min_full}; fidelity and chat: top-1 agreement). Files: "
              + ", ".join(f"`{p.name}`" for p in args.files) + ".", "",
              *table(["cell"] + args.families, body), "", f"Best mean: `{best}`."]
+    if args.paired:
+        lines += paired_lines(by_kind, args.paired)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

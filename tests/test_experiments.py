@@ -226,3 +226,18 @@ def test_setting_labels_give_the_split_they_name():
     for bad in ("h2o-256+x3", "h2o-256+r", "h2o", "tova-256+r300"):
         with pytest.raises(ValueError):
             parse_setting(bad)
+
+
+def test_decide_pairs_families_row_by_row():
+    from experiments.decide import paired, row_values
+
+    fidelity = [{"setting": s, "prefill": "bounded", "row": r, "agree": a}
+                for r, (x, y) in enumerate([(0.9, 0.8), (0.7, 0.5), (0.8, 0.8)])
+                for s, a in (("h2o-25%+ph", x), ("h2o-25%", y))]
+    retrieval = [{"setting": s, "task": "single", "mode": "aware", "row": 0, "score": v}
+                 for s, v in (("h2o-25%+ph", 1.0), ("h2o-25%", 0.0), ("full", 1.0))]
+    values = {**row_values(fidelity, "fidelity"), **row_values(retrieval, "longctx")}
+    mean, se, n = paired(values, "h2o+ph", "h2o", "25%")
+    diffs = [0.1, 0.2, 0.0, 1.0]  # three fidelity rows and one retrieval row, each against its own pair
+    assert n == 4 and mean == pytest.approx(np.mean(diffs)) and se == pytest.approx(np.std(diffs, ddof=1) / 2)
+    assert paired(values, "h2o+ph", "h2o", "10%")[2] == 0
