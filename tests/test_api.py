@@ -154,6 +154,19 @@ def test_cli_runs_the_main_job(tiny_model, capsys):
     assert "policy=tova budget=16" in err and "probe=question/32 pool=9 follow=12" in err and "kept=" in err
 
 
+def test_cli_runs_per_head_h2o_and_refuses_what_it_cannot_do(tiny_model, capsys):
+    from h2o_local.cli import main
+
+    assert main(["--model", tiny_model, "--no-chat", "--prompt", "Hello there " * 10, "--policy", "h2o", "--budget",
+                 "16", "--per-head", "--max-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "policy=h2o budget=16 (sinks=0 heavy=8 recent=8 per-head)" in err and "kept=16" in err
+    for extra, says in ((["--policy", "h2o", "--position-rolling"], "position_rolling"), ([], "probe")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", tiny_model, "--no-chat", "--prompt", "Hi", "--budget", "16", "--per-head", *extra])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_default_threads_are_the_physical_cores(tiny_model):
     import os
 

@@ -51,4 +51,5 @@ def _probe_text(policy) -> str:
     probe = getattr(policy, "probe", None)
     text = f" probe={probe}" + (f"/{policy.question}" if probe == "question" else "") if probe else ""
     text += f" pool={policy.pool}" if getattr(policy, "pool", None) else ""
-    return text + (f" follow={policy.follow}" if getattr(policy, "follow", None) else "")
+    text += f" follow={policy.follow}" if getattr(policy, "follow", None) else ""
+    return text + (" per-head" if getattr(policy, "per_head", None) else "")
