@@ -84,6 +84,7 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         kv_bytes = kv_cells * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * head_dim * 2 * 2
         cells = llm.n_tokens
         model_bytes = llama_cpp.llama_model_size(m)
+        evict_us = head_moves = None
     else:
         from h2o_local import Llama
 
@@ -101,6 +102,7 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
             llm.set_policy(setting.policy_value())
             llm.compress()
         t_prefill = time.perf_counter() - t0
+        before = llm.kv_state()
         steps = []
         for _ in range(n_dec):
             tok = int(np.argmax(llm.last_logits()))
@@ -108,6 +110,8 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
             llm.eval([tok])
             steps.append(time.perf_counter() - t0)
         st = llm.kv_state()
+        evict_us = (st.evict_seconds - before.evict_seconds) / n_dec * 1e6
+        head_moves = (st.n_head_moves - before.n_head_moves) / n_dec
         kv_bytes = st.kv_bytes
         kv_cells = st.kv_cells
         cells = st.n_cells
@@ -121,6 +125,8 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         "cells_in_use": cells,
         "model_bytes": model_bytes,
         "peak_rss": _peak_rss(),
+        "evict_us_per_step": evict_us,     # eviction's own time per decode step (choice, moves, removal)
+        "head_moves_per_step": head_moves,  # per-head cells: K/V slices moved per decode step
     }
 
 
@@ -182,7 +188,7 @@ def summarize(records: List[Dict[str, Any]]) -> Dict[tuple, Dict[str, Any]]:
     for key, rs in groups.items():
         out[key] = {k: statistics.median([r[k] for r in rs]) if rs[0].get(k) is not None else None
                     for k in ("prefill_tok_s", "decode_tok_s", "decode_mean_tok_s", "kv_bytes", "cells_in_use",
-                              "model_bytes", "peak_rss")}
+                              "model_bytes", "peak_rss", "evict_us_per_step", "head_moves_per_step")}
         out[key]["n"] = len(rs)
     return out
 
@@ -199,7 +205,9 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
              f"decode steps per run (median step).", ""]
     for metric, title in (("decode_tok_s", "Decode tokens/s (median step)"),
                           ("decode_mean_tok_s", "Decode tokens/s (mean over steps)"), ("prefill_tok_s", "Prompt tokens/s"),
-                          ("kv_bytes", "KV MiB allocated"), ("peak_rss", "Peak RSS MiB")):
+                          ("kv_bytes", "KV MiB allocated"), ("peak_rss", "Peak RSS MiB"),
+                          ("evict_us_per_step", "Eviction per decode step, microseconds (choice, moves, removal)"),
+                          ("head_moves_per_step", "Per-head K/V slices moved per decode step")):
         lines += [f"## {title} vs context depth", "", "| setting | " + " | ".join(map(str, depths)) + " |",
                   "|---|" + "---|" * len(depths)]
         for name in names:

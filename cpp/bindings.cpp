@@ -67,6 +67,8 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["n_evicted"]   = st.n_evicted;
     d["peak_cells"]  = st.peak_cells;
     d["n_keep"]      = st.n_keep;
+    d["evict_seconds"] = st.evict_seconds;
+    d["n_head_moves"]  = st.n_head_moves;
     // per-head cells: [layer][KV head][cell] the position each cell holds there (None: every cell holds its own)
     const HeadParts & hp = st.parts;
     if (hp.empty()) {

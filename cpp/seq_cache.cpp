@@ -3,6 +3,7 @@
 #include "llama-attn-scores.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -144,6 +145,12 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     if (!policy.bounded() || n <= (size_t) policy.split().total()) {
         return;
     }
+    const auto t0 = std::chrono::steady_clock::now();
+    struct AddTime {
+        double & total;
+        std::chrono::steady_clock::time_point t0;
+        ~AddTime() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+    } add_time {st_.evict_seconds, t0};
 
     if (policy.per_head()) {
         evict_heads(policy);
@@ -273,6 +280,7 @@ void SeqCache::evict_heads(const Policy & policy) {
             c = new_index[c];
         }
     }
+    st_.n_head_moves += (int64_t) mv_src.size();
     if (!mv_src.empty()) {
         const int32_t rc = llama_kv_head_move(ctx_, seq_, (int32_t) mv_src.size(), mv_layer.data(), mv_head.data(),
                                               mv_src.data(), mv_dst.data());

@@ -43,6 +43,8 @@ struct SeqState {
     int64_t   n_evicted  = 0;
     int32_t   peak_cells = 0;           // most entries held at once (between a decode and its eviction)
     int32_t   n_keep     = 0;           // the oldest entries never evicted (a protected prefix, inside the budget)
+    double    evict_seconds = 0.0;      // time spent choosing and removing what is evicted (moves included)
+    int64_t   n_head_moves  = 0;        // per-head cells: K/V slices of one layer's KV head moved between cells
     HeadParts parts;                    // per-head cells (empty: every cell holds its own position everywhere)
 };
 

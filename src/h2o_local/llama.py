@@ -56,6 +56,8 @@ class KVState:
     # None when every cell holds its own position everywhere
     head_positions: Optional[np.ndarray] = None
     head_layers: Optional[np.ndarray] = None   # int32 [n_layers]: the layers of head_positions
+    evict_seconds: float = 0.0  # time spent choosing and removing what is evicted, moves included (seconds)
+    n_head_moves: int = 0       # per-head cells: K/V slices of one layer's KV head moved between cells so far
 
     @property
     def n_cells(self) -> int:
@@ -394,7 +396,8 @@ class Llama:
                        queries=st["queries"], n_evicted=st["n_evicted"], n_seen=st["n_seen"],
                        peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx,
                        n_keep=st["n_keep"], tokens=st["tokens"], probe_scores=st["probe_scores"],
-                       head_positions=st["head_positions"], head_layers=st["head_layers"])
+                       head_positions=st["head_positions"], head_layers=st["head_layers"],
+                       evict_seconds=st["evict_seconds"], n_head_moves=st["n_head_moves"])
 
     def set_policy(self, policy: Union[str, Policy, None], budget: Optional[int] = None, *, heavy: Optional[int] = None,
                    recent: Optional[int] = None, sinks: Optional[int] = None, seq_id: Optional[int] = None) -> None:
