@@ -177,7 +177,8 @@ def summarize(*paths: Path) -> str:
         cells = [_agreement(groups, p, b) for b in budgets]
         if any(c != "-" for c in cells):
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    pairs = [(a, b) for a, b in (("h2o", "local"), ("hf-h2o-first", "h2o"), ("hf-h2o-sum", "h2o"))
+    pairs = [(a, b) for a, b in (("h2o", "local"), ("hf-h2o-first", "h2o"), ("hf-h2o-sum", "h2o"), ("h2o+ph", "h2o"),
+                                 ("hf-h2o-sum", "h2o+ph"))
              if a in policies and b in policies]
     if pairs:
         lines += ["", "### Paired differences", "",
