@@ -160,31 +160,15 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
         observe_keys(policy);
     }
     const std::vector<size_t> keep = select(policy, st_.positions, st_.scores, (size_t) st_.n_keep);
-    std::vector<bool> kept(n, false);
-    for (const size_t k : keep) {
-        kept[k] = true;
+    if (!std::is_sorted(keep.begin(), keep.end()) || std::adjacent_find(keep.begin(), keep.end()) != keep.end() ||
+        keep.empty() || keep.back() >= n) {
+        throw std::logic_error("policy '" + policy.name() + "' chose entries that are not ascending indices");
     }
-    if (!kept[n - 1]) {
+    if (keep.back() != n - 1) {
         throw std::logic_error("policy '" + policy.name() + "' evicted the newest token");
     }
 
-    // remove the evicted positions in runs: positions between two kept ones are exactly the run's
-    for (size_t i = 0; i < n; ) {
-        if (kept[i]) {
-            ++i;
-            continue;
-        }
-        size_t e = i;
-        while (e + 1 < n && !kept[e + 1]) {
-            ++e;
-        }
-        llama_memory_seq_rm(mem_, seq_, st_.positions[i], st_.positions[e] + 1);
-        i = e + 1;
-    }
-
-    st_.positions = gather_rows(st_.positions, 1, keep);
-    st_.tokens    = gather_rows(st_.tokens, 1, keep);
-    st_.scores    = st_.scores.gather(keep);
+    keep_entries(keep);
     if (key_rows_ == n && !keys_.empty()) {
         for (auto & rows : keys_) {
             rows = gather_rows(rows, rows.size()/n, keep);
@@ -199,6 +183,24 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     if (rolling && st_.next_pos - (llama_pos) st_.positions.size() >= roll_interval) {
         roll_positions();
     }
+}
+
+void SeqCache::keep_entries(const std::vector<size_t> & keep) {
+    // the others' cells go in runs: positions between two kept ones are exactly the run's
+    const size_t n = st_.positions.size();
+    for (size_t k = 0, i = 0; i < n; ) {
+        if (k < keep.size() && keep[k] == i) {
+            ++k;
+            ++i;
+            continue;
+        }
+        const size_t e = k < keep.size() ? keep[k] : n; // the run ends before the next kept entry
+        llama_memory_seq_rm(mem_, seq_, st_.positions[i], st_.positions[e - 1] + 1);
+        i = e;
+    }
+    st_.positions = gather_rows(st_.positions, 1, keep);
+    st_.tokens    = gather_rows(st_.tokens, 1, keep);
+    st_.scores    = st_.scores.gather(keep);
 }
 
 std::vector<size_t> SeqCache::select(const Policy & policy, const std::vector<llama_pos> & positions,
@@ -289,23 +291,7 @@ void SeqCache::evict_heads(const Policy & policy) {
         }
     }
 
-    // the leaving cells go in runs: positions between two staying ones are exactly the run's
-    for (size_t i = 0; i < n; ) {
-        if (new_index[i] >= 0) {
-            ++i;
-            continue;
-        }
-        size_t e = i;
-        while (e + 1 < n && new_index[e + 1] < 0) {
-            ++e;
-        }
-        llama_memory_seq_rm(mem_, seq_, st_.positions[i], st_.positions[e] + 1);
-        i = e + 1;
-    }
-
-    st_.positions = gather_rows(st_.positions, 1, stay);
-    st_.tokens    = gather_rows(st_.tokens, 1, stay);
-    st_.scores    = st_.scores.gather(stay);
+    keep_entries(stay);
     st_.n_evicted += (int64_t) (n - budget);
 }
 

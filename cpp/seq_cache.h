@@ -100,6 +100,8 @@ private:
     // cells most parts keep stay, and the parts kept in the other cells move into the stayers' evicted parts
     void evict_heads(const Policy & policy);
     void init_parts();
+    // keep the entries at `keep` (ascending): the others' cells are removed, positions, tokens and scores gathered
+    void keep_entries(const std::vector<size_t> & keep);
     void observe_keys(const Policy & policy); // the policy reads the kept entries' keys of every layer
     void roll_positions();
 
