@@ -144,11 +144,13 @@ def run(args) -> None:
     from h2o_local import Llama
 
     records = JsonlRecords(args.out.with_suffix(".jsonl"))
+    settings = ["full"] + [f"{how}-{int(round(r * 100))}%" for r in args.ratios for how in args.selections]
+    if args.report:
+        return report(args, records.rows, settings)
     tok = Llama(args.model, budget=8, n_threads=args.threads)
     hf = HFModel(args.model, threads=args.threads)
     sentences = haystack_sentences(args.input_path)
     repeat = tok.tokenize(REPEAT, add_bos=False, special=True)
-    settings = ["full"] + [f"{how}-{int(round(r * 100))}%" for r in args.ratios for how in args.selections]
     for task in args.tasks:
         for row in range(args.rows):
             todo = [s for s in settings if f"{task}/{row}/{s}" not in records.done]
@@ -209,11 +211,13 @@ def report(args, rows: List[Dict], settings: Sequence[str]) -> None:
             turns[(r["task"], r["setting"])][i].append(s)
     lines = [f"# KVzip in transformers: {Path(args.model).name}, query-agnostic", "",
              f"{args.rows} rows per task, context about {args.context} tokens, repeat-probe scores (max over "
-             f"queries and the GQA group), {args.sinks} sinks kept; share = kept entries over context entries, "
+             f"queries and the GQA group), {args.sinks} sinks kept, greedy answers of up to {args.max_tokens} tokens; share = kept entries over context entries, "
              "counted over every layer and KV head.", ""]
     head = ["setting"] + [f"{t}" for t in args.tasks] + (["kv turns 2-3"] if "kv" in args.tasks else [])
     body = []
     for s in settings:
+        if not any(by[(t, s)] for t in args.tasks):
+            continue
         cells = [s]
         for t in args.tasks:
             m, se = mean_se(by[(t, s)])
@@ -236,9 +240,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.10])
     ap.add_argument("--selections", nargs="+", default=list(SELECTIONS), choices=SELECTIONS)
     ap.add_argument("--sinks", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--report", action="store_true", help="only write the report of the records so far")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.model = model_path(args.model)
