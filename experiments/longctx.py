@@ -11,6 +11,8 @@ Tasks (RULER's synthetic set, arXiv 2404.06654, re-implemented; the haystack is 
 - `multivalue`: four values for one key, all asked for (score: the share found).
 - `multiquery`: four keys, all asked for (score: the share found).
 - `vt`: variable tracking, a chain of four assignments (VAR A = 12345 ... VAR D = VAR C), all names asked for.
+- `cwe`: common words, a numbered list where 10 words appear 10 times and the 41 others 3 times; the 10 asked for.
+- `fwe`: frequent words, coded words with Zipf-like counts; the three most frequent asked for.
 - `kv`: SCBench's Retr.KV on one shared context: a list of random id -> id pairs, then three questions in three
   turns, each answer fed back before the next question (turns 2-3 are asked after the context was compressed
   for turn 1: where query-aware methods fail).
@@ -48,7 +50,7 @@ from h2o_local import Llama
 from experiments.models import model_path
 from .common import JsonlRecords, experiment_parser, parse_setting, save_figure, table
 
-TASKS = ("single", "multikey", "multivalue", "multiquery", "vt", "kv")
+TASKS = ("single", "multikey", "multivalue", "multiquery", "vt", "cwe", "fwe", "kv")
 MODES = ("aware", "agnostic")
 FACTORS = ("wording", "prefix", "template", "before")
 WORDS = ("apple banana cherry dolphin eagle falcon garden harbor island jungle kettle lantern meadow needle orchard "
@@ -117,7 +119,31 @@ def make_task(task: str, rng: random.Random, fmt: Dict[str, int]) -> Dict:
         lines = [f'"{k}": "{v}"' for k, v in pairs]
         turns = [(f'What is the value of key "{pairs[i][0]}" in the JSON data above?',
                   f'The value of key "{pairs[i][0]}" is') for i in asked]
-        return {"json": "{\n" + ",\n".join(lines) + "\n}", "turns": turns, "answers": [[pairs[i][1]] for i in asked]}
+        return {"context": "{\n" + ",\n".join(lines) + "\n}", "turns": turns,
+                "answers": [[pairs[i][1]] for i in asked]}
+    if task == "cwe":
+        # RULER's common words: 10 words 10 times each among the 41 others 3 times each, a numbered list (~1,000 tokens)
+        pool = rng.sample(WORDS, len(WORDS))
+        common, rare = pool[:10], pool[10:]
+        items = common * 10 + rare * 3
+        rng.shuffle(items)
+        q = "What are the 10 most common words in the list above?"
+        return {"context": "\n".join(f"{i + 1}. {w}" for i, w in enumerate(items)),
+                "turns": [(q, "The 10 most common words in the list are:")], "answers": [common]}
+    if task == "fwe":
+        # RULER's frequent words: coded words with Zipf-like counts (word k about 1/k^1.5 of the text); the three
+        # most frequent asked for (~1,000 tokens)
+        coded = []
+        while len(coded) < 30:
+            w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(3, 6)))
+            if w not in coded:
+                coded.append(w)
+        counts = [max(1, int(130 / (k + 1) ** 1.5)) for k in range(len(coded))]
+        items = [w for w, c in zip(coded, counts) for _ in range(c)]
+        rng.shuffle(items)
+        q = "What are the three most frequently appearing coded words in the coded text above?"
+        return {"context": " ".join(items), "turns": [(q, "The three most frequent coded words are:")],
+                "answers": [coded[:3]]}
     raise ValueError(task)
 
 
@@ -130,8 +156,8 @@ def haystack_sentences(path: Path) -> List[str]:
 def context_text(llm: Llama, task: Dict, sentences: List[str], rng: random.Random, context_tokens: int) -> str:
     """About context_tokens tokens: haystack sentences (a random run) with the needles at evenly spread random
     depths, or, for kv, the JSON block after a little haystack."""
-    if "json" in task:
-        return task["json"]
+    if "context" in task:
+        return task["context"]
     start = rng.randrange(len(sentences))
     body: List[str] = []
     n = 0
@@ -179,7 +205,10 @@ def next_turn(llm: Llama, fmt: Dict[str, int], question: str, prefix: str) -> st
 
 
 def score(answer: str, expected: Sequence[str]) -> float:
-    return sum(e in answer for e in expected) / len(expected)
+    """The share of the expected strings found in the answer (a word only as a whole word: "tiger", not "tigers")."""
+    found = lambda e: (re.search(rf"(?<![A-Za-z]){re.escape(e)}(?![A-Za-z])", answer) is not None
+                       if e.isalpha() else e in answer)
+    return sum(found(e) for e in expected) / len(expected)
 
 
 # --- running one row under one setting -----------------------------------------------------------------------------
