@@ -23,8 +23,6 @@ The full cache runs the same rows. Records go to OUT.jsonl as they come (resumab
 from __future__ import annotations
 
 import copy
-import importlib
-import random
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -34,8 +32,8 @@ import numpy as np
 
 from experiments.models import model_path
 from .common import JsonlRecords, experiment_parser, table
-from .longctx import (build_prompt, context_text, haystack_sentences, make_task, mean_se, next_turn, row_format,
-                      score)
+from .hf import load_gguf_eager
+from .longctx import haystack_sentences, mean_se, row_prompt, score
 
 SELECTIONS = ("global", "head", "token-max", "token-sum")
 REPEAT = "\n\nRepeat the previous context exactly.\n\n"
@@ -77,20 +75,10 @@ class MaskedAttention:
 
 class HFModel:
     def __init__(self, gguf_path: str, threads: Optional[int] = None):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        if threads:
-            torch.set_num_threads(threads)
-        path = Path(gguf_path)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          dtype=torch.float32, attn_implementation="eager")
-        self.model.eval()
-        cfg = self.model.config
-        self.n_layers = cfg.num_hidden_layers
-        self.attn = MaskedAttention(self.n_layers)
-        module = importlib.import_module(type(self.model.model.layers[0].self_attn).__module__)
-        module.eager_attention_forward = self.attn.attend
+        self.attn = MaskedAttention(0)
+        self.model = load_gguf_eager(gguf_path, lambda *a, **k: self.attn.attend(*a, **k), threads)
+        self.n_layers = self.model.config.num_hidden_layers
+        self.attn.scores = [None] * self.n_layers
 
     def forward(self, tokens: List[int], cache, chunk: int = 512):
         import torch
@@ -156,15 +144,8 @@ def run(args) -> None:
             todo = [s for s in settings if f"{task}/{row}/{s}" not in records.done]
             if not todo:
                 continue
-            rng = random.Random(f"{args.seed}/{task}/{row}")
-            fmt = row_format(row)
-            spec = make_task(task, rng, fmt)
-            context = context_text(tok, spec, sentences, rng, args.context)
-            (q1, p1), rest = spec["turns"][0], spec["turns"][1:]
-            head, tail = build_prompt(tok, fmt, context, q1, p1)
-            head_ids = tok.tokenize(head, add_bos=True, special=True)
-            turns = [tok.tokenize(tail, add_bos=False, special=True)] + \
-                [tok.tokenize(next_turn(tok, fmt, q, p), add_bos=False, special=True) for q, p in rest]
+            fmt, spec, head_ids, tail_ids, later = row_prompt(tok, sentences, task, row, args.seed, args.context)
+            turns = [tail_ids] + later
             n = len(head_ids)
             hf.attn.keep, hf.attn.record, hf.attn.n_ctx = None, False, n
             cache = DynamicCache(config=hf.model.config)

@@ -204,6 +204,21 @@ def next_turn(llm: Llama, fmt: Dict[str, int], question: str, prefix: str) -> st
     return tail + (" " + prefix if fmt["prefix"] else "")
 
 
+def row_prompt(llm: Llama, sentences: List[str], task: str, row: int, seed: int, context_tokens: int) -> Tuple:
+    """Row `row` of `task` as tokens: (format, task spec, the first turn's context part, its question part, the later
+    turns' parts). The same seed, task and row give the same prompt in every experiment."""
+    rng = random.Random(f"{seed}/{task}/{row}")
+    fmt = row_format(row)
+    spec = make_task(task, rng, fmt)
+    context = context_text(llm, spec, sentences, rng, context_tokens)
+    (q1, p1), rest = spec["turns"][0], spec["turns"][1:]
+    head, tail = build_prompt(llm, fmt, context, q1, p1)
+    head_ids = llm.tokenize(head, add_bos=True, special=True)
+    tail_ids = llm.tokenize(tail, add_bos=False, special=True)
+    later = [llm.tokenize(next_turn(llm, fmt, q, p), add_bos=False, special=True) for q, p in rest]
+    return fmt, spec, head_ids, tail_ids, later
+
+
 def score(answer: str, expected: Sequence[str]) -> float:
     """The share of the expected strings found in the answer (a word only as a whole word: "tiger", not "tigers")."""
     found = lambda e: (re.search(rf"(?<![A-Za-z]){re.escape(e)}(?![A-Za-z])", answer) is not None
@@ -254,16 +269,7 @@ def run(args) -> None:
     prompts: Dict[Tuple[str, int], Tuple] = {}
     for task, row, label, mode in todo:
         if (task, row) not in prompts:
-            rng = random.Random(f"{args.seed}/{task}/{row}")
-            fmt = row_format(row)
-            spec = make_task(task, rng, fmt)
-            context = context_text(tok, spec, sentences, rng, args.context)
-            (q1, p1), rest = spec["turns"][0], spec["turns"][1:]
-            head, tail = build_prompt(tok, fmt, context, q1, p1)
-            head_ids = tok.tokenize(head, add_bos=True, special=True)
-            tail_ids = tok.tokenize(tail, add_bos=False, special=True)
-            later = [tok.tokenize(next_turn(tok, fmt, q, p), add_bos=False, special=True) for q, p in rest]
-            prompts[(task, row)] = (fmt, spec, head_ids, tail_ids, later)
+            prompts[(task, row)] = row_prompt(tok, sentences, task, row, args.seed, args.context)
         fmt, spec, head_ids, tail_ids, later = prompts[(task, row)]
         t0 = time.perf_counter()
         prompt_len = len(head_ids) + len(tail_ids)

@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 
 from experiments.models import model_path
 from .common import experiment_parser
+from .hf import load_gguf_eager
 from .summarization import GEN, decodings, rouge_scores, rows_and_records, summarize
 
 
@@ -122,25 +123,10 @@ class HFModel:
     """A GGUF file loaded in transformers with `PerHeadH2O` as its attention, fed llama.cpp's token ids."""
 
     def __init__(self, gguf_path: str, threads: Optional[int] = None):
-        import importlib
-
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        if threads:
-            torch.set_num_threads(threads)
-        path = Path(gguf_path)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          dtype=torch.float32, attn_implementation="eager")
-        self.model.eval()
-        if self.model.config.model_type not in ("llama", "qwen2"):
-            raise SystemExit(f"perhead: llama and qwen2 models are wired up, not {self.model.config.model_type}")
+        self.model = load_gguf_eager(gguf_path, self._attention, threads)
         cfg = self.model.config
         self.n_layers, self.n_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.h2o: Optional[PerHeadH2O] = None
-        # the attention module looks its eager function up in its own module's globals at call time
-        attn_module = importlib.import_module(type(self.model.model.layers[0].self_attn).__module__)
-        attn_module.eager_attention_forward = self._attention
 
     def _attention(self, *args, **kwargs):
         return self.h2o.attend(*args, **kwargs)
