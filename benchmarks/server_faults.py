@@ -206,7 +206,7 @@ def wait_idle(base: str, timeout_s: float = 60.0) -> Dict[str, Any]:
 
 
 def check_disconnects(base: str, report: Report, n: int, slots: int) -> None:
-    long = chat("Write a long story about a lighthouse keeper.", max_tokens=400)
+    long = chat("Write a long story about a lighthouse keeper.", max_tokens=400, ignore_eos=True)
     for _ in range(n):  # read a few chunks of a stream, then hang up
         with httpx.Client(base_url=base, timeout=60) as c:
             with c.stream("POST", CHAT, json={**long, "stream": True}) as r:
@@ -282,7 +282,8 @@ def check_head_of_line(base: str, report: Report, prompt_words: int) -> None:
     done = threading.Event()
 
     def stream() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 100_000, "temperature": 0.8, "seed": 1, "stream": True}
+        body = {"prompt": "Once upon a time", "max_tokens": 100_000, "temperature": 0.8, "seed": 1, "stream": True,
+                "ignore_eos": True}  # a sampled end would end the stream before the long prompt comes
         with httpx.Client(base_url=base, timeout=300) as c, c.stream("POST", COMPLETIONS, json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):

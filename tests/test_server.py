@@ -298,6 +298,18 @@ def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, c
     assert status == 200 and out["choices"][0]["text"].startswith("Hi there")  # token ids are echoed as text
 
 
+def test_ignore_eos_runs_to_max_tokens_even_when_the_end_is_forced(server, chat_model):
+    """llama-server's ignore_eos: an end token biased to be every greedy choice ends the answer at once without it,
+    and never with it (the answer runs to max_tokens)."""
+    port, _ = server
+    end = Llama(chat_model, policy="h2o", budget=16).eog_tokens()[0]
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "logit_bias": {str(end): 100}}
+    status, out = post(port, "/v1/completions", body)
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] <= 1
+    status, out = post(port, "/v1/completions", {**body, "ignore_eos": True})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 5
+
+
 def recorded_jobs(log):
     """Jobs whose events go to `log` as (name, event), in the order the scheduler thread gives them."""
     from h2o_local.server.scheduler import Job

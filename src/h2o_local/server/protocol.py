@@ -57,6 +57,7 @@ class _Request(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
     repeat_last_n: Optional[int] = Field(default=None, ge=0, le=4096)
     logit_bias: Optional[Dict[str, float]] = None
+    ignore_eos: bool = False  # llama-server's: never end at an end-of-generation token (needs max_tokens)
     # structured output: OpenAI's response_format, llama-server's grammar (GBNF) and json_schema
     response_format: Optional[Dict[str, Any]] = None
     grammar: Optional[str] = Field(default=None, max_length=MAX_GRAMMAR_CHARS)

@@ -238,6 +238,8 @@ def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_
             raise APIError(400, f"logit_bias names token {outside[0]}, outside this model's {n_vocab} tokens",
                            param="logit_bias")
         changes["logit_bias"] = bias
+    if body.ignore_eos:
+        changes["ignore_eos"] = True
     if body.stop is not None:
         changes["stop"] = body.stop
     if max_tokens is not None:
