@@ -279,6 +279,8 @@ def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, c
                          ("repeat_last_n", -1)):
         status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
         assert status == 400 and field in json.dumps(err), (field, value, err)
+    status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 10**15})  # past what the engine takes
+    assert status == 400 and err["error"]["param"] == "max_tokens"
     # and within them they reach the sampler: a bias of 100 makes the token every greedy choice
     token = Llama(chat_model, policy="h2o", budget=16).tokenize(" banana", add_bos=False)[0]
     piece = Llama(chat_model, policy="h2o", budget=16).token_to_piece(token).decode()

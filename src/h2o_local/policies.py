@@ -400,7 +400,8 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
     the question probe), a `pool` width and a `follow` reach in entries, and the `probe_share` of the heavy entries
     the probe chooses, in percent).
 
-    `policy=None` is the default policy (DEFAULT_POLICY with DEFAULT_FIELDS; fields given override them). None or
+    `policy=None` is the default policy (DEFAULT_POLICY with DEFAULT_FIELDS; fields given override them; with
+    `per_head=True` and no probe asked for, without the default's probe, which per-head choice does not take). None or
     "h2o" with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
     given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "query_window": query_window, "probe": probe,
@@ -412,6 +413,8 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
         fields = {k: v for k, v in given.items() if k != "budget"}
         for key, value in DEFAULT_FIELDS.items():
             fields[key] = value if fields[key] is None else fields[key]
+        if per_head and probe is None and question is None and probe_share is None:
+            fields["probe"] = None  # per-head choice takes no probe yet: the default's probe gives way to it
         if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
             if sinks is None and heavy is None and recent is None:
                 fields["sinks"] = sinks = default_sinks(budget)

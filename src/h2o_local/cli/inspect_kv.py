@@ -29,8 +29,14 @@ def main(argv=None) -> int:
     text = args.text
     try:
         if os.path.isfile(text):
-            with open(text, encoding="utf-8") as f:
-                text = f.read()
+            path = text
+            with open(path, encoding="utf-8") as f:
+                try:
+                    text = f.read()
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        elif os.path.isdir(text):
+            raise ValueError(f"{text} is a directory: give a text file (or the text itself)")
         elif _looks_like_a_path(text):
             raise ValueError(f"{text}: no such file (to inspect this text itself, add a space or a newline to it)")
         if args.max_tokens < 0:

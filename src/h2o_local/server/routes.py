@@ -252,7 +252,9 @@ def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_
             state.llm._sampler(params, seed=0)  # a grammar that does not parse is the request's error, here
         return params
     except (TypeError, ValueError) as e:
-        raise APIError(400, str(e), param=given[0] if given and "grammar" in str(e) else None) from None
+        named = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
+        param = given[0] if given and "grammar" in str(e) else named if named in type(body).model_fields else None
+        raise APIError(400, str(e), param=param) from None
 
 
 async def _submit(state: ServerState, job: Job, request: Request) -> Job:
