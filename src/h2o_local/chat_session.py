@@ -174,6 +174,10 @@ class ChatSession:
                 z.writestr("prompt.bin", prompt.snapshot.to_bytes())
         data = buf.getvalue()
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"cannot save to {path}: it is a directory")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"cannot save to {path}: no directory {path.parent}")
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:

@@ -102,8 +102,10 @@ class Chat:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
             check_text("the file", text)
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            print(f"error: cannot attach {path}: {e}", file=sys.stderr)
+        except (OSError, ValueError) as e:
+            reason = f"not UTF-8 text ({e.reason} at byte {e.start})" if isinstance(e, UnicodeDecodeError) else \
+                e.strerror if isinstance(e, OSError) and e.strerror else e
+            print(f"error: cannot attach {path}: {reason}", file=sys.stderr)
             return False
         self.attached.append(f"Document {os.path.basename(path)}:\n{text.strip()}")
         n = len(self.session.llm.tokenize(text, add_bos=False))
