@@ -52,6 +52,12 @@ def test_bad_grammars_raise_and_leave_the_llama_usable(llm):
             llm.generate("abc", grammar=grammar, max_tokens=4)
     with pytest.raises(TypeError):
         llm.generate("abc", grammar=123, max_tokens=4)
+    # groups nested past what llama.cpp's recursive parser survives are refused before it runs (20,000 crashed it);
+    # parentheses inside literals, classes and comments do not count, and 256 levels parse
+    with pytest.raises(ValueError, match="nests groups deeper than 256"):
+        llm.generate("abc", grammar="root ::= " + "(" * 20_000 + '"a"' + ")" * 20_000, max_tokens=4)
+    deep = 'root ::= "((((" [(] ' + "(" * 256 + '"a"' + ")" * 256 + " # (((("
+    assert llm.generate("abc", grammar=deep, max_tokens=4, temperature=0).startswith("((((")
     with pytest.raises(ValueError, match="not several"):
         llm.create_chat_completion([{"role": "user", "content": "hi"}], grammar='root ::= "a"',
                                    response_format={"type": "json_object"})

@@ -16,6 +16,33 @@ from . import _llama_grammar
 # any JSON object (llama.cpp's grammars/json.gbnf)
 JSON_GRAMMAR: str = _llama_grammar.JSON_GBNF
 
+# llama.cpp's GBNF parser recurses once per nested group: tens of thousands of '(' overflow a thread's stack (a
+# crash, not an error); no grammar a person or a schema converter writes comes near this
+MAX_GRAMMAR_NESTING = 256
+
+
+def check_nesting(gbnf: str) -> None:
+    """Raise ValueError when groups `( ... )` nest deeper than MAX_GRAMMAR_NESTING (outside literals, character
+    classes and comments)."""
+    depth, i, n = 0, 0, len(gbnf)
+    while i < n:
+        c = gbnf[i]
+        if c in "\"[":  # a literal or a character class, to its unescaped end
+            end = "\"" if c == "\"" else "]"
+            i += 1
+            while i < n and gbnf[i] != end:
+                i += 2 if gbnf[i] == "\\" else 1
+        elif c == "#":
+            while i < n and gbnf[i] not in "\r\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            if depth > MAX_GRAMMAR_NESTING:
+                raise ValueError(f"the grammar nests groups deeper than {MAX_GRAMMAR_NESTING} levels")
+        elif c == ")":
+            depth = max(depth - 1, 0)
+        i += 1
+
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
     """GBNF that accepts exactly the JSON values `schema` describes. A schema the converter cannot read raises

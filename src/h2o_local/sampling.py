@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _engine
+from .grammar import check_nesting
 from .policies import check_int
 
 
@@ -63,6 +64,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise TypeError(f"grammar must be GBNF text (a str), got {type(self.grammar).__name__}")
+        if self.grammar:
+            check_nesting(self.grammar)
         check_int("top_k", self.top_k, minimum=0, maximum=None)  # at least the vocabulary: off
         check_int("seed", self.seed, maximum=None)  # any int: the sampler takes its low 32 bits
         stop = self.stop
