@@ -104,6 +104,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
                                     std::to_string(kept_per_stream) + " entries per stream): use n_ctx > budget * n_seq_max, or 0");
     }
     capacity_ = n_ctx;
+    check_room(*policy_);
     if (policy_->bounded()) {
         policy_->split().after_prefix(params.n_keep);
     } else if (params.n_keep < 0) {
@@ -386,6 +387,10 @@ void Engine::check_fits(const Policy & policy) const {
         throw std::invalid_argument("policy '" + policy.name() + "' needs attention scores: create the engine with a "
                                     "scoring policy or export_scores=True");
     }
+    check_room(policy);
+}
+
+void Engine::check_room(const Policy & policy) const {
     const uint32_t n_seq_stream = params_.kv_unified ? params_.n_seq_max : 1;
     if (policy.bounded() && n_seq_stream*policy.split().total() + probe_cells(policy) >= stream_capacity()) {
         const int32_t n_probe = probe_cells(policy);

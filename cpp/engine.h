@@ -148,6 +148,8 @@ private:
     void compact(llama_seq_id seq);
     // throws when policy needs scores the engine does not export, or its budget and probe leave no room in a stream
     void check_fits(const Policy & policy) const;
+    // throws when policy's budget and probe leave no room in a stream
+    void check_room(const Policy & policy) const;
     // a sequence with per-head cells only goes on under a per-head policy
     void check_parts(llama_seq_id seq, const SeqState & state, const Policy & policy) const;
     void check_per_head(const Policy & policy) const;

@@ -66,6 +66,17 @@ def test_labels_round_trip():
         policies.parse("h2o-lots")
 
 
+def test_a_llama_takes_the_label_it_prints(tiny_model):
+    llm = Llama(tiny_model, policy="tova-24+s4+r8", n_batch=32)
+    assert llm.policy == TOVA(heavy=12, recent=8, sinks=4) and llm.policy.label == "tova-24+s4+r8"
+    llm.set_policy("sink-12")
+    assert llm.policy_of(0).label == "sink-12"
+    with pytest.raises(ValueError, match="carries its budget"):
+        Llama(tiny_model, policy="h2o-24", budget=48)
+    with pytest.raises(ValueError, match="not a policy label"):
+        Llama(tiny_model, policy="h2o-lots")
+
+
 def test_a_llama_takes_a_policy_value_and_switches_to_another(tiny_model):
     llm = Llama(tiny_model, policy=H2O(heavy=4, recent=8), n_batch=32)
     assert llm.budget == 12 and isinstance(llm.policy, H2O)

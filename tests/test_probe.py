@@ -161,6 +161,9 @@ def test_the_repeat_probe_needs_room_and_says_so(tiny_model):
     with pytest.raises(ValueError, match="probe"):  # a probe that can never fit is refused at once
         Llama(tiny_model, n_ctx=130, n_batch=128, export_scores=True, n_threads=1).set_policy(
             TOVA(budget=BUDGET, probe="repeat"))
+    # and so is a Llama made with one whose cells cannot hold it (it failed at the first long prompt)
+    with pytest.raises(ValueError, match="probe's .* cells leave no room in the context's 130 cells"):
+        Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="repeat"), n_ctx=130, n_batch=128, n_threads=1)
 
 
 def test_pool_ranks_an_entry_by_its_best_neighbour():

@@ -107,6 +107,7 @@ def test_saved_sessions_are_continued_only_under_the_policy_that_made_them(serve
     ({"budget": "12"}, "kv_cache.budget", "integer"),
     ({"view": True}, "kv_cache.view", "stream"),
     ({"colour": "red"}, "kv_cache.colour", "Extra inputs"),
+    ({"policy": "tova-16+q100000"}, "kv_cache.policy", "its probe takes"),  # a probe larger than a slot
 ])
 def test_a_cache_request_that_cannot_run_is_a_400_naming_it(server, kv, param, says):
     port, client = server

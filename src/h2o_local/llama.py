@@ -86,7 +86,8 @@ class Llama:
             subclass, ...) or a registered name (`h2o_local.policies.REGISTRY`): "h2o" (the published H2O: heavy
             hitters by accumulated attention + a recent window), "local" (recent window), "sink" (first `sinks` tokens + recent window, StreamingLLM),
             "full", and the other scorers "h2o_norm", "h2o_maxhead", "h2o_headnorm", "tova", "snapkv", "keydiff"
-            (docs/policies.md).
+            (docs/policies.md), or a label as `Policy.label` prints it ("tova-256+s4+q32", "h2o-128+ph"), which
+            carries its budget.
         heavy / recent / sinks: with a policy name (or the default), the split of the budget; h2o defaults to heavy =
             budget // 2, recent = the rest, sinks = 0; sink defaults to 4 sinks.
         position_rolling: renumber the kept positions 0..n-1 after each eviction, so that generation can run past

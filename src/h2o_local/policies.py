@@ -400,6 +400,8 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
     the question probe), a `pool` width and a `follow` reach in entries, and the `probe_share` of the heavy entries
     the probe chooses, in percent).
 
+    A label (`"tova-256+s4"`, as `Policy.label` writes it) is parsed as `parse` does.
+
     `policy=None` is the default policy (DEFAULT_POLICY with DEFAULT_FIELDS; fields given override them; with
     `per_head=True` and no probe asked for, without the default's probe, which per-head choice does not take). None or
     "h2o" with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
@@ -427,6 +429,10 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
         return policy
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a name or a policy value (h2o_local.policies), got {policy!r}")
+    if policy not in REGISTRY and "-" in policy:  # a label, as the CLI and the server print them: "tova-256+s4"
+        if any(v is not None for v in given.values()):
+            raise ValueError(f"the label {policy!r} carries its budget and fields: give none beside it")
+        return parse(policy)
     if policy not in REGISTRY:
         raise ValueError(f"unknown policy {policy!r} (expected one of: {', '.join(sorted(REGISTRY))})")
     for key, value in given.items():

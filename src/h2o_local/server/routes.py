@@ -193,6 +193,10 @@ def _conversation_cache(state: ServerState, body: _Request) -> Tuple[Optional[Po
         raise APIError(400, "kv_cache.policy: a slot holds a bounded cache; 'full' cannot run in it",
                        param="kv_cache.policy")
     limit = _max_budget(state, value)
+    if limit < 1:
+        raise APIError(400, f"kv_cache.policy: its probe takes {state.llm._engine.probe_cells(value.cpp)} cells, more "
+                            f"than a slot of this server has ({state.scheduler.slots.cells_per_slot})",
+                       param="kv_cache.policy")
     if value.budget > limit:
         raise APIError(400, f"kv_cache.budget: {value.budget} entries do not fit in a slot of this server; at most "
                             f"{limit} with policy {value.name}", param="kv_cache.budget")
