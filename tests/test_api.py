@@ -172,6 +172,19 @@ def test_cli_runs_per_head_h2o_and_refuses_what_it_cannot_do(tiny_model, capsys)
         assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_cli_takes_the_policy_label_it_prints(tiny_model, capsys):
+    from h2o_local.cli import main
+
+    assert main(["--model", tiny_model, "--no-chat", "--prompt", "Hello there " * 10, "--policy", "tova-16+s2+r6",
+                 "--max-tokens", "4"]) == 0
+    assert "policy=tova budget=16 (sinks=2 heavy=8 recent=6)" in capsys.readouterr().err
+    for extra, says in ((["--budget", "32"], "carries its budget"), (["--sinks", "4"], "--sinks"),
+                        ([], "not a policy label")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", tiny_model, "--prompt", "Hi", "--policy", "h2o-x" if not extra else "h2o-16", *extra])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_default_threads_are_the_physical_cores(tiny_model):
     import os
 

