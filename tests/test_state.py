@@ -1,4 +1,6 @@
 """Snapshots and policy switches: branching several continuations from one attended prompt."""
+import struct
+
 import numpy as np
 import pytest
 
@@ -81,3 +83,23 @@ def test_a_restored_cache_answers_as_the_saved_one_up_to_the_order_of_its_cells(
     assert int(np.argmax(la)) == int(np.argmax(lb))
     assert a.generate([], max_tokens=8, temperature=0, reset=False) == b.generate([], max_tokens=8, temperature=0,
                                                                                    reset=False)
+
+
+@pytest.mark.parametrize("bad_pos", [-5, -2**31, 2**31 - 1])
+def test_a_snapshot_cell_at_a_position_no_removal_reaches_is_refused_and_leaves_nothing(tiny_model, bad_pos):
+    """A cell restored at a negative position (or INT32_MAX) once stayed in llama.cpp's cache for good: removal covers
+    [0, INT32_MAX) only, so every later restore of the sequence failed. Patch 0006 refuses such a state."""
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=128)
+    llm.eval(llm.tokenize(PROMPT))
+    snap = llm.save_state()
+    blob = snap.to_bytes()
+    # the frame (magic, origin, the KV array's length), llama.cpp's 8-byte header, then its cells: the first one's
+    # position follows the stream and cell counts
+    cells_at = 8 + 8 + struct.unpack_from("<Q", blob, 8)[0] + 8 + 8
+    n_stream, n_cells, pos, n_seq_id, seq_id = struct.unpack_from("<IIiIi", blob, cells_at)
+    assert (n_stream, n_cells, n_seq_id, seq_id) == (1, 16, 1, 0) and pos in llm.kv_state().positions
+    bad = blob[:cells_at + 8] + struct.pack("<i", bad_pos) + blob[cells_at + 12:]
+    with pytest.raises(ValueError, match="refused its KV cells|do not match its positions"):
+        llm.load_state(type(snap).from_bytes(bad))
+    llm.load_state(snap)  # the sequence takes its own snapshot again
+    assert llm.kv_state().n_cells == 16 and llm.generate([65], max_tokens=4, temperature=0, reset=False) is not None
