@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 namespace h2o {
@@ -568,6 +569,35 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     for (const auto & kv : tokens) {
         n_evicted[kv.first] = seqs_.at(kv.first).state().n_evicted;
     }
+    // each fed sequence as it was after its last eviction: an eviction that fails (a policy written in Python that
+    // raises) drops what was fed since, so every sequence stays within its budget and usable, as after a failed decode
+    std::map<llama_seq_id, SeqState> clean;
+    std::map<llama_seq_id, std::optional<std::vector<float>>> clean_logits;
+    auto mark_clean = [&](llama_seq_id seq) {
+        clean[seq] = seqs_.at(seq).state();
+        const auto it = last_logits_.find(seq);
+        clean_logits[seq] = it == last_logits_.end() ? std::nullopt : std::make_optional(it->second);
+    };
+    for (const auto & kv : tokens) {
+        mark_clean(kv.first);
+    }
+    auto evict_or_roll_back = [&](llama_seq_id seq, const std::vector<llama_token> * prompt) {
+        try {
+            probe_and_evict(seq, prompt);
+        } catch (...) {
+            for (const auto & [s, state] : clean) {
+                seqs_.at(s).roll_back(state);
+                if (clean_logits[s]) {
+                    last_logits_[s] = *clean_logits[s];
+                } else {
+                    last_logits_.erase(s);
+                }
+                logits_all_.erase(s);
+            }
+            throw;
+        }
+        mark_clean(seq);
+    };
     std::map<llama_seq_id, size_t> fed;
     for (size_t i = 0; i < plan.steps.size(); ++i) {
         if (i > 0 && params_.check_interrupt) {
@@ -587,12 +617,12 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             fed[seq] = part.first + part.second;
         }
         for (const llama_seq_id seq : step.evict_after) {
-            probe_and_evict(seq, &tokens.at(seq));
+            evict_or_roll_back(seq, &tokens.at(seq));
         }
     }
     if (plan.fits) {
         for (const auto & kv : tokens) {
-            probe_and_evict(kv.first, &kv.second);
+            evict_or_roll_back(kv.first, &kv.second);
         }
     }
     // a prompt that evicted leaves its kept cells scattered over every cell it went through (single tokens reuse the

@@ -392,6 +392,12 @@ void SeqCache::drop_unfinished() {
     llama_memory_seq_rm(mem_, seq_, st_.next_pos, -1);
 }
 
+void SeqCache::roll_back(const SeqState & before) {
+    forget_keys();
+    llama_memory_seq_rm(mem_, seq_, before.next_pos, -1);
+    st_ = before;
+}
+
 void SeqCache::clear() {
     forget_keys();
     llama_memory_seq_rm(mem_, seq_, -1, -1);

@@ -83,6 +83,9 @@ public:
     void evict(const Policy & policy, bool rolling, int32_t roll_interval);
     // drop the entries at next_pos and above (a decode that failed half-way)
     void drop_unfinished();
+    // back to `before`, a state of this sequence taken before its last chunk, whose cells are then dropped (an
+    // eviction that failed before it removed anything)
+    void roll_back(const SeqState & before);
     // remove the n newest entries (a probe's): their cells, positions and scores; the position goes back
     void drop_newest(int32_t n);
     void clear();

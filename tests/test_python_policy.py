@@ -61,3 +61,29 @@ def test_a_ranking_of_the_wrong_length_is_an_error_and_the_llama_goes_on(tiny_mo
         llm.generate(TEXT, max_tokens=4)
     llm.set_policy(H2O(budget=16))
     assert llm.generate("still usable", max_tokens=2, temperature=0) is not None
+
+
+class Raising(PythonRanked):
+    name = "raising"
+
+    def rank(self, total, head, queries):
+        raise KeyError("a bug in the ranking")
+
+
+@pytest.mark.parametrize("n_batch", [8, 512])  # a prompt fed in pieces, and whole
+def test_a_ranking_that_raises_leaves_the_sequence_as_it_was(tiny_model, n_batch):
+    """The exception reaches the caller as it is, and the prompt it was evicting for is dropped again: the sequence
+    keeps what it held, within its budget, and takes more under another policy (it once stayed over its budget and
+    every later feed failed with 'no KV cell is free')."""
+    llm = Llama(tiny_model, policy=Raising(budget=16), n_batch=n_batch, n_threads=1)
+    llm.eval(llm.tokenize("short")[:10])
+    before = llm.kv_state()
+    logits = llm.last_logits().copy()
+    with pytest.raises(KeyError, match="a bug in the ranking"):
+        llm.eval(llm.tokenize(TEXT, add_bos=False))
+    after = llm.kv_state()
+    assert after.positions.tolist() == before.positions.tolist() and after.tokens.tolist() == before.tokens.tolist()
+    np.testing.assert_array_equal(llm.last_logits(), logits)
+    llm.set_policy(H2O(budget=16))
+    llm.eval(llm.tokenize(TEXT, add_bos=False))
+    assert llm.kv_state().n_cells == 16 and llm.kv_state().n_seen == before.n_seen + len(llm.tokenize(TEXT, add_bos=False))
