@@ -279,8 +279,8 @@ def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, c
                          ("repeat_last_n", -1)):
         status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
         assert status == 400 and field in json.dumps(err), (field, value, err)
-    status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 10**15})  # past what the engine takes
-    assert status == 400 and err["error"]["param"] == "max_tokens"
+    status, out = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 10**15})  # capped by the server
+    assert status == 200 and out["usage"]["completion_tokens"] <= 4096
     # and within them they reach the sampler: a bias of 100 makes the token every greedy choice
     token = Llama(chat_model, policy="h2o", budget=16).tokenize(" banana", add_bos=False)[0]
     piece = Llama(chat_model, policy="h2o", budget=16).token_to_piece(token).decode()
@@ -310,6 +310,20 @@ def test_ignore_eos_runs_to_max_tokens_even_when_the_end_is_forced(server, chat_
     assert status == 200 and out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] <= 1
     status, out = post(port, "/v1/completions", {**body, "ignore_eos": True})
     assert status == 200 and out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 5
+
+
+def test_an_answer_is_capped_by_the_server_when_the_request_sets_no_limit_or_a_larger_one(chat_model):
+    """A bounded cache never fills up, so a model that never ends would hold its slot for good: answers stop at the
+    server's max_tokens (default: the trained context) with finish_reason 'length'."""
+    with serving(chat_model, slots=1, budget=32, app_kwargs={"max_tokens": 5}) as (port, _):
+        for asked in ({}, {"max_tokens": 1000}):
+            status, out = post(port, "/v1/chat/completions", {"messages": USER, "ignore_eos": True, **asked})
+            assert status == 200 and out["usage"]["completion_tokens"] == 5, out
+            assert out["choices"][0]["finish_reason"] == "length"
+        status, out = post(port, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+        assert status == 200 and out["usage"]["completion_tokens"] == 3  # a smaller limit stays the request's
+    app = create_app(Llama(chat_model, policy="h2o", budget=32), model_id="tiny")
+    assert app.state.server.max_tokens == 4096  # by default the tiny model's trained context
 
 
 def recorded_jobs(log):

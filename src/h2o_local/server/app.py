@@ -36,6 +36,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     state = ServerState(
         llm=llm, scheduler=scheduler, settings=settings, model_id=settings.model_id or os.path.basename(llm.model_path),
         max_prompt_tokens=settings.max_prompt_tokens or max(llm.n_ctx_train(), scheduler.slots.cells_per_slot),
+        max_tokens=settings.max_tokens or llm.n_ctx_train(),
         default_keep=llm.keep if isinstance(llm.keep, int) else 0,
         templates=concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h2o-local-template"))
 

@@ -40,6 +40,7 @@ class ServerState:
     settings: ServerSettings
     model_id: str
     max_prompt_tokens: int
+    max_tokens: int                                   # an answer's longest length (a bounded cache never fills up)
     default_keep: int                                 # the protected prefix of a completion (tokens)
     templates: concurrent.futures.ThreadPoolExecutor  # chat templates render here, off the event loop
 
@@ -246,10 +247,9 @@ def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_
         changes["ignore_eos"] = True
     if body.stop is not None:
         changes["stop"] = body.stop
-    if max_tokens is not None:
-        changes["max_tokens"] = max_tokens
-    elif defaults.max_tokens is None and not state.llm.policy.bounded:
-        changes["max_tokens"] = None  # the full cache stops at the end of the context
+    # a bounded cache never fills up: without a cap a model that never ends would hold its slot for good
+    asked = max_tokens if max_tokens is not None else defaults.max_tokens  # None: no limit asked for
+    changes["max_tokens"] = state.max_tokens if asked is None else min(asked, state.max_tokens)
     try:
         params = defaults.replace(**changes)
         if params.grammar:

@@ -23,6 +23,9 @@ class ServerSettings(BaseSettings):
     model_id: Optional[str] = Field(None, description="the model name /v1/models shows (default: the file name)")
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="longer prompts get HTTP 400 (default: the "
                                                                      "model's trained context)")
+    max_tokens: Optional[int] = Field(None, ge=1, description="an answer's longest length in tokens, for a request "
+                                      "that asks for more or for no limit (finish_reason 'length'; default: the "
+                                      "model's trained context)")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies get HTTP 413")
     api_key: Optional[str] = Field(None, min_length=1, description="every request must send 'Authorization: "
                                    "Bearer KEY' (else 401); better given as H2O_LOCAL_API_KEY (default: none)")
