@@ -64,6 +64,21 @@ def test_full_policy_stops_at_the_end_of_the_context(tiny_model):
     assert llm.kv_state().n_cells <= 256
 
 
+def test_a_bounded_cache_without_max_tokens_stops_after_the_trained_context(tiny_model):
+    """A bounded cache never fills up: with no max_tokens and a model that never ends, generation stops after the
+    model's trained context (128 tokens for the tiny model) instead of running for good."""
+    import warnings
+
+    llm = Llama(tiny_model, policy="h2o", budget=16)
+    never_end = {t: -100.0 for t in llm.eog_tokens()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # positions pass the trained context on the way
+        out = llm.create_completion("Hi", max_tokens=None, temperature=0, logit_bias=never_end)
+        assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 128
+        asked = llm.create_completion("Hi", max_tokens=200, logit_bias=never_end)  # a limit asked for is the limit
+        assert asked["usage"]["completion_tokens"] == 200
+
+
 def test_bad_token_ids_then_usable(tiny_model):
     llm = Llama(tiny_model, policy="h2o", budget=16)
     with pytest.raises(ValueError, match="token id"):

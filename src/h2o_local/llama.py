@@ -547,6 +547,13 @@ class Llama:
             raise TypeError(f"sampling must be a SamplingParams, got {base!r}")
         return base.replace(**kwargs) if kwargs else base
 
+    def _answer_limit(self, params: SamplingParams) -> Optional[int]:
+        """Tokens a generation may make: `max_tokens`, or with none a bounded cache's trained context (it never fills
+        up, so a model that never ends would otherwise generate for good); the full cache stops at its end."""
+        if params.max_tokens is not None or not self.policy.bounded:
+            return params.max_tokens
+        return self.info.n_ctx_train
+
     def _sampler(self, params: SamplingParams, seed: Optional[int] = None, history: Sequence[int] = ()):
         if seed is None:
             seed = self._rng.getrandbits(32) if params.seed is None else params.seed
@@ -567,7 +574,7 @@ class Llama:
         if not prompt_tokens and reset:
             raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
         sampler = self._sampler(params, history=prompt_tokens)
-        run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), params.max_tokens)
+        run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), self._answer_limit(params))
         with self._lock:
             # the token the last generation showed but did not feed goes first when the session goes on
             feed = prompt_tokens if reset else self._pending + prompt_tokens
@@ -752,7 +759,7 @@ class Llama:
         for wave in range(0, len(token_lists), self.n_seq_max):
             idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
             runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i, history=token_lists[i]),
-                                      TextAssembler(p.stop), p.max_tokens)
+                                      TextAssembler(p.stop), self._answer_limit(p))
                     for s, i in enumerate(idx)]
             with self._lock:
                 owner = self._take_over()

@@ -17,7 +17,8 @@ class SamplingParams:
     """How the next token is drawn, and when generation ends.
 
     max_tokens: tokens generated at most (None: until an end-of-generation token, a stop string or, for the full
-        cache, the end of the context).
+        cache, the end of the context; a bounded cache, which never fills up, stops after the model's trained
+        context, `n_ctx_train` tokens).
     temperature: <= 0 is greedy; top_k (0: off), top_p (1: off), min_p (0: off) cut the candidates first.
     stop: strings that end the text (cut before them).
     seed: the draw's seed; None takes the next one from the Llama's own generator.
