@@ -64,6 +64,7 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_voca
     }
     if (grammar != nullptr) {
         llama_sampler_chain_add(chain_, grammar);
+        grammar_end_ = params.banned.empty() ? llama_vocab_eos(vocab) : params.banned.front();
     }
     if (params.temperature <= 0.0f) {
         llama_sampler_chain_add(chain_, llama_sampler_init_greedy());
@@ -95,6 +96,15 @@ llama_token Sampler::sample(const float * logits) {
     llama_sampler_apply(chain_, &arr);
     if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
         throw std::runtime_error("the sampler selected no token");
+    }
+    if (arr.data[arr.selected].logit == -INFINITY) {
+        // every token is ruled out: a finished grammar allows only the end, which ignore_eos (or a logit_bias of
+        // -inf) bans; the text is complete, so it ends there
+        if (grammar_end_ >= 0) {
+            llama_sampler_accept(chain_, grammar_end_);
+            return grammar_end_;
+        }
+        throw std::runtime_error("no token is allowed: the grammar and logit_bias rule out every token");
     }
     const llama_token tok = arr.data[arr.selected].id;
     llama_sampler_accept(chain_, tok);

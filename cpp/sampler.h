@@ -46,6 +46,8 @@ public:
 private:
     llama_sampler * chain_ = nullptr;
     int32_t n_vocab_ = 0;
+    // the end token a finished grammar gives when the bans and biases rule out every token; -1: none
+    llama_token grammar_end_ = -1;
     std::vector<llama_token_data> cand_;
 };
 

@@ -26,6 +26,17 @@ def test_a_grammar_constrains_every_sampler_path(llm):
     assert len(digits) == 4 and digits[:3].isdigit() and digits[3] == "!"
 
 
+def test_a_finished_grammar_ends_the_answer_even_when_the_end_token_is_banned(llm):
+    """ignore_eos (or a logit_bias of -inf on the end tokens) and a grammar that is complete rule out every token:
+    the text is complete, so the answer ends there (it once raised 'Unexpected empty grammar stack')."""
+    never_end = {t: float("-inf") for t in llm.eog_tokens()}
+    for temperature in (0, 1.0):
+        for extra in ({"ignore_eos": True}, {"logit_bias": never_end}):
+            out = llm.create_completion("Pick:", grammar='root ::= "yes"', max_tokens=6, temperature=temperature,
+                                        **extra)
+            assert out["choices"][0]["text"] == "yes" and out["choices"][0]["finish_reason"] == "stop", extra
+
+
 def test_json_schema_output_parses_and_follows_the_schema(llm):
     for seed in range(3):
         text = llm.generate("JSON:", grammar=json_schema_grammar(SCHEMA), max_tokens=120, temperature=0.8, seed=seed)
