@@ -104,7 +104,7 @@ llama_token Sampler::sample(const float * logits) {
             llama_sampler_accept(chain_, grammar_end_);
             return grammar_end_;
         }
-        throw std::runtime_error("no token is allowed: the grammar and logit_bias rule out every token");
+        throw std::runtime_error("no token is allowed: logit_bias (and the grammar, if any) rule out every token");
     }
     const llama_token tok = arr.data[arr.selected].id;
     llama_sampler_accept(chain_, tok);
