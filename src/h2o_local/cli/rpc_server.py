@@ -2,7 +2,8 @@
 
 On the machine that runs the model: `Llama(path, rpc_servers=["HOST:PORT"], n_gpu_layers=N)` (or `--rpc HOST:PORT`
 with `--n-gpu-layers N`) puts N layers here; scores and eviction work as on one machine. The protocol has no
-authentication or encryption: listen on 127.0.0.1 or a trusted network only. Ctrl-C stops the server.
+authentication or encryption: listen on 127.0.0.1 or a trusted network only. Ctrl-C stops the server; a process
+using it then stops too at its next step (llama.cpp's RPC client aborts when its server goes away).
 """
 from __future__ import annotations
 
