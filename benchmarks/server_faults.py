@@ -76,6 +76,8 @@ MALFORMED: List[tuple] = [
     ("messages is empty", CHAT, {"messages": []}, 400),
     ("message without content", CHAT, {"messages": [{"role": "user"}]}, 400),
     ("message role unknown", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("message role is a list", CHAT, {"messages": [{"role": ["user"], "content": "hi"}]}, 400),
+    ("message role is an object", CHAT, {"messages": [{"role": {"a": 1}, "content": "hi"}]}, 400),
     ("message content is a number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400),
     ("message is a string", CHAT, {"messages": ["hi"]}, 400),
     ("max_tokens negative", CHAT, chat("hi", max_tokens=-1), 400),

@@ -112,9 +112,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(server_state)):
     body.refuse_unsupported()
     for i, m in enumerate(body.messages):
-        if m.get("role") not in ROLES:
+        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
-                                f"{m.get('role')!r}", param=f"messages.{i}.role")
+                                f"{repr(m.get('role'))[:64]}", param=f"messages.{i}.role")
     if body.tools == [] and body.tool_choice in (None, "none"):  # clients that send empty tools ask for nothing
         body.tools = None
     try:
