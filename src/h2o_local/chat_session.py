@@ -56,6 +56,7 @@ class ChatSession:
             if not isinstance(system, str):
                 raise TypeError(f"system must be a string or None, got {type(system).__name__}")
             check_text("the system prompt", system)
+        CHAT.replace(**sampling)  # a bad value or name raises here, not at every answer
         self.llm = llm
         self.system = system
         self.sampling = dict(sampling)
