@@ -32,6 +32,16 @@ void log_callback(ggml_log_level level, const char * text, void *) {
     }
 }
 
+std::string builtin_template_names() {
+    std::vector<const char *> names(llama_chat_builtin_templates(nullptr, 0));
+    llama_chat_builtin_templates(names.data(), names.size());
+    std::string out;
+    for (const char * name : names) {
+        out += (out.empty() ? "" : ", ") + std::string(name);
+    }
+    return out;
+}
+
 } // namespace
 
 void init_backend(bool verbose) {
@@ -194,6 +204,10 @@ std::string Model::apply_chat_template(const std::vector<std::pair<std::string, 
         n = llama_chat_apply_template(t, msgs.data(), msgs.size(), add_assistant, out.data(), (int32_t) out.size());
     }
     if (n < 0) {
+        if (!tmpl.empty()) {
+            throw std::invalid_argument("'" + tmpl.substr(0, 64) + "' is not a chat template llama.cpp knows: give "
+                                        "Jinja source or a built-in name (" + builtin_template_names() + ")");
+        }
         throw std::invalid_argument("llama.cpp does not support this model's chat template");
     }
     out.resize(n);

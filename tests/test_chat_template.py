@@ -50,6 +50,9 @@ def test_a_template_given_by_the_user(bare_model):
     assert jinja.apply_chat_template(CONVERSATION).endswith("<|im_start|>assistant\n")
     out = jinja.create_chat_completion(CONVERSATION, max_tokens=3)
     assert out["usage"]["prompt_tokens"] == len(jinja.chat_tokens(CONVERSATION)[0])
+    # a name llama.cpp does not know is named, with the names it knows (not "this model's template")
+    with pytest.raises(ValueError, match="'chatmll' is not a chat template llama.cpp knows: .*chatml, .*llama3"):
+        Llama(bare_model, policy="h2o", budget=16, chat_template="chatmll").apply_chat_template(CONVERSATION)
 
 
 def test_no_template_is_a_clear_error(bare_model):
