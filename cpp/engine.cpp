@@ -11,6 +11,10 @@
 #include <optional>
 #include <stdexcept>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
 namespace h2o {
 
 std::string probe_text(ProbeSource source) {
@@ -66,6 +70,37 @@ int32_t key_head_size(const llama_model * model) {
         return std::atoi(value);
     }
     return llama_model_n_embd(model) / std::max(llama_model_n_head(model), 1);
+}
+
+// this machine's memory in bytes (0: unknown)
+uint64_t physical_memory_bytes() {
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGE_SIZE)
+    const long pages = sysconf(_SC_PHYS_PAGES);
+    const long page  = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? (uint64_t) pages*(uint64_t) page : 0;
+#else
+    return 0;
+#endif
+}
+
+// a context whose KV cells (kept in host memory when no layer is offloaded) and logits alone need more than this
+// machine has is refused before llama.cpp allocates it: parts of it would be allocated, and the system would stop
+// the process when they are touched
+void check_host_memory(const llama_model * model, uint32_t n_ctx, uint32_t n_outputs, bool kv_on_host, bool kv_f32) {
+    const uint64_t have = physical_memory_bytes();
+    if (have == 0) {
+        return;
+    }
+    const uint64_t per_cell = (uint64_t) llama_model_n_layer(model)*2*llama_model_n_head_kv(model)*
+                              (uint64_t) key_head_size(model)*(kv_f32 ? 4 : 2);
+    const uint64_t logits = (uint64_t) n_outputs*(uint64_t) llama_vocab_n_tokens(llama_model_get_vocab(model))*4;
+    const uint64_t need   = (kv_on_host ? (uint64_t) n_ctx*per_cell : 0) + logits;
+    if (need > have) {
+        throw std::invalid_argument("n_ctx=" + std::to_string(n_ctx) + " cells and n_batch=" + std::to_string(n_outputs) +
+                                    " outputs need about " + std::to_string(need >> 30) + " GiB of KV cache and logits, "
+                                    "more than this machine's " + std::to_string(have >> 30) + " GiB: use a smaller "
+                                    "budget, n_batch or n_ctx");
+    }
 }
 
 } // namespace
@@ -168,6 +203,8 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         cp.n_threads_batch = params.n_threads;
     }
 
+    check_host_memory(model_->get(), n_ctx, cp.n_outputs_max, params.n_gpu_layers == 0 && params.rpc_servers.empty(),
+                      params.kv_f32);
     clear_llama_error();
     ctx_ = llama_init_from_model(model_->get(), cp);
     if (ctx_ == nullptr) {

@@ -79,6 +79,15 @@ def test_a_bounded_cache_without_max_tokens_stops_after_the_trained_context(tiny
         assert asked["usage"]["completion_tokens"] == 200
 
 
+def test_a_context_larger_than_the_machine_is_refused_before_it_is_allocated(tiny_model):
+    """n_batch=2**30 once got the process killed by the system (parts of the context were allocated and touched);
+    now the KV cells and logits it would need are compared with the machine's memory first."""
+    with pytest.raises(ValueError, match="more than this machine's"):
+        Llama(tiny_model, policy="h2o", budget=64, n_batch=2**30)
+    with pytest.raises(ValueError, match="more than this machine's"):
+        Llama(tiny_model, n_ctx=2**31 - 1)
+
+
 def test_bad_token_ids_then_usable(tiny_model):
     llm = Llama(tiny_model, policy="h2o", budget=16)
     with pytest.raises(ValueError, match="token id"):
