@@ -97,10 +97,15 @@ def test_streaming_chat_gives_the_same_text(server):
 
 def test_concurrent_streams_are_decoded_together_and_equal_one_by_one(chat_model):
     prompts = [f"Story number {i}:" for i in range(3)]
-    with serving(chat_model, session_mib=0) as (port, client):
+    with serving(chat_model, slots=4, session_mib=0) as (port, client):
         alone = [client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0).choices[0].text
                  for p in prompts]
         results, barrier = [None] * 3, threading.Barrier(3)
+        # a long answer runs in a slot of its own meanwhile, so that the three streams surely share steps with it
+        # (without it three short answers on a fast machine could each end before the next one starts)
+        long = client.completions.create(model="tiny", prompt="Once", max_tokens=100_000, stream=True,
+                                         extra_body={"ignore_eos": True})
+        next(iter(long))
 
         def stream(i):
             barrier.wait()
@@ -112,8 +117,11 @@ def test_concurrent_streams_are_decoded_together_and_equal_one_by_one(chat_model
             t.start()
         for t in threads:
             t.join()
+        long.close()
         assert results == alone  # each slot has its own cache: batching changes nothing but speed
-        _, health = get(port, "/health")
+        from benchmarks.server_faults import wait_idle
+
+        health = wait_idle(f"http://127.0.0.1:{port}", timeout_s=30)  # the long answer's slot is freed too
         assert health["peak_batch"] >= 2 and health["slots_processing"] == 0
 
 
