@@ -243,7 +243,7 @@ def test_busy_slots_give_429_and_a_client_that_leaves_frees_its_slot(chat_model)
     with serving(chat_model, slots=1, max_waiting=0, session_mib=0) as (port, client):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "long", "max_tokens": 100000, "stream": True,
-                                                                "temperature": 1.0}),
+                                                                "temperature": 1.0, "ignore_eos": True}),
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200 and resp.read1(64)  # streaming
