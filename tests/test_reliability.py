@@ -153,3 +153,23 @@ def test_the_full_cache_ends_only_the_sequence_whose_room_is_gone(tiny_model, kv
     assert llm.finish_reasons[0] == "length" and all(isinstance(t, str) for t in texts)
     if not kv_unified:  # its own stream of 128 cells: the short one fills it later, and generates more
         assert llm.finish_reasons[1] == "length" and len(llm.tokenize(texts[1], add_bos=False)) > 0
+
+
+def test_close_frees_the_llama_and_later_calls_say_so(tiny_model):
+    """llama-cpp-python's close() and `with Llama(...) as llm:`: a running stream stops at its next step, and every
+    later call raises RuntimeError instead of touching freed memory."""
+    llm = Llama(tiny_model, policy="h2o", budget=16)
+    stream = llm.create_completion("Hello", max_tokens=50, stream=True)
+    next(stream)
+    llm.close()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        next(stream)
+    for call in (lambda: llm.create_completion("Hi", max_tokens=2), lambda: llm.eval([5]), lambda: llm.kv_state(),
+                 lambda: llm.tokenize("x")):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    llm.close()  # twice is fine
+    with Llama(tiny_model, policy="h2o", budget=16) as scoped:
+        assert isinstance(scoped.generate("Hi", max_tokens=2), str)
+    with pytest.raises(RuntimeError, match="closed"):
+        scoped.generate("Hi", max_tokens=2)

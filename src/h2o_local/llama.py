@@ -494,6 +494,19 @@ class Llama:
             self._pending = []
         return owner
 
+    def close(self) -> None:
+        """Free the model and its KV cache now, as llama-cpp-python's `close()` (also `with Llama(...) as llm:`).
+        A generation still running stops at its next step; any later call raises RuntimeError."""
+        with self._lock:
+            self._take_over()
+            self._engine = _Closed()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def max_system_keep(self) -> Optional[int]:
         """The most tokens `keep="system"` protects (half the budget; None for the full cache)."""
@@ -603,7 +616,7 @@ class Llama:
             with self._lock:
                 if self._generation is not owner:
                     raise RuntimeError("this generation was interrupted by another call on the same Llama (a new "
-                                       "generation, eval, reset, load_state, ...): it cannot go on")
+                                       "generation, eval, reset, load_state, close, ...): it cannot go on")
                 try:
                     e = next(events)
                 except StopIteration:
@@ -881,6 +894,13 @@ def _feed_progress(progress: Optional[Callable[[int, int], None]], total: int,
         progress(min(total, pieces[0] * n_batch), total)
 
     return between
+
+
+class _Closed:
+    """The engine of a closed Llama: any use says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("this Llama was closed: make a new one")
 
 
 def _token_list(tokens: Sequence[int]) -> List[int]:
