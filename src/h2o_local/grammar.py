@@ -9,6 +9,7 @@ schema is converted by llama-cpp-python's converter, taken from the pinned sdist
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping, Optional
 
 from . import _llama_grammar
@@ -21,27 +22,22 @@ JSON_GRAMMAR: str = _llama_grammar.JSON_GBNF
 MAX_GRAMMAR_NESTING = 256
 
 
+# what can hold a parenthesis without opening a group: a literal, a character class, a comment
+_GROUP_TOKENS = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*|[()]')
+
+
 def check_nesting(gbnf: str) -> None:
     """Raise ValueError when groups `( ... )` nest deeper than MAX_GRAMMAR_NESTING (outside literals, character
     classes and comments)."""
-    depth, i, n = 0, 0, len(gbnf)
-    while i < n:
-        c = gbnf[i]
-        if c in "\"[":  # a literal or a character class, to its unescaped end
-            end = "\"" if c == "\"" else "]"
-            i += 1
-            while i < n and gbnf[i] != end:
-                i += 2 if gbnf[i] == "\\" else 1
-        elif c == "#":
-            while i < n and gbnf[i] not in "\r\n":
-                i += 1
-        elif c == "(":
+    depth = 0
+    for m in _GROUP_TOKENS.finditer(gbnf):
+        c = m.group()
+        if c == "(":
             depth += 1
             if depth > MAX_GRAMMAR_NESTING:
                 raise ValueError(f"the grammar nests groups deeper than {MAX_GRAMMAR_NESTING} levels")
         elif c == ")":
             depth = max(depth - 1, 0)
-        i += 1
 
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
