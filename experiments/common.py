@@ -50,6 +50,7 @@ class Setting:
     type_k: Optional[str] = None
     type_v: Optional[str] = None
     flash_attn: bool = False
+    portable_scores: bool = False  # the score paths every backend has (sum_rows; with flash attention a separate pass)
 
     def budget_for(self, prompt_tokens: Optional[int] = None) -> Optional[int]:
         """Entries kept per sequence (a percentage needs the prompt's length)."""
@@ -96,7 +97,7 @@ class Setting:
         return {"policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
                 "roll_interval": self.roll_interval, "export_scores": self.export_scores,
                 "compact_cells": self.compact, "type_k": self.type_k, "type_v": self.type_v,
-                "flash_attn": self.flash_attn}
+                "flash_attn": self.flash_attn, "_scores_sum_rows": self.portable_scores}
 
 
 def parse_setting(label: str) -> Setting:
@@ -111,6 +112,8 @@ def parse_setting(label: str) -> Setting:
             fields["after_full"] = True
         elif s == "fa":
             fields["flash_attn"] = True
+        elif s == "fapass":  # flash attention, its scores from the separate pass (as on GPUs) instead of the kernel
+            fields["flash_attn"] = fields["portable_scores"] = True
         elif s.startswith("k") and len(s) > 1:
             fields["type_k"] = s[1:]
         elif s.startswith("v") and len(s) > 1:
@@ -122,7 +125,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
             fields["recent_percent"] = float(s[1:-1])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa, +fapass or +afterfull)")
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

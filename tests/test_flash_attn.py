@@ -1,6 +1,8 @@
-"""Flash attention: every policy runs with it. Flash attention forms no softmax, so the patch computes KQ and its
-softmax beside the flash kernel (no V product) for the score export; its sums equal the non-flash export's to
-rounding. A quantized V cache (which llama.cpp allows only with flash attention) works with every policy."""
+"""Flash attention: every policy runs with it. Flash attention forms no softmax: on the CPU its kernel keeps each
+row's KQ values and writes the softmax's column sums beside its output (patch 0007); for a cache on another device a
+pass of its own computes KQ and its softmax beside the flash kernel (no V product, patch 0004), which
+`_scores_sum_rows=True` forces here. Both equal the non-flash export's sums to rounding. A quantized V cache (which
+llama.cpp allows only with flash attention) works with every policy."""
 import numpy as np
 import pytest
 
@@ -32,12 +34,11 @@ def one_layer(tmp_path_factory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("fa1") / "tiny-1layer.gguf", n_embd=256, n_layer=1))
 
 
-@pytest.mark.parametrize("kv_f32", [True, False])
-def test_scores_with_flash_attention_equal_the_non_flash_export(one_layer, kv_f32):
+def test_scores_with_flash_attention_equal_the_non_flash_export(one_layer):
     """One layer, so that both paths score the same queries and keys: the same sums per position and head, for a
     prompt and then for single tokens. (With more layers the queries of the later ones differ by flash attention's
     rounding of the earlier ones' outputs; the policies' choices are compared below.)"""
-    kw = dict(n_ctx=256, kv_f32=kv_f32, export_scores=True)
+    kw = dict(n_ctx=256, export_scores=True)
     plain, flash = Llama(one_layer, **kw), Llama(one_layer, flash_attn=True, **kw)
     tokens = plain.tokenize(TEXT)
     for step in (tokens[:60], tokens[60:61], tokens[61:62]):
@@ -48,6 +49,73 @@ def test_scores_with_flash_attention_equal_the_non_flash_export(one_layer, kv_f3
         # every query's probabilities sum to 1 per head: the sums' total is queries x heads
         np.testing.assert_allclose(fs.sum(), len(step) * fs.shape[1], rtol=1e-4)
         np.testing.assert_allclose(fs, ps, rtol=1e-5, atol=1e-6)
+
+
+def test_flash_attention_scores_the_f16_keys_it_attends(one_layer):
+    """Flash attention reads an F32 cache's keys rounded to F16, and its sums are those of what it attended: they
+    move from the F32 export's no more than the F16 cache's export does (up to the order of additions)."""
+    plain32, flash32, plain16 = (Llama(one_layer, n_ctx=256, export_scores=True, **kw) for kw in
+                                 (dict(kv_f32=True), dict(kv_f32=True, flash_attn=True), dict()))
+    tokens = plain32.tokenize(TEXT)
+    for step in (tokens[:60], tokens[60:61]):
+        for llm in (plain32, flash32, plain16):
+            llm.eval(step)
+        s32, sflash, s16 = (llm.last_scores()[1] for llm in (plain32, flash32, plain16))
+        np.testing.assert_allclose(sflash, s16, rtol=1e-5, atol=1e-6)
+        assert np.abs(sflash - s32).max() <= np.abs(s16 - s32).max() + 1e-5
+
+
+# The CPU kernel has three paths, each of which keeps the column sums its own way: a row at a time (fewer than 64
+# queries, or a quantized cache), tiles of 64 queries x 64 keys (a prompt piece on an F16 cache) and, for one query
+# over 512 keys or more on an F16 cache, the keys split among the threads. Thread counts that divide nothing evenly.
+KERNEL_PATHS = {
+    "row at a time": (dict(type_k="q8_0", type_v="q8_0"), (60, 1, 200, 1)),
+    "tiles": (dict(), (200, 150)),
+    "keys split among threads": (dict(), (300, 300, 1, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("path", list(KERNEL_PATHS))
+def test_the_kernels_sums_equal_the_separate_pass(one_layer, path, threads):
+    """The tiled path multiplies F32 queries with the keys where the pass (and non-flash attention) round the
+    queries to F16 first: its sums differ by that rounding (measured 7e-4 of the largest sum; 1e-3 against an F32
+    cache without flash attention, the pass's 1.4e-3), the other paths' by the order of additions."""
+    cache, steps = KERNEL_PATHS[path]
+    kw = dict(n_ctx=1024, n_batch=512, export_scores=True, flash_attn=True, n_threads=threads, **cache)
+    kernel, separate = Llama(one_layer, **kw), Llama(one_layer, _scores_sum_rows=True, **kw)
+    tokens = kernel.tokenize(TEXT * 12)
+    start = 0
+    for n in steps:
+        step = tokens[start:start + n]
+        start += n
+        kernel.eval(step)
+        separate.eval(step)
+        (kp, ks), (sp, ss) = kernel.last_scores(), separate.last_scores()
+        np.testing.assert_array_equal(kp, sp)
+        np.testing.assert_allclose(ks.sum(axis=0), len(step), rtol=1e-4)  # each head: one per query
+        tiled = n >= 64 and not cache  # the prompt pieces of an F16 cache
+        tolerance = 2e-3 if tiled else 1e-5
+        assert np.abs(ks - ss).max() <= tolerance * ss.max(), (n, np.abs(ks - ss).max(), ss.max())
+        np.testing.assert_array_equal(kernel.last_logits(), separate.last_logits())  # the output is untouched
+    assert start > 512 or path != "keys split among threads"
+
+
+def test_the_kernels_sums_keep_sequences_apart(one_layer):
+    """Two sequences in one batch, in one stream (the mask separates them) and in a stream each."""
+    for unified in (True, False):
+        kw = dict(n_ctx=1024, n_batch=512, n_seq_max=2, kv_unified=unified, export_scores=True, flash_attn=True,
+                  n_threads=2)
+        kernel, separate = Llama(one_layer, **kw), Llama(one_layer, _scores_sum_rows=True, **kw)
+        tokens = kernel.tokenize(TEXT * 4)
+        for batch in ({0: tokens[:100], 1: tokens[100:170]}, {0: tokens[170:171], 1: tokens[171:172]}):
+            kernel.eval_batch(batch)
+            separate.eval_batch(batch)
+            for seq in (0, 1):
+                (kp, ks), (sp, ss) = kernel.last_scores(seq), separate.last_scores(seq)
+                np.testing.assert_array_equal(kp, sp)
+                assert np.abs(ks - ss).max() <= 2e-3 * ss.max()
+                np.testing.assert_allclose(ks.sum(axis=0), len(batch[seq]), rtol=1e-4)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "h2o_norm"])
