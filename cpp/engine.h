@@ -37,12 +37,13 @@ struct EngineParams {
     bool     kv_unified = true;      // one cell space for all sequences; false: a stream of n_ctx / n_seq_max cells each
     int32_t  n_threads = 0;          // 0: llama.cpp's default
     int32_t  n_gpu_layers = 0;
-    bool     scores_sum_rows = false; // force the transpose + sum_rows reduction (the Metal path) on any backend
+    bool     scores_sum_rows = false; // force the portable score paths on any backend: the sum_rows reduction
+                                      // (Metal's) and, with flash attention, the separate KQ softmax pass (a GPU's)
     bool     export_scores = false;   // export scores even when the policy does not use them
     bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
     std::string type_k;               // K cells' type by ggml name ("q8_0", "q4_0", ...); empty: as V (F16 or F32)
     std::string type_v;               // V cells' type; a quantized one needs flash_attn (llama.cpp)
-    bool     flash_attn = false;      // llama.cpp's flash attention (scores then come from a KQ softmax pass beside it)
+    bool     flash_attn = false;      // llama.cpp's flash attention (scores from the CPU kernel, or a KQ softmax pass on a GPU)
     std::vector<std::string> rpc_servers; // "host:port" of ggml RPC servers that take the offloaded layers
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
     bool     verbose = false;

@@ -116,8 +116,9 @@ class Llama:
         rpc_servers: "host:port" of `h2o-local rpc-server` processes (llama.cpp's RPC backend); the offloaded
             layers (`n_gpu_layers`) run there, split by their free memory. Scores and eviction work as locally.
         flash_attn: llama.cpp's flash attention (faster and leaner on GPUs and many CPUs), with every policy. It
-            forms no softmax: for the scoring policies the patch computes KQ and its softmax beside it (no V
-            product), the same scores as without flash attention, at the cost of that pass.
+            forms no softmax: for the scoring policies the CPU kernel writes the softmax's column sums itself (a
+            cache in CPU memory costs what `local` costs); a cache on a GPU gets them from a KQ softmax pass beside
+            the flash kernel (no V product), at the cost of that pass. Either way the same scores as without it.
         compact_cells: after a prompt (or `compress()`) evicted, move the kept entries to the lowest KV cells, so
             that decoding attends about `budget` cells rather than every cell the prompt went through (llama.cpp
             attends up to the highest used cell). Costs one copy of the kept K/V per prompt; off only to measure it.
