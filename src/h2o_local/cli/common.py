@@ -50,8 +50,8 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU or RPC servers (-1: all)")
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
-    g.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention (every policy; the "
-                   "scoring ones read their scores from a softmax pass beside it)")
+    g.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention (every policy; on the CPU the "
+                   "kernel itself writes the scoring policies' scores, on a GPU a softmax pass beside it)")
     g.add_argument("--cache-type-k", help="K cache type: f16 (default), q8_0, q4_0, ... (llama.cpp's -ctk)")
     g.add_argument("--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs --flash-attn")
     g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
