@@ -8,7 +8,28 @@ namespace h2o {
 
 namespace {
 
-constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '3'};
+constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '4'};
+constexpr char kFormatWithoutChecksum = '3'; // still read: format 4 is format 3 with a CRC-32 at the end
+
+// CRC-32 (IEEE 802.3, the one zlib and zip use): any damage of up to 32 consecutive bits is always detected
+uint32_t crc32(const uint8_t * data, size_t n) {
+    static const std::vector<uint32_t> table = [] {
+        std::vector<uint32_t> t(256);
+        for (uint32_t i = 0; i < 256; ++i) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; ++k) {
+                c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+            }
+            t[i] = c;
+        }
+        return t;
+    }();
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; ++i) {
+        c = table[(c ^ data[i]) & 0xFF] ^ (c >> 8);
+    }
+    return c ^ 0xFFFFFFFFu;
+}
 
 struct ByteWriter {
     std::vector<uint8_t> out;
@@ -105,17 +126,34 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.value(st.n_keep);
     w.array(snap.logits);
     w.array(snap.pending);
+    w.value<uint32_t>(crc32(w.out.data(), w.out.size()));
     return w.out;
 }
 
 SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     ByteReader r {data, size};
     char magic[sizeof(kSnapshotMagic)] = {};
-    if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), memcmp(magic, kSnapshotMagic, sizeof(magic)) != 0)) {
-        if (size >= sizeof(magic) && memcmp(magic, kSnapshotMagic, sizeof(magic) - 1) == 0) {
-            throw std::invalid_argument(std::string("a session snapshot of format ") + magic[sizeof(magic) - 1] +
-                                        ", this build reads format " + kSnapshotMagic[sizeof(magic) - 1] +
-                                        " (it was saved by another version of h2o_local)");
+    const bool checksummed = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic)) == 0;
+    const bool unchecked = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic) - 1) == 0 &&
+                           data[sizeof(magic) - 1] == kFormatWithoutChecksum;
+    if (checksummed) {
+        uint32_t stored = 0;
+        if (size < sizeof(magic) + sizeof(stored)) {
+            throw std::invalid_argument("not a session snapshot: the data ends early");
+        }
+        r.left -= sizeof(stored);
+        memcpy(&stored, data + r.left, sizeof(stored));
+        if (crc32(data, r.left) != stored) {
+            throw std::invalid_argument("the session snapshot is damaged: its checksum does not match its data");
+        }
+    }
+    if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), !checksummed && !unchecked)) {
+        const char version = magic[sizeof(magic) - 1];
+        if (size >= sizeof(magic) && memcmp(magic, kSnapshotMagic, sizeof(magic) - 1) == 0 && version >= '0' &&
+            version <= '9') {
+            throw std::invalid_argument(std::string("a session snapshot of format ") + version +
+                                        ", this build reads formats " + kFormatWithoutChecksum + " and " +
+                                        kSnapshotMagic[sizeof(magic) - 1] + " (it was saved by another version of h2o_local)");
         }
         throw std::invalid_argument("not a session snapshot (wrong magic)");
     }

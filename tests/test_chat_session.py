@@ -76,7 +76,8 @@ def test_a_loaded_session_answers_as_the_one_that_never_stopped(chat_model, tmp_
     assert other.messages == s.messages and other.last.reused_tokens == s.last.reused_tokens > 0
 
 
-@pytest.mark.parametrize("damage", ["kv_blob", "deflate", "json_field", "json_type", "policy", "truncated", "empty"])
+@pytest.mark.parametrize("damage", ["kv_blob", "kv_values", "deflate", "json_field", "json_type", "policy", "truncated",
+                                    "empty"])
 def test_a_bad_file_is_one_value_error_and_changes_nothing(saved, tmp_path, damage):
     s, path = saved
     before = what_it_holds(s)
@@ -84,6 +85,11 @@ def test_a_bad_file_is_one_value_error_and_changes_nothing(saved, tmp_path, dama
     meta = json.loads(zipfile.ZipFile(path).read("session.json"))
     if damage == "kv_blob":
         rewrite(path, bad, **{"kv.bin": damaged_kv(zipfile.ZipFile(path).read("kv.bin"))})
+    elif damage == "kv_values":  # a few bytes of K/V values: a well-formed file (its zip CRC rewritten) that answers
+        kv = bytearray(zipfile.ZipFile(path).read("kv.bin"))  # differently unless the snapshot's checksum sees it
+        for at in (len(kv) // 3, len(kv) // 2, len(kv) // 2 + 1):
+            kv[at] ^= 0x10
+        rewrite(path, bad, **{"kv.bin": bytes(kv)})
     elif damage == "deflate":
         data = bytearray(path.read_bytes())
         info = zipfile.ZipFile(path).getinfo("kv.bin")

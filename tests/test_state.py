@@ -1,5 +1,6 @@
 """Snapshots and policy switches: branching several continuations from one attended prompt."""
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -98,8 +99,42 @@ def test_a_snapshot_cell_at_a_position_no_removal_reaches_is_refused_and_leaves_
     cells_at = 8 + 8 + struct.unpack_from("<Q", blob, 8)[0] + 8 + 8
     n_stream, n_cells, pos, n_seq_id, seq_id = struct.unpack_from("<IIiIi", blob, cells_at)
     assert (n_stream, n_cells, n_seq_id, seq_id) == (1, 16, 1, 0) and pos in llm.kv_state().positions
-    bad = blob[:cells_at + 8] + struct.pack("<i", bad_pos) + blob[cells_at + 12:]
+    bad = blob[:cells_at + 8] + struct.pack("<i", bad_pos) + blob[cells_at + 12:-4]
+    bad += struct.pack("<I", zlib.crc32(bad))  # a well-formed snapshot that llama.cpp must refuse on its own
     with pytest.raises(ValueError, match="refused its KV cells|do not match its positions"):
         llm.load_state(type(snap).from_bytes(bad))
     llm.load_state(snap)  # the sequence takes its own snapshot again
     assert llm.kv_state().n_cells == 16 and llm.generate([65], max_tokens=4, temperature=0, reset=False) is not None
+
+
+def test_a_damaged_snapshot_is_refused_wherever_its_bytes_are_flipped_and_the_sequence_stays_usable(tiny_model):
+    """Snapshot bytes end with a CRC-32 of everything before it: a flipped byte anywhere (the KV data included,
+    where the structure checks see nothing) is a ValueError, and the sequence keeps what it held."""
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=128)
+    llm.eval(llm.tokenize(PROMPT))
+    snap = llm.save_state()
+    blob = snap.to_bytes()
+    assert struct.unpack("<I", blob[-4:])[0] == zlib.crc32(blob[:-4])  # the standard CRC-32 (zlib's, zip's)
+    expected = llm.generate([], max_tokens=6, temperature=0, reset=False)
+    rng = np.random.default_rng(0)
+    spots = sorted({0, 7, 8, len(blob) // 2, len(blob) - 5, len(blob) - 1, *rng.integers(0, len(blob), 40).tolist()})
+    for at in spots:
+        for flip in (0x01, 0x80, 0xFF):
+            bad = bytearray(blob)
+            bad[at] ^= flip
+            with pytest.raises(ValueError, match="damaged|not a session snapshot|format"):
+                type(snap).from_bytes(bytes(bad))
+    with pytest.raises(ValueError):
+        type(snap).from_bytes(blob[:-1])
+    llm.load_state(type(snap).from_bytes(blob))
+    assert llm.generate([], max_tokens=6, temperature=0, reset=False) == expected
+
+
+def test_a_snapshot_of_format_3_without_a_checksum_still_loads(tiny_model):
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=128)
+    llm.eval(llm.tokenize(PROMPT))
+    blob = llm.save_state().to_bytes()
+    old = b"h2osnap3" + blob[8:-4]  # what the last version wrote
+    expected = llm.generate([], max_tokens=6, temperature=0, reset=False)
+    llm.load_state(type(llm.save_state()).from_bytes(old))
+    assert llm.generate([], max_tokens=6, temperature=0, reset=False) == expected
