@@ -405,7 +405,7 @@ SLOW = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if '
 def test_a_slow_template_is_rendered_off_the_event_loop_and_stopped(tmp_path):
     model = str(write_tiny_llama(tmp_path / "slow.gguf", chat_template=SLOW, n_ctx_train=4096))
     llm = Llama(model, policy="h2o", budget=64, n_seq_max=1, kv_unified=False, n_threads=1)
-    app = create_app(llm, model_id="tiny", template_timeout_s=3.0)
+    app = create_app(llm, model_id="tiny", template_timeout_s=4.0)
     with serve_in_background(app) as port:
         result = {}
         t = threading.Thread(target=lambda: result.update(r=post(port, "/v1/chat/completions",
@@ -413,12 +413,13 @@ def test_a_slow_template_is_rendered_off_the_event_loop_and_stopped(tmp_path):
         t0 = time.monotonic()
         t.start()
         time.sleep(0.3)
-        health_started = time.monotonic()
-        status, _ = get(port, "/health")  # the event loop answers while the template runs
-        assert status == 200 and time.monotonic() - health_started < 1.5  # not held until the 3 s limit
-        t.join(30)
+        status, _ = get(port, "/health")
+        # the event loop answered while the template ran: the slow request is not answered yet (no clock: a loaded
+        # machine slows both alike)
+        assert status == 200 and t.is_alive() and "r" not in result
+        t.join(60)
         status, err = result["r"]
-        assert status == 400 and "time limit" in err["error"]["message"] and time.monotonic() - t0 < 10
+        assert status == 400 and "time limit" in err["error"]["message"] and time.monotonic() - t0 < 30
         status, _ = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "fast"}],
                                                         "max_tokens": 2})
         assert status == 200
