@@ -62,8 +62,8 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_voca
         }
         llama_sampler_chain_add(chain_, penalties);
     }
-    if (grammar != nullptr) {
-        llama_sampler_chain_add(chain_, grammar);
+    if (grammar != nullptr) { // kept beside the chain: sample() asks it about the chosen token first
+        grammar_ = grammar;
         grammar_end_ = params.banned.empty() ? llama_vocab_eos(vocab) : params.banned.front();
     }
     if (params.temperature <= 0.0f) {
@@ -85,29 +85,61 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_voca
 
 Sampler::~Sampler() {
     llama_sampler_free(chain_);
+    if (grammar_ != nullptr) {
+        llama_sampler_free(grammar_);
+    }
 }
 
-llama_token Sampler::sample(const float * logits) {
+llama_token_data_array Sampler::candidates(const float * logits) {
     cand_.resize(n_vocab_);
     for (int32_t i = 0; i < n_vocab_; ++i) {
         cand_[i] = llama_token_data{i, logits[i], 0.0f};
     }
-    llama_token_data_array arr = {cand_.data(), cand_.size(), -1, false};
+    return {cand_.data(), cand_.size(), -1, false};
+}
+
+bool Sampler::grammar_allows(llama_token tok) const {
+    llama_token_data one = {tok, 1.0f, 0.0f};
+    llama_token_data_array arr = {&one, 1, -1, false};
+    llama_sampler_apply(grammar_, &arr);
+    return arr.data[0].logit != -INFINITY;
+}
+
+void Sampler::accept(llama_token tok) {
+    if (grammar_ != nullptr) {
+        llama_sampler_accept(grammar_, tok);
+    }
+    llama_sampler_accept(chain_, tok);
+}
+
+// As llama.cpp's common sampler: the chain draws from the whole vocabulary first and the grammar is asked about
+// the chosen token alone; only when it refuses is the draw made again with the grammar over every candidate. A
+// grammar with many open alternatives costs a check of one token on most steps instead of the vocabulary's.
+llama_token Sampler::sample(const float * logits) {
+    llama_token_data_array arr = candidates(logits);
     llama_sampler_apply(chain_, &arr);
     if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
         throw std::runtime_error("the sampler selected no token");
+    }
+    if (grammar_ != nullptr && !(arr.data[arr.selected].logit != -INFINITY && grammar_allows(arr.data[arr.selected].id))) {
+        arr = candidates(logits);
+        llama_sampler_apply(grammar_, &arr);
+        llama_sampler_apply(chain_, &arr);
+        if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
+            throw std::runtime_error("the sampler selected no token");
+        }
     }
     if (arr.data[arr.selected].logit == -INFINITY) {
         // every token is ruled out: a finished grammar allows only the end, which ignore_eos (or a logit_bias of
         // -inf) bans; the text is complete, so it ends there
         if (grammar_end_ >= 0) {
-            llama_sampler_accept(chain_, grammar_end_);
+            accept(grammar_end_);
             return grammar_end_;
         }
         throw std::runtime_error("no token is allowed: logit_bias (and the grammar, if any) rule out every token");
     }
     const llama_token tok = arr.data[arr.selected].id;
-    llama_sampler_accept(chain_, tok);
+    accept(tok);
     return tok;
 }
 

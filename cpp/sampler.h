@@ -1,6 +1,7 @@
-// llama.cpp's sampler chain: logit bias (banned tokens: -inf) -> repetition penalties -> grammar -> top_k -> top_p ->
-// min_p -> temperature -> seeded draw; greedy (after the bias, the penalties and the grammar) when temperature <= 0. It samples straight
-// from a row of logits (the context's own, see Engine::sample).
+// llama.cpp's sampler chain: logit bias (banned tokens: -inf) -> repetition penalties -> top_k -> top_p -> min_p ->
+// temperature -> seeded draw; greedy (after the bias and the penalties) when temperature <= 0. A grammar is checked
+// on the drawn token and constrains the whole vocabulary only when it refuses it (llama.cpp's common sampler does
+// the same). It samples straight from a row of logits (the context's own, see Engine::sample).
 #pragma once
 
 #include "llama.h"
@@ -44,7 +45,12 @@ public:
     int32_t n_vocab() const { return n_vocab_; }
 
 private:
+    llama_token_data_array candidates(const float * logits);
+    bool grammar_allows(llama_token tok) const;
+    void accept(llama_token tok);
+
     llama_sampler * chain_ = nullptr;
+    llama_sampler * grammar_ = nullptr; // owned; not in chain_
     int32_t n_vocab_ = 0;
     // the end token a finished grammar gives when the bans and biases rule out every token; -1: none
     llama_token grammar_end_ = -1;

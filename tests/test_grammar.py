@@ -82,3 +82,22 @@ def chat_llm(tmp_path_factory):
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     return Llama(str(write_tiny_llama(tmp_path_factory.mktemp("g") / "chat.gguf", chat_template=template)), policy="h2o", budget=64)
+
+
+def test_schema_text_with_escapes_and_long_strings_comes_out_as_json(llm):
+    """Found by random schemas (tests/test_bounded_work.py): the converter left backslashes unescaped (an enum value
+    with a control character or a backslash gave text that is not JSON), let strings hold raw control characters,
+    and wrote maxLength 1,000 as 1,000 nested groups (refused). Its output is JSON now."""
+    weird = ["\x1f", "a\\b", 'q"', "é"]
+    for seed in range(4):
+        text = llm.generate("JSON:", grammar=json_schema_grammar({"enum": weird}), max_tokens=40, temperature=1.5,
+                            seed=seed)
+        assert json.loads(text) in weird
+    long = json_schema_grammar({"type": "string", "maxLength": 1000})
+    for seed in range(3):
+        text = llm.generate("JSON:", grammar=long, max_tokens=60, temperature=1.5, seed=seed, ignore_eos=True)
+        if text.rstrip().endswith('"') and len(text.strip()) > 1:
+            value = json.loads(text)
+            assert isinstance(value, str) and len(value) <= 1000
+        else:  # cut by max_tokens: every character so far is one JSON allows in a string
+            assert not any(ord(c) < 0x20 for c in text)

@@ -5,6 +5,7 @@ an end-of-generation token, a stop string or `max_tokens`, and feeds the others'
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
 
@@ -27,6 +28,7 @@ class SeqRun:
     pending: Optional[int] = None    # the last token shown but not yet fed (fed first when the session goes on)
     finish_reason: Optional[str] = None
     tokens: List[int] = field(default_factory=list)
+    deadline: Optional[float] = None  # time.monotonic() after which it ends with "length" (a server's time limit)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class Batch:
                 out.append(Event(r.index, token, r.text.push(engine.token_to_piece(token, False)), None, logits))
                 if r.text.stopped:
                     finish = "stop"
-                elif r.max_tokens is not None and r.n_generated >= r.max_tokens:
+                elif (r.max_tokens is not None and r.n_generated >= r.max_tokens) or \
+                        (r.deadline is not None and time.monotonic() >= r.deadline):
                     finish = "length"
                 else:
                     feed[seq_id] = [token]

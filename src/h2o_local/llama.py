@@ -551,8 +551,10 @@ class Llama:
 
     # ------------------------------------------------------------------ generation
     def _prompt_tokens(self, prompt: Prompt, add_bos: Optional[bool]) -> List[int]:
+        """A text prompt's special tokens (`<|im_start|>`) are parsed, as llama-cpp-python's create_completion and
+        llama-server parse them; token ids from `tokenize(text, special=False)` feed such text literally."""
         if isinstance(prompt, (str, bytes)):
-            return self.tokenize(prompt, add_bos=self.info.add_bos if add_bos is None else add_bos)
+            return self.tokenize(prompt, add_bos=self.info.add_bos if add_bos is None else add_bos, special=True)
         return _token_list(prompt)
 
     def _params(self, defaults: SamplingParams, sampling_: Optional[SamplingParams], kwargs: Dict[str, Any]) -> SamplingParams:
@@ -567,6 +569,21 @@ class Llama:
         if params.max_tokens is not None or not self.policy.bounded:
             return params.max_tokens
         return self.info.n_ctx_train
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise ValueError when `params` cannot sample on this model (a token id outside the vocabulary, a grammar
+        that does not parse), before anything runs; nothing changes."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {params!r}")
+        self._sampler(params, seed=0)
+
+    def probe_cells(self, policy: Union[str, Policy, None] = None) -> int:
+        """KV cells a policy's probe takes beside its budget while it ranks (0 without a probe; default: this
+        `Llama`'s policy)."""
+        value = self.policy if policy is None else resolve(policy) if isinstance(policy, str) else policy
+        if not isinstance(value, Policy):
+            raise TypeError(f"policy must be a Policy or a name, got {policy!r}")
+        return int(self._engine.probe_cells(value.cpp))
 
     def _sampler(self, params: SamplingParams, seed: Optional[int] = None, history: Sequence[int] = ()):
         if seed is None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _engine
-from .grammar import check_nesting
+from .grammar import DEFAULT_LIMITS, GrammarLimits, check_grammar
 from .policies import check_int
 
 
@@ -29,6 +29,8 @@ class SamplingParams:
     logit_bias: {token id: bias} added to the logits before anything else (-inf: never).
     grammar: GBNF text (llama.cpp's grammar format, rule `root`) the output must follow; `h2o_local.grammar` has
         JSON and JSON-schema grammars. A grammar that does not parse raises ValueError.
+    grammar_limits: how large the grammar may be (`h2o_local.grammar.GrammarLimits`: bytes, rules, alternatives,
+        repetitions); a larger one raises ValueError before any work is done on it.
     """
 
     max_tokens: Optional[int] = 128
@@ -45,6 +47,7 @@ class SamplingParams:
     penalty_last_n: int = 64
     logit_bias: Optional[Mapping[int, float]] = None
     grammar: Optional[str] = None
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -65,8 +68,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise TypeError(f"grammar must be GBNF text (a str), got {type(self.grammar).__name__}")
+        if not isinstance(self.grammar_limits, GrammarLimits):
+            raise TypeError(f"grammar_limits must be a GrammarLimits, got {type(self.grammar_limits).__name__}")
         if self.grammar:
-            check_nesting(self.grammar)
+            check_grammar(self.grammar, self.grammar_limits)
         check_int("top_k", self.top_k, minimum=0, maximum=None)  # at least the vocabulary: off
         check_int("seed", self.seed, maximum=None)  # any int: the sampler takes its low 32 bits
         stop = self.stop

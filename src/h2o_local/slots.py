@@ -7,6 +7,7 @@ steps (`with slots.owned(): ...`), so no other call interleaves with a step.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from . import generation
@@ -41,13 +42,15 @@ class Slots:
               resume: Optional[Tuple[Any, int]] = None,
               between_chunks: Optional[Callable[[], None]] = None,
               save_prefix: Optional[Callable[[Any], None]] = None,
-              policy: Optional[Policy] = None) -> List[generation.Event]:
+              policy: Optional[Policy] = None,
+              time_limit_s: Optional[float] = None) -> List[generation.Event]:
         """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
         `policy`: the slot's own (a resolved value that fits the slot's cells), None: the `Llama`'s.
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
         `save_prefix(snapshot)`: without `resume`, the protected prefix is fed alone first and its snapshot given
         to it (a shared system prompt that later requests start from).
         `between_chunks()` runs between the chunks of a long prompt (with `interleaves`: it may `step()`).
+        `time_limit_s`: generation ends with "length" once it has run this long (seconds, from its first token).
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
         sampler = self.llm._sampler(params, history=tokens)  # bad sampling input raises before the slot changes
         self._engine.reset_seq(slot)
@@ -68,7 +71,8 @@ class Slots:
             save_prefix(self._engine.snapshot(slot))
             feed = tokens[n_keep:]
         self._engine.eval({slot: feed}, False, hook)
-        run = generation.SeqRun(slot, slot, sampler, TextAssembler(params.stop), params.max_tokens)
+        run = generation.SeqRun(slot, slot, sampler, TextAssembler(params.stop), params.max_tokens,
+                                deadline=None if time_limit_s is None else time.monotonic() + time_limit_s)
         self._runs[slot] = run
         return self._batch.add(run)
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ipaddress
 import os
 import secrets
+import socket
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -52,6 +54,8 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+    if _is_loopback(settings.host):  # added last: it runs first, before the key check and the body
+        app.add_middleware(HostCheck, listen_host=settings.host, allowed_hosts=settings.allowed_hosts)
     if settings.cors_origins:  # outside the key check: a browser's preflight carries no key
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
@@ -130,6 +134,54 @@ class BearerAuth:
             response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class HostCheck:
+    """ASGI middleware for a server on a loopback address: 403 for a request whose `Host` is not a name of this
+    machine (localhost and *.localhost, a loopback address, the address listened on, the host name) nor one of
+    `allowed_hosts` ("*": any). A web page of another site can rebind its own name to 127.0.0.1 (DNS rebinding)
+    and then call this server as if it were that site, same-origin, reading the answers; its requests still carry
+    its own name as `Host`. Ollama refuses them the same way."""
+
+    def __init__(self, app, listen_host: str, allowed_hosts: Optional[str] = None):
+        self.app = app
+        extra = {h.strip().lower().rstrip(".") for h in (allowed_hosts or "").split(",") if h.strip()}
+        self.any = "*" in extra
+        self.names = {"localhost", socket.gethostname().lower(), listen_host.lower().strip("[]")} | extra
+
+    def allows(self, host_header: bytes) -> bool:
+        if self.any:
+            return True
+        try:
+            host = host_header.decode("ascii").strip().lower()
+        except UnicodeDecodeError:
+            return False
+        if host.startswith("["):  # [::1]:8000
+            host = host[1:host.find("]")] if "]" in host else ""
+        elif host.count(":") == 1:
+            host = host.split(":", 1)[0]
+        host = host.rstrip(".")
+        return bool(host) and (host in self.names or host.endswith(".localhost") or _is_loopback(host))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        if not self.allows(dict(scope["headers"]).get(b"host", b"")):
+            response = error_response(403, "this server answers requests for this machine's names only (the Host "
+                                           "header names another): start it with --allowed-hosts NAME to answer "
+                                           "more", code="host_not_allowed")
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _is_page(scope) -> bool:

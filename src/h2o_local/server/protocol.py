@@ -24,7 +24,6 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # OpenAI takes 300
-MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 class KVCacheRequest(BaseModel):
@@ -60,7 +59,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False  # llama-server's: never end at an end-of-generation token (needs max_tokens)
     # structured output: OpenAI's response_format, llama-server's grammar (GBNF) and json_schema
     response_format: Optional[Dict[str, Any]] = None
-    grammar: Optional[str] = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    grammar: Optional[str] = None  # bounded by the server's grammar limits (grammar_max_bytes, ...)
     json_schema: Optional[Dict[str, Any]] = None
     stop: Union[str, List[str], None] = None
     seed: Optional[int] = None
@@ -68,6 +67,9 @@ class _Request(BaseModel):
     stream_options: Optional[Dict[str, Any]] = None
     n: int = Field(default=1, ge=1, le=1)
     kv_cache: Optional[KVCacheRequest] = None
+    # llama-server's: the longest this request may generate, ms (then finish_reason "length"); the server's
+    # request_time_limit_s caps it
+    t_max_predict_ms: Optional[StrictInt] = Field(default=None, ge=1)
 
     @field_validator("logit_bias")
     @classmethod

@@ -96,7 +96,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         raise APIError(400, str(e), param="prompt") from None
     policy, view = _conversation_cache(state, body)
     job = await _submit(state, Job(tokens, _sampling(state, COMPLETION, body, body.max_tokens),
-                                   n_keep=state.default_keep, policy=policy, view=view), request)
+                                   n_keep=state.default_keep, policy=policy, view=view,
+                                   time_limit_s=_time_limit(state, body)), request)
     meta = responses.completion_meta(state.model_id)
     if body.echo and text is None:  # token ids: their text, as llama-cpp-python echoes it
         text = llm.detokenize(tokens).decode("utf-8", errors="replace")
@@ -143,7 +144,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
                        param="kv_cache.view")
     job = await _submit(state, Job(tokens, _sampling(state, CHAT, body, limit),
-                                   n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view),
+                                   n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
+                                   time_limit_s=_time_limit(state, body)),
                         request)
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
@@ -195,7 +197,7 @@ def _conversation_cache(state: ServerState, body: _Request) -> Tuple[Optional[Po
                        param="kv_cache.policy")
     limit = _max_budget(state, value)
     if limit < 1:
-        raise APIError(400, f"kv_cache.policy: its probe takes {state.llm._engine.probe_cells(value.cpp)} cells, more "
+        raise APIError(400, f"kv_cache.policy: its probe takes {state.llm.probe_cells(value)} cells, more "
                             f"than a slot of this server has ({state.scheduler.slots.cells_per_slot})",
                        param="kv_cache.policy")
     if value.budget > limit:
@@ -209,8 +211,7 @@ def _conversation_cache(state: ServerState, body: _Request) -> Tuple[Optional[Po
 
 def _max_budget(state: ServerState, policy: Optional[Policy] = None) -> int:
     """The largest budget a conversation can take in a slot (with `policy`'s probe; default: the server's)."""
-    engine = state.llm._engine
-    return state.scheduler.slots.cells_per_slot - 1 - engine.probe_cells((policy or state.llm.policy).cpp)
+    return state.scheduler.slots.cells_per_slot - 1 - state.llm.probe_cells(policy)
 
 
 def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int]) -> SamplingParams:
@@ -226,15 +227,17 @@ def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_
     given = [k for k in ("response_format", "grammar", "json_schema") if getattr(body, k) not in (None, "")]
     if len(given) > 1:
         raise APIError(400, f"give one of {', '.join(given)}, not several", param=given[1])
+    limits = state.settings.grammar_limits()
+    changes["grammar_limits"] = limits
     try:
         if body.grammar:
             changes["grammar"] = body.grammar
         elif body.json_schema is not None:
-            changes["grammar"] = grammar.json_schema_grammar(body.json_schema)
+            changes["grammar"] = grammar.json_schema_grammar(body.json_schema, limits)
         elif body.response_format is not None:
-            changes["grammar"] = grammar.response_format_grammar(body.response_format)
+            changes["grammar"] = grammar.response_format_grammar(body.response_format, limits)
     except ValueError as e:
-        raise APIError(400, str(e), param=given[0]) from None
+        raise APIError(400, str(e), param=given[0], code=_limit_code(e)) from None
     if body.logit_bias:
         n_vocab = state.llm.n_vocab()
         bias = {int(k): v for k, v in body.logit_bias.items()}
@@ -253,12 +256,22 @@ def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_
     try:
         params = defaults.replace(**changes)
         if params.grammar:
-            state.llm._sampler(params, seed=0)  # a grammar that does not parse is the request's error, here
+            state.llm.check_sampling(params)  # a grammar that does not parse is the request's error, here
         return params
     except (TypeError, ValueError) as e:
         named = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
         param = given[0] if given and "grammar" in str(e) else named if named in type(body).model_fields else None
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, str(e), param=param, code=_limit_code(e)) from None
+
+
+def _time_limit(state: ServerState, body: _Request) -> float:
+    """Seconds the request may generate: the server's limit, or less when the request asks (t_max_predict_ms)."""
+    limit = state.settings.request_time_limit_s
+    return limit if body.t_max_predict_ms is None else min(limit, body.t_max_predict_ms / 1000)
+
+
+def _limit_code(error: Exception) -> Optional[str]:
+    return "grammar_too_large" if isinstance(error, grammar.GrammarTooLarge) else None
 
 
 async def _submit(state: ServerState, job: Job, request: Request) -> Job:

@@ -74,6 +74,7 @@ class Job:
     n_keep: int = 0                     # the protected prefix (tokens)
     policy: Optional[Policy] = None     # its own policy (resolved, fits a slot), None: the server's
     view: bool = False                  # deliver the cache's state with every event (Started.view, Viewed)
+    time_limit_s: Optional[float] = None  # generation ends with "length" after this long (seconds)
     loop: Optional[asyncio.AbstractEventLoop] = None
     queue: Optional["asyncio.Queue[Any]"] = None
     cancelled: bool = False
@@ -222,7 +223,7 @@ class Scheduler:
             events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
                                       between_chunks=lambda: self._between_prompt_chunks(job),
                                       save_prefix=self._prefix_saver(job) if session is None else None,
-                                      policy=job.policy)
+                                      policy=job.policy, time_limit_s=job.time_limit_s)
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
             job.put(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)

@@ -7,6 +7,8 @@ from typing import Optional
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ..grammar import DEFAULT_LIMITS, GrammarLimits
+
 
 class ServerSettings(BaseSettings):
     """How `h2o-local serve` listens and schedules. Each field is `--field-name` on the command line and
@@ -31,5 +33,26 @@ class ServerSettings(BaseSettings):
                                    "Bearer KEY' (else 401); better given as H2O_LOCAL_API_KEY (default: none)")
     cors_origins: Optional[str] = Field(None, min_length=1, description="browser origins allowed to call the API, "
                                         "comma-separated, or * (default: none, CORS off)")
+    allowed_hosts: Optional[str] = Field(None, min_length=1, description="more Host names the server answers, "
+                                         "comma-separated, or * for any; a server on a loopback address answers only "
+                                         "this machine's names (localhost, loopback addresses, the host name) "
+                                         "otherwise (default: none)")
+    request_time_limit_s: float = Field(600.0, gt=0, description="longest a request may generate, seconds; then it "
+                                        "ends with finish_reason 'length' (a request's t_max_predict_ms may ask "
+                                        "for less)")
+    grammar_max_bytes: int = Field(DEFAULT_LIMITS.max_bytes, ge=1, description="largest grammar (GBNF text, or "
+                                   "what a JSON schema becomes), bytes; larger ones get HTTP 400")
+    grammar_max_rules: int = Field(DEFAULT_LIMITS.max_rules, ge=1, description="most rules a grammar may have")
+    grammar_max_alternatives: int = Field(DEFAULT_LIMITS.max_alternatives, ge=1, description="most alternatives "
+                                          "('|') a grammar may have (an enum of N values has N - 1)")
+    grammar_max_repetition: int = Field(DEFAULT_LIMITS.max_repetition, ge=1, description="largest repetition count "
+                                        "in a grammar ({m,n}) or a schema (minItems, maxLength, ...), as llama.cpp's "
+                                        "GBNF parser")
     template_timeout_s: float = Field(10.0, gt=0, description="longest a chat template may render a request's "
                                                               "messages, seconds (then HTTP 400)")
+
+    def grammar_limits(self) -> GrammarLimits:
+        """The limits every request's grammar is checked against."""
+        return GrammarLimits(max_bytes=self.grammar_max_bytes, max_rules=self.grammar_max_rules,
+                             max_alternatives=self.grammar_max_alternatives,
+                             max_repetition=self.grammar_max_repetition)
