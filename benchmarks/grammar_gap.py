@@ -18,7 +18,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 
 def _post(port: int, body: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
@@ -28,14 +28,15 @@ def _post(port: int, body: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
     return r.status, json.loads(r.read() or b"null")
 
 
-def _stream(port: int, gaps: List[Tuple[float, float]], stop: threading.Event) -> None:
+def stream_gaps(port: int, body: Dict[str, Any], gaps: List[Tuple[float, float]],
+                stop: Optional[threading.Event] = None) -> None:
+    """Stream `body` from /v1/chat/completions, appending (time, gap since the chunk before) per chunk to `gaps`."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    c.request("POST", "/v1/chat/completions", json.dumps(
-        {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}], "max_tokens": 100_000,
-         "ignore_eos": True, "stream": True, "temperature": 0.7, "seed": 1}), {"Content-Type": "application/json"})
+    c.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+              {"Content-Type": "application/json"})
     r = c.getresponse()
     last = None
-    while not stop.is_set():
+    while stop is None or not stop.is_set():
         line = r.readline()
         if not line:
             break
@@ -45,6 +46,10 @@ def _stream(port: int, gaps: List[Tuple[float, float]], stop: threading.Event) -
                 gaps.append((now, now - last))
             last = now
     c.close()
+
+
+STORY = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}], "max_tokens": 100_000,
+         "ignore_eos": True, "temperature": 0.7, "seed": 1}
 
 
 def heavy_requests() -> List[Tuple[str, Dict[str, Any]]]:
@@ -66,7 +71,7 @@ def run(model: str, threads: int) -> List[Dict[str, Any]]:
     with serve_in_background(create_app(llm, model_id="bench")) as port:
         gaps: List[Tuple[float, float]] = []
         stop = threading.Event()
-        t = threading.Thread(target=_stream, args=(port, gaps, stop), daemon=True)
+        t = threading.Thread(target=stream_gaps, args=(port, STORY, gaps, stop), daemon=True)
         t.start()
         while len(gaps) < 30:
             time.sleep(0.05)

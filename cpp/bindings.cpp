@@ -409,6 +409,10 @@ PYBIND11_MODULE(_engine, m) {
             if (logits.size() != s.n_vocab()) {
                 throw std::invalid_argument("expected " + std::to_string(s.n_vocab()) + " logits, got " + std::to_string(logits.size()));
             }
-            return s.sample(logits.data());
-        }, py::arg("logits"), "The next token drawn from a row of logits given from Python.");
+            const float * row = logits.data();
+            py::gil_scoped_release release; // a grammar can take long: other threads (a server's steps) go on
+            return s.sample(row);
+        }, py::arg("logits"), "The next token drawn from a row of logits given from Python.")
+        .def_property_readonly("has_grammar", &Sampler::has_grammar,
+                               "Whether a grammar constrains it (its draws can take long: a server draws them aside).");
 }

@@ -43,6 +43,7 @@ public:
 
     llama_token sample(const float * logits);
     int32_t n_vocab() const { return n_vocab_; }
+    bool has_grammar() const { return grammar_ != nullptr; }
 
 private:
     llama_token_data_array candidates(const float * logits);

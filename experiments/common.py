@@ -5,9 +5,9 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from h2o_local.policies import ENGINE_FIELDS, Policy, parse, resolve, suffix_fields
+from h2o_local.policies import Policy, parse, resolve, suffix_fields
 
 
 def experiment_parser(module: str, doc: Optional[str]) -> argparse.ArgumentParser:
@@ -32,16 +32,9 @@ class Setting:
     policy: str
     budget: Optional[int] = None
     percent: Optional[float] = None
-    sinks: Optional[int] = None
-    query_window: Optional[int] = None
-    recent: Optional[int] = None
+    # the policy's own suffixes (+s4, +w8, +r64, +q32, ...) as `policies.suffix_fields` reads them: sorted pairs
+    policy_fields: Tuple[Tuple[str, Any], ...] = ()
     recent_percent: Optional[float] = None
-    probe: Optional[str] = None
-    question: Optional[int] = None
-    pool: Optional[int] = None
-    follow: Optional[int] = None
-    probe_share: Optional[int] = None
-    per_head: Optional[bool] = None
     rolling: bool = False
     roll_interval: int = 1
     export_scores: bool = False
@@ -75,22 +68,21 @@ class Setting:
     @property
     def is_plain(self) -> bool:
         """The policy with its own defaults: no sinks, query window or recent given."""
-        return (self.sinks is None and self.query_window is None and self.recent is None and self.recent_percent is None
-                and self.probe is None and self.pool is None and self.follow is None and self.probe_share is None
-                and self.per_head is None)
+        return not self.policy_fields and self.recent_percent is None
 
     def policy_value(self, prompt_tokens: Optional[int] = None) -> Policy:
         if self.percent is None and self.recent_percent is None:
             return parse(self.policy_label)  # the library's own label parser: one reading of +sN, +wN, +rN
         budget = self.budget_for(prompt_tokens)
-        recent = self.recent
+        extra = dict(self.policy_fields)
+        recent = extra.pop("recent", None)
         if self.recent_percent is not None:
             recent = round(budget * self.recent_percent / 100)
-        extra = {k: getattr(self, k) for k in ENGINE_FIELDS if k not in ("budget", "heavy", "recent")}
         if recent is None:
             return resolve(self.policy, budget, **extra)
         # an explicit recent share: the heavy entries are what the sinks and the recent window leave
-        return resolve(self.policy, budget, heavy=max(0, budget - (self.sinks or 0) - recent), recent=recent, **extra)
+        return resolve(self.policy, budget, heavy=max(0, budget - (extra.get("sinks") or 0) - recent), recent=recent,
+                       **extra)
 
     def llama_kwargs(self, prompt_tokens: Optional[int] = None) -> Dict[str, Any]:
         """Keyword arguments of `Llama(...)` for this setting."""
@@ -103,6 +95,7 @@ class Setting:
 def parse_setting(label: str) -> Setting:
     head, *suffixes = label.split("+")
     fields: Dict[str, Any] = {}
+    policy_fields: Dict[str, Any] = {}
     for s in suffixes:
         if s == "scores":
             fields["export_scores"] = True
@@ -121,11 +114,13 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("roll") and (s[4:] == "" or s[4:].isdigit()):
             fields["rolling"], fields["roll_interval"] = True, int(s[4:] or 1)
         elif suffix_fields(s) is not None:  # the library's own policy suffixes: +sN, +wN, +rN, +qN, +repeat, ...
-            fields.update(suffix_fields(s))
+            policy_fields.update(suffix_fields(s))
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
             fields["recent_percent"] = float(s[1:-1])
         else:
             raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa, +fapass or +afterfull)")
+    if policy_fields:
+        fields["policy_fields"] = tuple(sorted(policy_fields.items()))
     if head == "full":
         setting = Setting(label, "full", **fields)
     else:

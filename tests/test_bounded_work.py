@@ -2,6 +2,7 @@
 ValueError, the server answers 400 naming the limit and its setting), a grammar is asked about the drawn token
 before it constrains the whole vocabulary, a request's generation has a time limit, and a server on a loopback
 address answers only this machine's names (DNS rebinding)."""
+import concurrent.futures
 import http.client
 import json
 import resource
@@ -197,41 +198,81 @@ def test_a_grammar_over_the_limits_is_a_400_naming_the_limit_and_the_setting(ser
     assert status == 200
 
 
-def test_a_stream_keeps_its_pace_while_another_request_samples_under_a_large_grammar(server):
-    """The grammar is asked about the drawn token only, so a request with a grammar at the limit (an enum of 1,000
-    values) does not hold the decode step that every conversation shares. The measure is the other stream's
-    longest gap between tokens, against its own median gap in the same run (not a wall-clock bound)."""
-    gaps, done = [], threading.Event()
+class _HeldDraws:
+    """An executor whose draws finish only when the test says so (a grammar draw that takes as long as we like)."""
 
-    def stream():
-        c = http.client.HTTPConnection("127.0.0.1", server, timeout=120)
-        c.request("POST", "/v1/chat/completions", json.dumps(chat(max_tokens=400, ignore_eos=True, stream=True)),
-                  {"Content-Type": "application/json"})
-        r = c.getresponse()
-        last = None
-        for line in r:
-            if line.startswith(b"data: {"):
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append((now, now - last))
-                last = now
-        done.set()
+    def __init__(self):
+        self.futures = []
 
-    t = threading.Thread(target=stream)
-    t.start()
-    while len(gaps) < 20:
-        time.sleep(0.01)
-    schema = {"type": "object", "properties": {"pick": {"enum": [f"choice number {i}" for i in range(999)]}},
-              "required": ["pick"]}
-    start = time.perf_counter()
-    status, body = request(server, "POST", "/v1/chat/completions",
-                           chat(max_tokens=60, json_schema=schema, temperature=1.0, seed=3))
-    end = time.perf_counter()
-    t.join(timeout=120)
+    def submit(self, fn, *args):
+        f = concurrent.futures.Future()
+        self.futures.append((f, fn, args))
+        return f
+
+    def finish_all(self):
+        for f, fn, args in self.futures:
+            if not f.done():
+                f.set_result(fn(*args))
+
+
+def test_a_grammar_draw_that_is_not_done_skips_the_step_and_the_others_go_on(tiny_model):
+    """Batch(background=...): the grammar-constrained sequence's draw runs aside; until it is done that sequence is
+    neither fed nor shown, the other sequence gets a token every step, and the held token joins a later step, the
+    same token the draw gave. Deterministic: the draw ends when the test ends it."""
+    from h2o_local import generation
+    from h2o_local.text import TextAssembler
+
+    llm = Llama(tiny_model, policy="h2o", budget=24, n_seq_max=2, kv_unified=False)
+    slots = llm.slots()
+    held = _HeldDraws()
+    slots._batch.background, slots._batch.draw_wait_s = held, 0.0
+    with slots.owned():
+        slots.start(0, llm.tokenize("free text"), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        slots.start(1, llm.tokenize("constrained"), SamplingParams(max_tokens=3, temperature=0,
+                                                                   grammar='root ::= "abc"'))
+        shown = {0: 0, 1: 0}
+        for _ in range(5):
+            for e in slots.step(idle_wait_s=0):
+                shown[e.index] += e.token is not None
+        assert shown == {0: 5, 1: 0} and len(held.futures) == 1  # one draw asked for, not one per step
+        held.finish_all()
+        texts = {0: "", 1: ""}
+        for _ in range(10):
+            for e in slots.step(idle_wait_s=0):
+                texts[e.index] += e.text
+            held.finish_all()
+        assert texts[1] == "abc"  # the grammar's answer, drawn aside
+
+
+@pytest.mark.slow
+def test_a_stream_keeps_coming_while_another_slot_draws_under_a_large_grammar(smol_model):
+    """From a real HTTP client, on SmolLM2 (49k tokens: a refused draw walks them once per open alternative, 0.2 to
+    0.5 s for an enum of 2,000 values). Drawing inline, the stream got one token per token of the structured
+    answer (both waited for each draw); now it keeps its own pace. Counted in tokens, not seconds: a loaded machine
+    slows both alike."""
+    from benchmarks.grammar_gap import STORY, stream_gaps
+    from h2o_local.server import create_app, serve_in_background
+
+    llm = Llama(smol_model, budget=256, n_seq_max=2, kv_unified=False, n_threads=2)
+    with serve_in_background(create_app(llm, model_id="smol")) as port:
+        gaps, stop = [], threading.Event()
+        t = threading.Thread(target=stream_gaps, args=(port, STORY, gaps, stop), daemon=True)
+        t.start()
+        while len(gaps) < 10:
+            time.sleep(0.01)
+        schema = {"type": "object", "properties": {"pick": {"enum": [f"option number {i}" for i in range(2_000)]}},
+                  "required": ["pick"]}
+        start = time.perf_counter()
+        status, body = request(port, "POST", "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "Pick one option."}], "max_tokens": 24,
+                                "temperature": 0.7, "seed": 2, "json_schema": schema})
+        end = time.perf_counter()
+        stop.set()
+        t.join(timeout=60)
     assert status == 200, body
-    during = [g for at, g in gaps if start <= at <= end]
-    typical = float(np.median([g for _, g in gaps]))
-    assert during and max(during) < max(50 * typical, 0.5), (max(during), typical)
+    structured = body["usage"]["completion_tokens"]
+    streamed = sum(start <= at <= end for at, _ in gaps)
+    assert streamed >= 3 * structured, (streamed, structured)
 
 
 def test_a_request_that_runs_past_its_time_limit_ends_with_length(server):

@@ -2,9 +2,15 @@
 
 Each step samples every live sequence from its own logits (in C++, where the logits are), ends the ones that hit
 an end-of-generation token, a stop string or `max_tokens`, and feeds the others' new tokens in one `eval`.
+
+A batch given a `background` executor (a server's slots) draws the tokens of grammar-constrained sequences there,
+from a copy of their logits: a draw that is not done within `draw_wait_s` is left running, its sequence skips the
+step (not fed, no event), and the others go on; it joins a later step once its token is drawn. One conversation's
+grammar then never holds the decode step the others share.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
@@ -29,6 +35,7 @@ class SeqRun:
     finish_reason: Optional[str] = None
     tokens: List[int] = field(default_factory=list)
     deadline: Optional[float] = None  # time.monotonic() after which it ends with "length" (a server's time limit)
+    drawing: Optional[concurrent.futures.Future] = None  # its next token, being drawn aside (Batch.background)
 
 
 @dataclass(frozen=True)
@@ -51,11 +58,14 @@ class Batch:
     not fit. free_finished: remove a finished sequence's cache at once (batches).
     """
 
-    def __init__(self, engine, *, unbounded: bool, want_logits: bool = False, free_finished: bool = False):
+    def __init__(self, engine, *, unbounded: bool, want_logits: bool = False, free_finished: bool = False,
+                 background: Optional[concurrent.futures.Executor] = None, draw_wait_s: float = 0.01):
         self.engine = engine
         self.unbounded = unbounded
         self.want_logits = want_logits
         self.free_finished = free_finished
+        self.background = background
+        self.draw_wait_s = draw_wait_s
         self.live: Dict[int, SeqRun] = {}
         self._feed: Dict[int, List[int]] = {}
         self._finished: List[int] = []  # freed at the next call, after the caller has seen their last event
@@ -74,14 +84,49 @@ class Batch:
         if r is not None and self.free_finished:
             self.engine.reset_seq(r.seq_id)
 
+    @property
+    def drawing(self) -> List[concurrent.futures.Future]:
+        """The draws running aside (background): sequences that skip steps until their token is drawn."""
+        return [r.drawing for r in self.live.values() if r.drawing is not None]
+
+    def wait_for_draws(self, timeout_s: float) -> None:
+        """Block until a draw running aside is done (or timeout_s): a step with nothing else to do waits here."""
+        if self.drawing:
+            concurrent.futures.wait(self.drawing, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _draws(self) -> Dict[int, int]:
+        """The tokens drawn this step: grammar-constrained sequences aside (those not done within draw_wait_s go
+        on drawing and skip the step), the others here."""
+        engine, tokens = self.engine, {}
+        if self.background is not None:
+            for seq_id, r in self.live.items():
+                if r.drawing is None and r.sampler.has_grammar:
+                    r.drawing = self.background.submit(r.sampler.sample, engine.last_logits(seq_id))
+        for seq_id, r in self.live.items():
+            if r.drawing is None:
+                tokens[seq_id] = engine.sample(seq_id, r.sampler)
+        deadline = time.monotonic() + self.draw_wait_s
+        for seq_id, r in self.live.items():
+            if r.drawing is not None:
+                try:
+                    tokens[seq_id] = r.drawing.result(timeout=max(deadline - time.monotonic(), 0.0))
+                except concurrent.futures.TimeoutError:
+                    continue
+                r.drawing = None
+        return tokens
+
     def sample(self) -> List[Event]:
-        """One token for every live sequence (or its end)."""
+        """One token for every live sequence (or its end); with `background`, a sequence whose grammar draw is
+        still running skips this step."""
         self.release()
         engine, out = self.engine, []
         feed = self._feed
+        drawn = self._draws()
         for seq_id, r in list(self.live.items()):
+            if seq_id not in drawn:
+                continue
             logits = engine.last_logits(seq_id) if self.want_logits else None
-            token = engine.sample(seq_id, r.sampler)
+            token = drawn[seq_id]
             finish = None
             if engine.is_eog(token):
                 r.eog_token = token

@@ -6,6 +6,7 @@ steps (`with slots.owned(): ...`), so no other call interleaves with a step.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from typing import Any, Callable, Iterator, List, Optional, Tuple
@@ -27,7 +28,10 @@ class Slots:
         # a long prompt can be read in chunks with the other slots stepped in between: only where each slot has a
         # stream of its own (in a shared one their cells would move where the prompt is cut)
         self.interleaves: bool = not llm.kv_unified
-        self._batch = generation.Batch(self._engine, unbounded=not llm.policy.bounded, free_finished=False)
+        # a grammar's draw runs aside, so that it never holds the step the other slots share
+        self._draws = concurrent.futures.ThreadPoolExecutor(max_workers=self.n_slots, thread_name_prefix="h2o-draw")
+        self._batch = generation.Batch(self._engine, unbounded=not llm.policy.bounded, free_finished=False,
+                                       background=self._draws)
         self._runs: dict = {}
         self._evicted_before: dict = {}  # slot -> entries its restored session had evicted already
 
@@ -76,9 +80,14 @@ class Slots:
         self._runs[slot] = run
         return self._batch.add(run)
 
-    def step(self) -> List[generation.Event]:
-        """One token (or its end) for every live slot, then the new tokens fed in one decode."""
-        return self._batch.sample() + self._batch.feed()
+    def step(self, idle_wait_s: float = 0.05) -> List[generation.Event]:
+        """One token (or its end) for every live slot, then the new tokens fed in one decode. A slot whose
+        grammar's draw is still running skips the step; when nothing else happened, this waits up to idle_wait_s
+        for such a draw (rather than spinning)."""
+        events = self._batch.sample() + self._batch.feed()
+        if not events and idle_wait_s > 0:
+            self._batch.wait_for_draws(idle_wait_s)
+        return events
 
     @property
     def n_live(self) -> int:
@@ -116,6 +125,10 @@ class Slots:
     def save(self, slot: int) -> Any:
         """A snapshot of the slot's cache (`Llama.load_state` / `start(resume=...)` take it back)."""
         return self._engine.snapshot(slot)
+
+    def close(self) -> None:
+        """Stop drawing aside (a draw still running ends on its own; its token is dropped)."""
+        self._draws.shutdown(wait=False, cancel_futures=True)
 
     def release(self, slot: int) -> None:
         """The slot leaves the steps and is emptied."""

@@ -142,6 +142,7 @@ class Scheduler:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout=30)
+        self.slots.close()
 
     # ------------------------------------------------------------------ the decoding thread
     def _run(self) -> None:
@@ -184,9 +185,9 @@ class Scheduler:
                 self.metrics.requests.labels("cancelled").inc()
                 job.put(Cancelled())
 
-    def _decode_step(self) -> None:
+    def _decode_step(self, idle_wait_s: float = 0.05) -> None:
         self.peak_batch = max(self.peak_batch, self.slots.n_live)
-        self._deliver(self.slots.step())
+        self._deliver(self.slots.step(idle_wait_s))
 
     def _between_prompt_chunks(self, job: Job) -> None:
         """Called between the chunks of a long prompt: the running requests decode a token meanwhile, so a long
@@ -197,7 +198,7 @@ class Scheduler:
             gone = [s for s, j in self._active.items() if j.cancelled and s in self._started]
         try:
             self._free(gone)
-            self._decode_step()
+            self._decode_step(idle_wait_s=0)  # the prompt's next chunk is work enough
         except Exception as e:
             raise _StepFailed(e) from e
 
