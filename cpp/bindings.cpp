@@ -69,6 +69,13 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["n_keep"]      = st.n_keep;
     d["evict_seconds"] = st.evict_seconds;
     d["n_head_moves"]  = st.n_head_moves;
+    const HostStore h = without_gil([&] { return e.host(seq, false); });
+    const auto n_host = (py::ssize_t) h.size();
+    d["host_positions"] = to_numpy(h.positions.data(), {n_host});
+    d["host_bytes"]     = h.size()*h.entry_bytes;
+    d["n_spilled"]      = h.n_spilled;
+    d["n_recalled"]     = h.n_recalled;
+    d["n_dropped"]      = h.n_dropped;
     // per-head cells: [layer][KV head][cell] the position each cell holds there (None: every cell holds its own)
     const HeadParts & hp = st.parts;
     if (hp.empty()) {
@@ -290,6 +297,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_readwrite("flash_attn", &EngineParams::flash_attn)
         .def_readwrite("rpc_servers", &EngineParams::rpc_servers)
         .def_readwrite("compact_cells", &EngineParams::compact_cells)
+        .def_readwrite("host_entries", &EngineParams::host_entries)
         .def_readwrite("verbose", &EngineParams::verbose);
 
     py::class_<Engine> engine(m, "Engine");
@@ -348,7 +356,19 @@ PYBIND11_MODULE(_engine, m) {
             return py::make_tuple(to_numpy(pos.data(), {n}), to_numpy(keys.data(), {n, (py::ssize_t) n_embd}));
         }, py::arg("seq_id"), py::arg("layer"),
            "The cached keys of seq_id's kept entries in a layer, F32 after RoPE: (positions, [n, n_embd_k_gqa]).")
+        .def("set_recall", &Engine::set_recall, py::arg("cap"), py::call_guard<py::gil_scoped_release>())
+        .def("recall_for", &Engine::recall_for, py::arg("seq_id"), py::arg("question"),
+             py::call_guard<py::gil_scoped_release>())
         .def("state", &state_dict, py::arg("seq_id") = 0)
+        .def("kv_entries", [](Engine & e, llama_seq_id seq, const std::vector<llama_pos> & positions) {
+            const std::vector<uint8_t> b = without_gil([&] { return e.kv_entries(seq, positions); });
+            return py::bytes((const char *) b.data(), b.size());
+        }, py::arg("seq_id"), py::arg("positions"), "K and V bytes of the cells at these positions (entry_size each).")
+        .def("host_kv", [](const Engine & e, llama_seq_id seq) {
+            const HostStore h = without_gil([&] { return e.host(seq, true); });
+            return py::make_tuple(h.positions, py::bytes((const char *) h.kv.data(), h.kv.size()));
+        }, py::arg("seq_id"), "What seq spilled: (positions, K and V bytes, entry_size each, in that order).")
+        .def_property_readonly("entry_size", &Engine::entry_size)
         .def("next_pos", &Engine::next_pos, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())
         .def("seq_pos_range", [](const Engine & e, llama_seq_id seq) {
             llama_memory_t mem = llama_get_memory(e.ctx());
@@ -375,7 +395,8 @@ PYBIND11_MODULE(_engine, m) {
     def_vocab(engine);
 
     py::class_<SeqSnapshot, std::shared_ptr<SeqSnapshot>>(m, "SeqSnapshot")
-        .def_property_readonly("nbytes", [](const SeqSnapshot & s) { return s.kv.size(); })
+        .def_property_readonly("nbytes", [](const SeqSnapshot & s) { return s.kv.size() + s.host.nbytes(); })
+        .def_property_readonly("n_host", [](const SeqSnapshot & s) { return s.host.size(); })
         .def_property_readonly("n_cells", [](const SeqSnapshot & s) { return s.state.positions.size(); })
         .def_property_readonly("origin", [](const SeqSnapshot & s) { return s.origin; })
         .def_readwrite("pending", &SeqSnapshot::pending)

@@ -225,6 +225,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         }
     }
     use_per_head(*policy_);
+    check_recall(*policy_);
 }
 
 Engine::~Engine() {
@@ -242,8 +243,85 @@ SeqCache & Engine::seq_cache(llama_seq_id seq) {
     if (it == seqs_.end()) {
         it = seqs_.emplace(seq, SeqCache(ctx_, seq, n_head_)).first;
         it->second.set_keep(*policy_, params_.n_keep);
+        it->second.set_spill(params_.host_entries);
     }
     return it->second;
+}
+
+void Engine::set_recall(int64_t cap) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    check_policy(cap >= 0, "recall's host store cap must be >= 0 entries, got " + std::to_string(cap));
+    const int64_t before = params_.host_entries;
+    params_.host_entries = cap;
+    try {
+        check_recall(*policy_);
+        for (const auto & kv : seq_policies_) {
+            check_recall(*kv.second);
+        }
+    } catch (...) {
+        params_.host_entries = before;
+        throw;
+    }
+    for (auto & kv : seqs_) {
+        kv.second.set_spill(cap);
+    }
+}
+
+void Engine::recall_for(llama_seq_id seq, const std::vector<llama_token> & question) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    seq_cache(seq);
+    for (const llama_token t : question) {
+        if (t < 0 || t >= model_->n_vocab()) {
+            throw std::invalid_argument("token id " + std::to_string(t) + " out of range [0, " +
+                                        std::to_string(model_->n_vocab()) + ")");
+        }
+    }
+    if (question.empty()) {
+        throw std::invalid_argument("recall needs a question: at least one token");
+    }
+    try {
+        recall(seq, question);
+    } catch (...) {
+        evict(seq); // never more than the budget on the device
+        throw;
+    }
+}
+
+HostStore Engine::host(llama_seq_id seq, bool with_kv) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const auto it = seqs_.find(seq);
+    if (it == seqs_.end()) {
+        return HostStore();
+    }
+    const HostStore & h = it->second.host();
+    if (with_kv) {
+        return h;
+    }
+    HostStore out;
+    out.entry_bytes = h.entry_bytes;
+    out.positions = h.positions;
+    out.tokens = h.tokens;
+    out.n_spilled = h.n_spilled;
+    out.n_recalled = h.n_recalled;
+    out.n_dropped = h.n_dropped;
+    return out;
+}
+
+size_t Engine::entry_size() const {
+    return llama_kv_entry_size(ctx_);
+}
+
+std::vector<uint8_t> Engine::kv_entries(llama_seq_id seq, const std::vector<llama_pos> & positions) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    seq_cache(seq);
+    llama_memory_update(ctx_);
+    std::vector<uint8_t> out(positions.size()*entry_size());
+    const int32_t rc = llama_kv_entries_get(ctx_, seq, (int32_t) positions.size(), positions.data(), out.data());
+    if (rc != 0) {
+        throw std::invalid_argument("cannot read the KV entries of sequence " + std::to_string(seq) + " (status " +
+                                    std::to_string(rc) + ": a position it does not hold?)");
+    }
+    return out;
 }
 
 SeqState Engine::state(llama_seq_id seq) const {
@@ -426,6 +504,7 @@ void Engine::check_fits(const Policy & policy) const {
                                     "scoring policy or export_scores=True");
     }
     check_room(policy);
+    check_recall(policy);
 }
 
 void Engine::check_room(const Policy & policy) const {
@@ -485,6 +564,7 @@ std::shared_ptr<SeqSnapshot> Engine::snapshot(llama_seq_id seq) {
     snap->origin = origin_;
     snap->kv    = sc.save_kv();
     snap->state = sc.state();
+    snap->host  = sc.host();
     const auto it = last_logits_.find(seq);
     if (it != last_logits_.end()) {
         snap->logits = it->second;
@@ -512,13 +592,17 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
     if (snap.state.scores.n_head != n_head_ || (!snap.logits.empty() && snap.logits.size() != (size_t) model_->n_vocab())) {
         throw std::invalid_argument("the snapshot's scores or logits do not match this model");
     }
+    check_host(snap);
     // a refused snapshot changes nothing: the sequence's own cells are put back
     const std::vector<uint8_t> kv_before = sc.save_kv();
     const SeqState state_before = sc.state();
+    const HostStore host_before = sc.host();
     auto put_back = [&] {
         if (!sc.restore(kv_before, state_before)) {
             reset_seq(seq);
+            return;
         }
+        sc.set_host(host_before);
     };
     if (!sc.restore(snap.kv, snap.state)) {
         put_back();
@@ -534,12 +618,88 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
         put_back();
         throw std::invalid_argument("the snapshot's KV cells do not match its positions");
     }
+    sc.set_host(snap.host);
     logits_all_.erase(seq);
     if (snap.logits.empty()) {
         last_logits_.erase(seq);
     } else {
         last_logits_[seq] = snap.logits;
     }
+}
+
+void Engine::check_host(const SeqSnapshot & snap) const {
+    const HostStore & h = snap.host;
+    if (h.size() == 0) {
+        return;
+    }
+    const std::set<llama_pos> kept(snap.state.positions.begin(), snap.state.positions.end());
+    std::set<llama_pos> seen;
+    for (const llama_pos p : h.positions) {
+        if (p < 0 || p >= snap.state.next_pos || kept.count(p) > 0 || !seen.insert(p).second) {
+            throw std::invalid_argument("the snapshot's host entries do not match its positions");
+        }
+    }
+    if (h.entry_bytes != llama_kv_entry_size(ctx_) || h.kv.size() != h.size()*h.entry_bytes ||
+        h.tokens.size() != h.size() || h.scores.size() != h.size() || h.scores.n_head != n_head_) {
+        throw std::invalid_argument("the snapshot's host entries do not match this model's cache");
+    }
+    for (const llama_token t : h.tokens) {
+        if (t < 0 || t >= model_->n_vocab()) {
+            throw std::invalid_argument("the snapshot's host entries hold a token outside the vocabulary");
+        }
+    }
+}
+
+void Engine::check_recall(const Policy & policy) const {
+    if (params_.host_entries <= 0 || !policy.bounded()) {
+        return;
+    }
+    check_policy(policy.probe().source == ProbeSource::question,
+                 "recall ranks what was evicted by the next prompt's question: policy '" + policy.name() + "' needs "
+                 "the question probe (probe='question'; the default policy has it)");
+    check_policy(!policy.per_head(), "recall keeps whole entries: per-head cells cannot be recalled");
+    check_policy(!params_.position_rolling, "recall puts entries back at their own positions: position rolling "
+                                            "renumbers them, so the two cannot be combined");
+    check_policy(llama_kv_entry_size(ctx_) > 0, "this model's KV cache cannot keep evicted entries apart (SWA "
+                                                "layers, or no KV cache): recall is not available");
+}
+
+void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt) {
+    SeqCache & sc = seqs_.at(seq);
+    const Policy & policy = policy_of(seq);
+    if (sc.host().size() == 0 || !policy.bounded() || policy.probe().source != ProbeSource::question) {
+        return;
+    }
+    const size_t n_question = std::min(prompt.size(), (size_t) policy.probe().question);
+    const std::vector<llama_token> question(prompt.end() - n_question, prompt.end());
+    const int32_t page = std::min<int32_t>((int32_t) n_batch(), room(seq) - probe_cells(policy));
+    if (page < 1) {
+        return; // no cells beside the kept entries (a unified cache shared by full sequences): nothing comes back
+    }
+    // the spilled entries in position order, a page at a time; what loses goes back to the store (after them)
+    const HostStore & host = sc.host();
+    std::vector<llama_pos> waiting = host.positions;
+    std::sort(waiting.begin(), waiting.end());
+    std::set<llama_pos> readmitted;
+    for (size_t a = 0; a < waiting.size(); a += (size_t) page) {
+        const std::set<llama_pos> want(waiting.begin() + a, waiting.begin() + std::min(waiting.size(), a + page));
+        std::vector<size_t> indices;
+        for (size_t i = 0; i < host.positions.size(); ++i) {
+            if (want.count(host.positions[i]) > 0) {
+                indices.push_back(i);
+            }
+        }
+        sc.readmit(indices);
+        readmitted.insert(want.begin(), want.end());
+        probe(seq, question);
+        evict(seq);
+    }
+    int64_t kept = 0;
+    for (const llama_pos p : sc.state().positions) {
+        kept += readmitted.count(p);
+    }
+    sc.count_recalled(kept);
+    compact(seq);
 }
 
 void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool logits_all,
@@ -635,6 +795,18 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
         }
         mark_clean(seq);
     };
+    // a new prompt first brings back what it asks about of what its sequence spilled (recall)
+    for (const auto & [seq, toks] : tokens) {
+        if (toks.size() > 1 && seqs_.at(seq).host().size() > 0) {
+            try {
+                recall(seq, toks);
+            } catch (...) {
+                evict_or_roll_back(seq, nullptr); // never more than the budget on the device
+                throw;
+            }
+            mark_clean(seq);
+        }
+    }
     std::map<llama_seq_id, size_t> fed;
     for (size_t i = 0; i < plan.steps.size(); ++i) {
         if (i > 0 && params_.check_interrupt) {

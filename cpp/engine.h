@@ -46,6 +46,9 @@ struct EngineParams {
     bool     flash_attn = false;      // llama.cpp's flash attention (scores from the CPU kernel, or a KQ softmax pass on a GPU)
     std::vector<std::string> rpc_servers; // "host:port" of ggml RPC servers that take the offloaded layers
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
+    // recall: each sequence keeps up to this many evicted entries in host memory (K and V of every layer) and, before
+    // each new prompt, brings back those the prompt's question ranks above the kept ones (0: evicted entries are gone)
+    int64_t  host_entries = 0;
     bool     verbose = false;
     // asked between the chunks of a long prompt; it may throw to stop the feed there (Ctrl-C), leaving the
     // sequences with what was fed so far
@@ -93,6 +96,10 @@ public:
     // never evict the n_keep oldest entries of seq (a system prompt, say; llama.cpp's --keep): they count inside the
     // budget, and the policy decides over the rest; reset_seq / reset clear it
     void set_keep(llama_seq_id seq, int32_t n_keep);
+    // recall on (cap: evicted entries each sequence keeps in host memory) or off (0: the stores are emptied)
+    void set_recall(int64_t cap);
+    // bring back now what `question` ranks above seq's kept entries of what it spilled (the question is not fed)
+    void recall_for(llama_seq_id seq, const std::vector<llama_token> & question);
     // evict now what the current policy would not keep (after set_policy, say)
     void compress(llama_seq_id seq);
 
@@ -102,6 +109,11 @@ public:
     std::vector<float> last_logits(llama_seq_id seq) const;
     std::vector<float> logits_all(llama_seq_id seq) const; // [n_fed][n_vocab] of the last eval
     SeqState state(llama_seq_id seq) const;
+    // what seq spilled to host memory (recall): positions, tokens, counters; with_kv: the entries' bytes as well
+    HostStore host(llama_seq_id seq, bool with_kv) const;
+    // the K and V bytes of seq's cells at positions (llama_kv_entries_get; entry_size() bytes each)
+    std::vector<uint8_t> kv_entries(llama_seq_id seq, const std::vector<llama_pos> & positions);
+    size_t entry_size() const; // bytes of one entry's K and V (0: this cache cannot keep entries apart)
     llama_pos next_pos(llama_seq_id seq) const; // position of the next token fed to seq
     // what the patch exported for seq in the last llama_decode: positions and [n][n_head] sums
     void last_scores(llama_seq_id seq, std::vector<llama_pos> & pos, std::vector<float> & sums) const;
@@ -147,6 +159,12 @@ private:
     // add a probe decode's exported sums over the entries it probes to probe_sums_
     void add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n);
     void compact(llama_seq_id seq);
+    // before a new prompt of seq: its spilled entries, a page at a time beside the kept ones, are ranked with the kept
+    // ones by the question probe (the prompt's last tokens) and the policy keeps the best within its budget; the rest
+    // go (back) to the host store
+    void recall(llama_seq_id seq, const std::vector<llama_token> & prompt);
+    void check_recall(const Policy & policy) const; // recall needs a question probe, no per-head cells, no rolling
+    void check_host(const SeqSnapshot & snap) const; // a snapshot's host store fits this cache and its positions
     // throws when policy needs scores the engine does not export, or its budget and probe leave no room in a stream
     void check_fits(const Policy & policy) const;
     // throws when policy's budget and probe leave no room in a stream

@@ -147,6 +147,20 @@ struct SeqScores {
         }
         return out;
     }
+
+    // other's entries after these (the same heads); a side without a probe baseline gets zeros
+    void extend(const SeqScores & other) {
+        const size_t n0 = size();
+        total.insert(total.end(), other.total.begin(), other.total.end());
+        head.insert(head.end(), other.head.begin(), other.head.end());
+        queries.insert(queries.end(), other.queries.begin(), other.queries.end());
+        probe.insert(probe.end(), other.probe.begin(), other.probe.end());
+        if (!seen.empty() || !other.seen.empty()) {
+            seen.resize(n0*n_head, 0.0f);
+            seen.insert(seen.end(), other.seen.begin(), other.seen.end());
+            seen.resize(size()*n_head, 0.0f);
+        }
+    }
 };
 
 // The scores the patched llama.cpp exported for one sequence in one llama_decode: per kept entry and query head,

@@ -185,9 +185,121 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     }
 }
 
+void HostStore::keep_only(const std::vector<size_t> & indices) {
+    keep_rows(positions, 1, indices);
+    keep_rows(tokens, 1, indices);
+    scores.keep_only(indices);
+    keep_rows(kv, entry_bytes, indices);
+}
+
+void SeqCache::set_spill(int64_t cap) {
+    check_policy(cap >= 0, "the host store's cap must be >= 0 entries, got " + std::to_string(cap));
+    spill_cap_ = cap;
+    if (cap == 0) {
+        host_ = HostStore();
+    } else if (host_.entry_bytes == 0) {
+        host_.entry_bytes = llama_kv_entry_size(ctx_);
+        check_policy(host_.entry_bytes > 0, "this model's KV cache cannot keep evicted entries apart (SWA layers, or "
+                                            "no KV cache): recall is not available");
+        host_.scores.n_head = st_.scores.n_head;
+    }
+}
+
+void SeqCache::spill(const std::vector<size_t> & indices) {
+    const size_t n = indices.size();
+    if (n == 0) {
+        return;
+    }
+    const std::vector<llama_pos> pos = gather_rows(st_.positions, 1, indices);
+    const size_t at = host_.kv.size();
+    host_.kv.resize(at + n*host_.entry_bytes);
+    const int32_t rc = llama_kv_entries_get(ctx_, seq_, (int32_t) n, pos.data(), host_.kv.data() + at);
+    if (rc != 0) {
+        host_.kv.resize(at);
+        throw std::runtime_error("llama_kv_entries_get failed with status " + std::to_string(rc));
+    }
+    host_.positions.insert(host_.positions.end(), pos.begin(), pos.end());
+    const std::vector<llama_token> toks = gather_rows(st_.tokens, 1, indices);
+    host_.tokens.insert(host_.tokens.end(), toks.begin(), toks.end());
+    host_.scores.extend(st_.scores.gather(indices));
+    host_.n_spilled += (int64_t) n;
+    if ((int64_t) host_.size() > spill_cap_) { // the oldest text goes first
+        std::vector<size_t> order(host_.size());
+        std::iota(order.begin(), order.end(), 0);
+        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return host_.positions[a] > host_.positions[b]; });
+        order.resize((size_t) spill_cap_);
+        std::sort(order.begin(), order.end());
+        host_.n_dropped += (int64_t) (host_.size() - order.size());
+        host_.keep_only(order);
+    }
+}
+
+void SeqCache::set_host(const HostStore & host) {
+    if (host.size() > 0 && host.entry_bytes != llama_kv_entry_size(ctx_)) {
+        throw std::invalid_argument("the snapshot's host entries have another size than this cache's");
+    }
+    host_ = host;
+    if (host_.entry_bytes == 0 && spill_cap_ > 0) {
+        host_.entry_bytes = llama_kv_entry_size(ctx_);
+    }
+    host_.scores.n_head = st_.scores.n_head;
+}
+
+void SeqCache::readmit(const std::vector<size_t> & indices) {
+    const size_t n = indices.size();
+    if (n == 0) {
+        return;
+    }
+    const std::vector<llama_pos>   pos  = gather_rows(host_.positions, 1, indices);
+    const std::vector<llama_token> toks = gather_rows(host_.tokens, 1, indices);
+    const std::vector<uint8_t>     kv   = gather_rows(host_.kv, host_.entry_bytes, indices);
+    const int32_t rc = llama_kv_entries_put(ctx_, seq_, (int32_t) n, pos.data(), toks.data(), kv.data());
+    if (rc != 0) {
+        throw std::runtime_error("llama_kv_entries_put failed with status " + std::to_string(rc) +
+                                 (rc == -3 ? " (no free cells for the recalled entries)" : ""));
+    }
+    forget_keys();
+    // merged in position order with the kept entries
+    std::vector<llama_pos> all = st_.positions;
+    all.insert(all.end(), pos.begin(), pos.end());
+    std::vector<size_t> order(all.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return all[a] < all[b]; });
+    std::vector<llama_token> all_tokens = st_.tokens;
+    all_tokens.insert(all_tokens.end(), toks.begin(), toks.end());
+    st_.positions = gather_rows(all, 1, order);
+    st_.tokens    = gather_rows(all_tokens, 1, order);
+    st_.scores.extend(host_.scores.gather(indices));
+    st_.scores    = st_.scores.gather(order);
+    st_.peak_cells = std::max(st_.peak_cells, size());
+
+    std::vector<bool> gone(host_.size(), false);
+    for (const size_t i : indices) {
+        gone[i] = true;
+    }
+    std::vector<size_t> rest;
+    for (size_t i = 0; i < host_.size(); ++i) {
+        if (!gone[i]) {
+            rest.push_back(i);
+        }
+    }
+    host_.keep_only(rest);
+}
+
 void SeqCache::keep_entries(const std::vector<size_t> & keep) {
     // the others' cells go in runs: positions between two kept ones are exactly the run's
     const size_t n = st_.positions.size();
+    if (spill_cap_ > 0) {
+        std::vector<size_t> evicted;
+        for (size_t k = 0, i = 0; i < n; ++i) {
+            if (k < keep.size() && keep[k] == i) {
+                ++k;
+            } else {
+                evicted.push_back(i);
+            }
+        }
+        spill(evicted);
+    }
     for (size_t k = 0, i = 0; i < n; ) {
         if (k < keep.size() && keep[k] == i) {
             ++k;
@@ -404,6 +516,10 @@ void SeqCache::clear() {
     const int32_t n_head = st_.scores.n_head;
     st_ = SeqState();
     st_.scores.n_head = n_head;
+    const size_t entry_bytes = host_.entry_bytes;
+    host_ = HostStore();
+    host_.entry_bytes = entry_bytes;
+    host_.scores.n_head = n_head;
 }
 
 std::vector<uint8_t> SeqCache::save_kv() const {
@@ -414,7 +530,9 @@ std::vector<uint8_t> SeqCache::save_kv() const {
 }
 
 bool SeqCache::restore(const std::vector<uint8_t> & kv, const SeqState & state) {
+    HostStore host = std::move(host_); // the cells and their bookkeeping change, not what was spilled
     clear();
+    host_ = std::move(host);
     if (!kv.empty() && llama_state_seq_set_data(ctx_, kv.data(), kv.size(), seq_) == 0) {
         return false;
     }

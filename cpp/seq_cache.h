@@ -48,10 +48,29 @@ struct SeqState {
     HeadParts parts;                    // per-head cells (empty: every cell holds its own position everywhere)
 };
 
+// Entries evicted from a sequence and kept in host memory, to be recalled by a later prompt (recall): each one's K
+// and V of every layer as llama_kv_entries_get wrote them (entry_bytes each), its position, token and scores.
+struct HostStore {
+    size_t entry_bytes = 0;
+    std::vector<llama_pos>   positions; // in the order they were spilled
+    std::vector<llama_token> tokens;
+    SeqScores                scores;
+    std::vector<uint8_t>     kv;        // [n][entry_bytes]
+    int64_t n_spilled  = 0;             // entries ever spilled (a recalled entry spilled again counts again)
+    int64_t n_recalled = 0;             // entries brought back that the policy kept
+    int64_t n_dropped  = 0;             // entries dropped for the store's cap (gone for good)
+
+    size_t size() const { return positions.size(); }
+    size_t nbytes() const { return kv.size() + positions.size()*(sizeof(llama_pos) + sizeof(llama_token)); }
+    // keep only the entries at `indices` (ascending)
+    void keep_only(const std::vector<size_t> & indices);
+};
+
 // A sequence's cache and its bookkeeping, to branch several continuations from one prefix.
 struct SeqSnapshot {
     std::string          origin; // the model and cache layout it was taken from (restored only into the same)
     std::vector<uint8_t> kv;     // llama_state_seq_get_data
+    HostStore            host;   // what it spilled (recall)
     SeqState             state;
     std::vector<float>   logits; // after the last token
     std::vector<llama_token> pending; // shown to the user but not fed yet (fed first when the session goes on)
@@ -90,6 +109,18 @@ public:
     void drop_newest(int32_t n);
     void clear();
 
+    // recall: evicted entries go to a host store of at most cap entries (the lowest positions are dropped beyond
+    // it) instead of being destroyed; 0 turns it off (and empties the store)
+    void set_spill(int64_t cap);
+    int64_t spill_cap() const { return spill_cap_; }
+    const HostStore & host() const { return host_; }
+    // put back a store taken with this sequence's state (a snapshot); throws if its entries do not fit this cache
+    void set_host(const HostStore & host);
+    // bring the store's entries at `indices` back into the cache at their positions (merged with the kept ones, their
+    // scores as they left); throws std::runtime_error when llama.cpp has no room for them
+    void readmit(const std::vector<size_t> & indices);
+    void count_recalled(int64_t n) { host_.n_recalled += n; }
+
     std::vector<uint8_t> save_kv() const;
     // returns false (and leaves the sequence empty) when llama.cpp cannot place the cells
     bool restore(const std::vector<uint8_t> & kv, const SeqState & state);
@@ -109,6 +140,8 @@ private:
     void roll_positions();
 
     void forget_keys() { keys_.clear(); key_rows_ = 0; }
+    // copy the entries at `indices` (ascending) to the host store, before their cells are removed
+    void spill(const std::vector<size_t> & indices);
 
     llama_context * ctx_;
     llama_memory_t  mem_;
@@ -119,6 +152,9 @@ private:
     // key_rows_ positions: only new tokens are read at the next eviction (keys change only when positions roll)
     std::vector<std::vector<float>> keys_;
     size_t key_rows_ = 0;
+
+    int64_t   spill_cap_ = 0;
+    HostStore host_;
 };
 
 } // namespace h2o

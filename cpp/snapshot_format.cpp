@@ -126,6 +126,15 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.value(st.n_keep);
     w.array(snap.logits);
     w.array(snap.pending);
+    const HostStore & h = snap.host;
+    w.value<uint64_t>(h.entry_bytes);
+    w.array(h.positions);
+    w.array(h.tokens);
+    w.scores(h.scores);
+    w.array(h.kv);
+    w.value(h.n_spilled);
+    w.value(h.n_recalled);
+    w.value(h.n_dropped);
     w.value<uint32_t>(crc32(w.out.data(), w.out.size()));
     return w.out;
 }
@@ -183,6 +192,22 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     st.n_keep     = r.value<int32_t>();
     snap.logits   = r.array<float>();
     snap.pending  = r.array<llama_token>();
+    if (checksummed) { // format 4: what the sequence spilled (recall)
+        HostStore & h = snap.host;
+        h.entry_bytes = (size_t) r.value<uint64_t>();
+        h.positions   = r.array<llama_pos>();
+        h.tokens      = r.array<llama_token>();
+        h.scores      = r.scores();
+        h.kv          = r.array<uint8_t>();
+        h.n_spilled   = r.value<int64_t>();
+        h.n_recalled  = r.value<int64_t>();
+        h.n_dropped   = r.value<int64_t>();
+        const size_t n = h.positions.size();
+        if (h.tokens.size() != n || !consistent(h.scores, n) || (n > 0 && (h.entry_bytes == 0 ||
+            h.kv.size() != n*h.entry_bytes)) || h.n_spilled < 0 || h.n_recalled < 0 || h.n_dropped < 0) {
+            throw std::invalid_argument("not a session snapshot: its host entries do not agree");
+        }
+    }
     const size_t n = st.positions.size();
     for (size_t k = 0; k < st.parts.pos.size(); ++k) {
         std::vector<int32_t> cells = st.parts.cell[k];

@@ -58,6 +58,13 @@ class KVState:
     head_layers: Optional[np.ndarray] = None   # int32 [n_layers]: the layers of head_positions
     evict_seconds: float = 0.0  # time spent choosing and removing what is evicted, moves included (seconds)
     n_head_moves: int = 0       # per-head cells: K/V slices of one layer's KV head moved between cells so far
+    # recall (`Llama(recall=...)`): the positions of the entries kept in host memory (in the order they left), their
+    # K and V bytes there, entries spilled so far, brought back by a later prompt and kept, and dropped for the cap
+    host_positions: Optional[np.ndarray] = None
+    host_bytes: int = 0
+    n_spilled: int = 0
+    n_recalled: int = 0
+    n_dropped: int = 0
 
     @property
     def n_cells(self) -> int:
@@ -133,6 +140,13 @@ class Llama:
             the rest ranked by the policy like the conversation.
         chat_template: overrides the GGUF's chat template: Jinja source, or the name of a llama.cpp built-in
             template ("chatml", "llama3", ...).
+        recall: keep what the policy evicts in host memory instead of destroying it, and before each new prompt on a
+            sequence (a chat's next turn, `generate(..., reset=False)`, a server conversation continued) bring back
+            what that prompt's question ranks above the kept entries, within the budget: True keeps up to the
+            model's trained context (`n_ctx_train` tokens) per sequence, an int that many tokens (the oldest go
+            first beyond it). Host memory: `kv_bytes_per_cell` bytes per token kept there (SmolLM2-135M: 22.5 KiB;
+            Qwen2.5-0.5B: 12 KiB). The device cache stays at budget + n_batch cells. Needs a policy with the question
+            probe (the default has it), no per-head cells and no position rolling. docs/recall.md.
     """
 
     def __init__(
@@ -162,6 +176,7 @@ class Llama:
         export_scores: bool = False,
         keep: Union[int, str, None] = None,
         chat_template: Optional[str] = None,
+        recall: Union[bool, int] = False,
         verbose: bool = False,
         _scores_sum_rows: bool = False,
     ):
@@ -230,6 +245,9 @@ class Llama:
         self._chat_template_source = chat_template
         self._chat_template: Optional[ChatTemplate] = None
         self._seq_policies: Dict[int, Policy] = {}  # sequences with a policy of their own (set_policy(seq_id=))
+        self.recall: int = 0  # host entries kept per sequence (0: off)
+        if recall is not False and recall is not None:
+            self.set_recall(recall)
 
     @classmethod
     def for_kv_limit(
@@ -399,7 +417,9 @@ class Llama:
                        peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx,
                        n_keep=st["n_keep"], tokens=st["tokens"], probe_scores=st["probe_scores"],
                        head_positions=st["head_positions"], head_layers=st["head_layers"],
-                       evict_seconds=st["evict_seconds"], n_head_moves=st["n_head_moves"])
+                       evict_seconds=st["evict_seconds"], n_head_moves=st["n_head_moves"],
+                       host_positions=st["host_positions"], host_bytes=st["host_bytes"], n_spilled=st["n_spilled"],
+                       n_recalled=st["n_recalled"], n_dropped=st["n_dropped"])
 
     def set_policy(self, policy: Union[str, Policy, None], budget: Optional[int] = None, *, heavy: Optional[int] = None,
                    recent: Optional[int] = None, sinks: Optional[int] = None, seq_id: Optional[int] = None) -> None:
@@ -426,6 +446,18 @@ class Llama:
                 self._engine.set_seq_policy(seq, value.cpp)
                 self._seq_policies[seq] = value
 
+    def set_recall(self, recall: Union[bool, int]) -> None:
+        """Turn recall on (True: up to `n_ctx_train` host entries per sequence; an int: that many) or off (False or 0:
+        what the sequences spilled is dropped). See `Llama(recall=...)`. ValueError when the policy cannot recall."""
+        if isinstance(recall, (bool, np.bool_)):
+            cap = self.info.n_ctx_train if recall else 0
+        else:
+            check_int("recall", recall, minimum=0)
+            cap = int(recall)
+        with self._lock:
+            self._engine.set_recall(cap)
+            self.recall = cap
+
     def policy_of(self, seq_id: int = 0) -> Policy:
         """The policy sequence `seq_id` follows: its own (`set_policy(..., seq_id=...)`) or the `Llama`'s."""
         return self._seq_policies.get(self._check_seq(seq_id), self.policy)
@@ -450,6 +482,18 @@ class Llama:
         from .slots import Slots
 
         return Slots(self)
+
+    def recall_for(self, question: Prompt, seq_id: int = 0) -> int:
+        """Bring back now, within the budget, what `question` (text or token ids; not fed) ranks above the kept
+        entries of what `seq_id` spilled to host memory (`recall`); every new prompt does this by itself. Returns
+        the entries brought back."""
+        seq_id = self._check_seq(seq_id)
+        tokens = self._prompt_tokens(question, False)
+        with self._lock:
+            self._take_over([seq_id])
+            before = self.kv_state(seq_id).n_recalled
+            self._engine.recall_for(seq_id, tokens)
+            return self.kv_state(seq_id).n_recalled - before
 
     def compress(self, seq_id: int = 0) -> None:
         """Evict now what the current policy does not keep. A policy with a query-agnostic probe (`probe="repeat"`

@@ -1,0 +1,145 @@
+"""Recall: what the policy evicts goes to host memory (K and V of every layer, bit for bit) and each new prompt brings
+back what its question ranks above the kept entries, within the budget (`Llama(recall=...)`, docs/recall.md)."""
+import numpy as np
+import pytest
+
+from h2o_local import Llama
+from h2o_local.policies import resolve
+
+PROMPT = ("the keeper of the lighthouse wrote a letter to the harbour master about the storm and the ships that "
+          "came in late at night, and the bells that rang until the morning came over the water")
+QUESTION = " and what did the keeper write about?"
+
+
+def default_policy(budget):
+    return resolve(None, budget)
+
+
+def make(tiny_model, budget=24, recall=4096, **kwargs):
+    return Llama(tiny_model, policy=default_policy(budget), n_batch=32, recall=recall, **kwargs)
+
+
+def test_evicted_entries_go_to_host_memory_bit_for_bit(tiny_model):
+    """Every evicted entry is in the host store, with the K and V bytes its cell held just before it left."""
+    llm = make(tiny_model)
+    size = llm._engine.entry_size
+    tokens = llm.tokenize(PROMPT)
+    llm.eval(tokens)
+    st = llm.kv_state()
+    host, blob = llm._engine.host_kv(0)
+    assert st.n_cells <= 24 and len(host) == st.n_evicted == st.n_spilled == len(tokens) - st.n_cells
+    assert sorted(list(host) + st.positions.tolist()) == list(range(len(tokens)))
+    assert size > 0 and st.host_bytes == len(blob) == size * len(host)
+    for step in range(30):  # generation evicts one entry per token: compare it with what its cell held
+        resident = llm.kv_state().positions.tolist()
+        held = llm._engine.kv_entries(0, resident)
+        before = {p: held[i * size:(i + 1) * size] for i, p in enumerate(resident)}
+        n_host = len(llm._engine.host_kv(0)[0])
+        llm.eval([40 + step % 50])
+        host, blob = llm._engine.host_kv(0)
+        assert len(host) == n_host + 1
+        assert blob[-size:] == before[host[-1]], host[-1]
+
+
+def test_with_room_for_everything_recall_gives_the_full_caches_logits(tiny_model):
+    """Evict under a small budget, then raise the budget above everything: the next prompt brings every spilled
+    entry back at its own position, bit for bit, and the logits are the full cache's."""
+    full = Llama(tiny_model, policy="full", n_ctx=512, n_batch=32)
+    tokens = full.tokenize(PROMPT)
+    q = full.tokenize(QUESTION, add_bos=False)
+    full.eval(tokens)
+    full_bytes = full._engine.kv_entries(0, list(range(len(tokens))))
+    full.eval(q)
+    expected = full.last_logits()
+
+    llm = Llama(tiny_model, policy=default_policy(24), n_batch=32, n_ctx=512, recall=4096)
+    llm.eval(tokens)
+    assert llm.kv_state().n_evicted > 0
+    llm.set_policy(default_policy(400))
+    llm.eval(q)
+    st = llm.kv_state()
+    assert st.positions.tolist() == list(range(len(tokens) + len(q))) and st.n_recalled == len(tokens) - 24
+    assert len(st.host_positions) == 0
+    assert llm._engine.kv_entries(0, list(range(len(tokens)))) == full_bytes
+    got = llm.last_logits()
+    np.testing.assert_allclose(got, expected, atol=1e-4 * float(np.ptp(expected)))
+    assert int(np.argmax(got)) == int(np.argmax(expected))
+
+
+def test_recall_keeps_the_device_cache_within_its_cells_and_the_budget(tiny_model):
+    llm = make(tiny_model, budget=16)
+    rng = np.random.default_rng(1)
+    for turn in range(6):
+        piece = rng.integers(3, 250, size=int(rng.integers(2, 90))).tolist()
+        llm.generate(piece, max_tokens=int(rng.integers(1, 12)), temperature=0, reset=False)
+        st = llm.kv_state()
+        assert st.n_cells <= 16 and st.peak_cells <= 16 + 32 + llm.probe_cells()
+        # what the sequence saw is held on the device or in the host store, once, at its own position
+        held = st.positions.tolist() + st.host_positions.tolist()
+        assert len(held) == len(set(held)) and all(0 <= p < st.n_seen for p in held)
+
+
+def test_a_question_brings_back_the_spilled_entries_it_ranks_above_the_kept_ones(tiny_model):
+    """recall_for(question): the spilled entries come back beside the kept ones, the question probe ranks them all
+    and the policy keeps its budget; what came back is counted, what lost went back to the store, nothing is lost
+    and nothing is fed (the position of the next token stays)."""
+    llm = make(tiny_model, budget=24)
+    tokens = llm.tokenize(PROMPT)
+    llm.eval(tokens)
+    st0 = llm.kv_state()
+    n = llm.recall_for(QUESTION)
+    st = llm.kv_state()
+    came_back = set(st.positions.tolist()) - set(st0.positions.tolist())
+    assert n == st.n_recalled == len(came_back) > 0 and st.n_cells <= 24
+    assert came_back <= set(st0.host_positions.tolist())
+    assert sorted(st.positions.tolist() + st.host_positions.tolist()) == list(range(len(tokens)))
+    assert st.n_seen == st0.n_seen and llm._engine.next_pos(0) == len(tokens)
+    # a question always finds the same entries from the same state (deterministic)
+    other = make(tiny_model, budget=24)
+    other.eval(tokens)
+    other.recall_for(QUESTION)
+    assert other.kv_state().positions.tolist() == st.positions.tolist()
+
+
+def test_snapshots_and_session_bytes_carry_the_host_store(tiny_model):
+    llm = make(tiny_model)
+    llm.eval(llm.tokenize(PROMPT))
+    snap = llm.save_state()
+    st = llm.kv_state()
+    assert snap.n_host == len(st.host_positions) > 0 and snap.nbytes > st.host_bytes
+    again = type(snap).from_bytes(snap.to_bytes())
+    other = make(tiny_model)
+    other.load_state(again)
+    assert other.kv_state().host_positions.tolist() == st.host_positions.tolist()
+    assert other._engine.host_kv(0) == llm._engine.host_kv(0)
+    q = llm.tokenize(QUESTION, add_bos=False)
+    assert other.generate(q, max_tokens=6, temperature=0, reset=False) == \
+        llm.generate(q, max_tokens=6, temperature=0, reset=False)
+
+
+def test_what_recall_cannot_do_is_refused_clearly(tiny_model):
+    with pytest.raises(ValueError, match="question probe"):
+        Llama(tiny_model, policy="h2o", budget=24, recall=True)
+    with pytest.raises(ValueError, match="position rolling"):
+        Llama(tiny_model, budget=24, position_rolling=True, recall=True)
+    with pytest.raises(ValueError, match="question probe|per-head"):
+        Llama(tiny_model, policy=resolve("h2o", 24, per_head=True), recall=True)
+    llm = make(tiny_model)
+    with pytest.raises(ValueError, match="question probe"):
+        llm.set_policy("h2o", 24)
+    assert llm.generate("still usable", max_tokens=3, temperature=0)
+    with pytest.raises(ValueError):
+        llm.set_recall(-1)
+    llm.set_recall(False)
+    llm.eval(llm.tokenize(PROMPT))
+    assert llm.kv_state().n_spilled == 0 and len(llm.kv_state().host_positions) == 0
+
+
+def test_the_store_cap_drops_the_oldest_text_first(tiny_model):
+    llm = make(tiny_model, budget=16, recall=20)
+    tokens = llm.tokenize(PROMPT)
+    llm.eval(tokens)
+    st = llm.kv_state()
+    assert len(st.host_positions) == 20 and st.n_dropped == len(tokens) - 16 - 20
+    evicted = sorted(set(range(len(tokens))) - set(st.positions.tolist()))
+    assert sorted(st.host_positions.tolist()) == evicted[-20:]
