@@ -25,7 +25,7 @@ class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
     `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
     snapkv), `+rN` / `+rN%` (N recent entries, or N% of the budget), the probes `+qN` / `+repeat` / `+catalyst` and `+pN` (pool), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
-    does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention) and `+afterfull` (the prompt goes into the
+    does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention), `+recall` (evicted entries kept in host memory and recalled by each new prompt) and `+afterfull` (the prompt goes into the
     full cache, then `compress()` applies the policy: the save / compress pattern)."""
 
     label: str
@@ -44,6 +44,7 @@ class Setting:
     type_v: Optional[str] = None
     flash_attn: bool = False
     portable_scores: bool = False  # the score paths every backend has (sum_rows; with flash attention a separate pass)
+    recall: bool = False  # evicted entries kept in host memory, recalled by each new prompt (Llama(recall=True))
 
     def budget_for(self, prompt_tokens: Optional[int] = None) -> Optional[int]:
         """Entries kept per sequence (a percentage needs the prompt's length)."""
@@ -89,7 +90,7 @@ class Setting:
         return {"policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
                 "roll_interval": self.roll_interval, "export_scores": self.export_scores,
                 "compact_cells": self.compact, "type_k": self.type_k, "type_v": self.type_v,
-                "flash_attn": self.flash_attn, "_scores_sum_rows": self.portable_scores}
+                "flash_attn": self.flash_attn, "_scores_sum_rows": self.portable_scores, "recall": self.recall}
 
 
 def parse_setting(label: str) -> Setting:
@@ -105,6 +106,8 @@ def parse_setting(label: str) -> Setting:
             fields["after_full"] = True
         elif s == "fa":
             fields["flash_attn"] = True
+        elif s == "recall":
+            fields["recall"] = True
         elif s == "fapass":  # flash attention, its scores from the separate pass (as on GPUs) instead of the kernel
             fields["flash_attn"] = fields["portable_scores"] = True
         elif s.startswith("k") and len(s) > 1:
@@ -118,7 +121,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
             fields["recent_percent"] = float(s[1:-1])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa, +fapass or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa, +fapass, +recall or +afterfull)")
     if policy_fields:
         fields["policy_fields"] = tuple(sorted(policy_fields.items()))
     if head == "full":

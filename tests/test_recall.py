@@ -143,3 +143,123 @@ def test_the_store_cap_drops_the_oldest_text_first(tiny_model):
     assert len(st.host_positions) == 20 and st.n_dropped == len(tokens) - 16 - 20
     evicted = sorted(set(range(len(tokens))) - set(st.positions.tolist()))
     assert sorted(st.host_positions.tolist()) == evicted[-20:]
+
+
+# ------------------------------------------------------------------------------------------ where a conversation lives
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from tiny_model import write_tiny_llama
+
+    return str(write_tiny_llama(tmp_path_factory.mktemp("recall") / "chat.gguf", chat_template=CHATML,
+                                n_ctx_train=4096))
+
+
+def test_a_chat_session_recalls_and_its_file_carries_the_store(chat_model, tmp_path):
+    from h2o_local.chat_session import ChatSession
+
+    def session():
+        llm = Llama(chat_model, policy=default_policy(48), n_threads=1, keep="system", recall=True)
+        return ChatSession(llm, system="You are tiny.", max_tokens=12, temperature=0)
+
+    s = session()
+    "".join(s.send(PROMPT))
+    stats = s.stats()
+    assert stats["host_entries"] > 0 and stats["kv_entries"] <= 48 and stats["host_bytes"] > 0
+    s.save(tmp_path / "chat.session")
+    expected = "".join(s.send(QUESTION))
+    other = session()
+    other.load(tmp_path / "chat.session")
+    assert other.stats()["host_entries"] == stats["host_entries"]
+    assert "".join(other.send(QUESTION)) == expected
+    assert other.stats()["recalled"] == s.stats()["recalled"]
+
+
+def test_the_cli_takes_recall_and_the_server_reports_the_store(chat_model):
+    import argparse
+
+    from h2o_local.cli.common import add_model_args, load_llama
+
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    llm = load_llama(ap, ap.parse_args(["--model", chat_model, "--budget", "48", "--recall", "500"]))
+    assert llm.recall == 500
+    assert load_llama(ap, ap.parse_args(["--model", chat_model, "--budget", "48", "--recall"])).recall == 4096
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--model", chat_model, "--recall", "-3"])
+
+    from h2o_local.server import create_app, serve_in_background
+    import openai
+
+    llm = Llama(chat_model, policy=default_policy(48), n_seq_max=2, kv_unified=False, n_threads=1, keep="system",
+                recall=True)
+    with serve_in_background(create_app(llm, model_id="tiny")) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": PROMPT}]
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        kv = first.usage.model_extra["kv_cache"]
+        assert kv["host"] > 0 and kv["kept"] <= 48
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": QUESTION}]
+        second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens > 0  # the saved conversation (and its store) went on
+        assert second.usage.model_extra["kv_cache"]["kept"] <= 48
+
+
+# ------------------------------------------------------------------------------------------ a long random session
+from hypothesis import settings as h_settings, strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+
+class RecallSession(RuleBasedStateMachine):
+    """Prompts, answers, questions, saves and loads in any order: the device never holds more than the budget (and
+    one batch and the probe while it reads), and every position seen is on the device or in the host store, once."""
+
+    model = None
+    BUDGET, CAP = 16, 60
+
+    def __init__(self):
+        super().__init__()
+        self.llm = Llama(self.model, policy=default_policy(self.BUDGET), n_batch=32, recall=self.CAP, n_threads=1)
+        self.saved = []
+
+    @rule(tokens=st.lists(st.integers(3, 255), min_size=1, max_size=70))
+    def prompt(self, tokens):
+        self.llm.eval(tokens)
+
+    @rule(n=st.integers(1, 8))
+    def answer(self, n):
+        if self.llm.kv_state().n_seen:  # an answer needs a prompt before it
+            self.llm.generate([], max_tokens=n, temperature=0, reset=False)
+
+    @rule(tokens=st.lists(st.integers(3, 255), min_size=1, max_size=20))
+    def ask(self, tokens):
+        if self.llm.kv_state().n_seen:
+            self.llm.recall_for(tokens)
+
+    @rule()
+    def save(self):
+        self.saved.append(type(self.llm.save_state()).from_bytes(self.llm.save_state().to_bytes()))
+
+    @rule(data=st.data())
+    def load(self, data):
+        if self.saved:
+            self.llm.load_state(data.draw(st.sampled_from(self.saved)))
+
+    @invariant()
+    def bounded(self):
+        s = self.llm.kv_state()
+        assert s.n_cells <= self.BUDGET and s.peak_cells <= self.BUDGET + 32 + self.llm.probe_cells()
+        held = s.positions.tolist() + s.host_positions.tolist()
+        assert len(held) == len(set(held)) and all(0 <= p < s.n_seen for p in held)
+        assert len(s.host_positions) <= self.CAP
+
+
+def test_a_long_random_session_stays_bounded(tiny_model):
+    RecallSession.model = tiny_model
+    run = RecallSession.TestCase
+    run.settings = h_settings(max_examples=15, stateful_step_count=25, deadline=None, derandomize=True)
+    run().runTest()

@@ -279,7 +279,10 @@ class ChatSession:
     def stats(self) -> Dict[str, Any]:
         """The cache and the last turn: entries held / budget, evicted, tokens seen, KV bytes, speed."""
         st = self.llm.kv_state()
+        recall = {} if not self.llm.recall else {"host_entries": int(len(st.host_positions)),
+                                                    "host_bytes": st.host_bytes, "recalled": st.n_recalled}
         return {"kv_entries": st.n_cells, "budget": self.llm.budget, "n_keep": st.n_keep, "evicted": st.n_evicted,
+                **recall,
                 "seen": st.n_seen, "kv_bytes": st.kv_bytes, "turns": sum(m["role"] == "user" for m in self.messages),
                 "prompt_tokens": self.last.prompt_tokens, "reused_tokens": self.last.reused_tokens,
                 "completion_tokens": self.last.completion_tokens,

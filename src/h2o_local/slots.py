@@ -107,9 +107,12 @@ class Slots:
         restored session's earlier evictions not counted), `peak` entries held at once, and the policy."""
         st = self.llm.kv_state(slot)
         policy = self.llm.policy_of(slot)
-        return {"policy": policy.label, "budget": policy.budget, "kept": st.n_cells,
-                "evicted": st.n_evicted - self._evicted_before.get(slot, 0), "peak": st.peak_cells,
-                "protected": st.n_keep}
+        summary = {"policy": policy.label, "budget": policy.budget, "kept": st.n_cells,
+                   "evicted": st.n_evicted - self._evicted_before.get(slot, 0), "peak": st.peak_cells,
+                   "protected": st.n_keep}
+        if self.llm.recall:  # entries in host memory now, and brought back by a prompt so far (this conversation)
+            summary.update(host=int(len(st.host_positions)), recalled=int(st.n_recalled))
+        return summary
 
     def view(self, slot: int) -> dict:
         """What the slot's cache holds now, for a live view: the kept `positions` (token indices of the prompt and
@@ -120,7 +123,8 @@ class Slots:
         positions, share = st.held()
         scores = share if st.head_positions is not None else st.scores
         return {"positions": [int(p) for p in positions], "scores": [float(f"{x:.4g}") for x in scores],
-                "seen": int(st.n_seen), "evicted": int(st.n_evicted)}
+                "seen": int(st.n_seen), "evicted": int(st.n_evicted), "host": int(len(st.host_positions)),
+                "recalled": int(st.n_recalled)}
 
     def save(self, slot: int) -> Any:
         """A snapshot of the slot's cache (`Llama.load_state` / `start(resume=...)` take it back)."""

@@ -54,6 +54,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    "kernel itself writes the scoring policies' scores, on a GPU a softmax pass beside it)")
     g.add_argument("--cache-type-k", help="K cache type: f16 (default), q8_0, q4_0, ... (llama.cpp's -ctk)")
     g.add_argument("--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs --flash-attn")
+    g.add_argument("--recall", nargs="?", const=True, default=False, type=_recall_value, metavar="TOKENS",
+                   help="keep what the policy evicts in host memory (up to TOKENS per conversation; default: the "
+                        "model's trained context) and bring back what each new message asks about (docs/recall.md)")
     g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
     g.add_argument("--seed", type=int, default=0)
 
@@ -92,6 +95,16 @@ def _policy_value(text: str) -> str:
 
 _POLICY_OPTIONS = ("heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow", "probe_share",
                    "per_head")
+
+
+def _recall_value(text: str) -> Any:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens >= 0, got {value}")
+    return value
 
 
 def _keep_value(text: str) -> Any:
@@ -133,7 +146,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                      position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                      n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
                      chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
-                     type_v=args.cache_type_v, **extra)
+                     type_v=args.cache_type_v, recall=False if budget is None else args.recall, **extra)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         ap.error(str(e))
         raise  # not reached: error() exits
