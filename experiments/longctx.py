@@ -16,6 +16,8 @@ Tasks (RULER's synthetic set, arXiv 2404.06654, re-implemented; the haystack is 
 - `kv`: SCBench's Retr.KV on one shared context: a list of random id -> id pairs, then three questions in three
   turns, each answer fed back before the next question (turns 2-3 are asked after the context was compressed
   for turn 1: where query-aware methods fail).
+- `mixed`: turns of different kinds on one haystack with four needles: retrieve one, summarize the text (not
+  scored), retrieve another, then say what the first answer was (from the conversation, not the context).
 
 Modes: `aware` (the question inside the prompt that is compressed: context + question fed together) and `agnostic`
 (the context fed and compressed first, then the question). Both use the bounded prefill: the cache holds the
@@ -50,7 +52,8 @@ from h2o_local import Llama
 from experiments.models import model_path
 from .common import JsonlRecords, experiment_parser, parse_setting, save_figure, table
 
-TASKS = ("single", "multikey", "multivalue", "multiquery", "vt", "cwe", "fwe", "kv")
+TASKS = ("single", "multikey", "multivalue", "multiquery", "vt", "cwe", "fwe", "kv", "mixed")
+MULTI_TURN = ("kv", "mixed")
 MODES = ("aware", "agnostic")
 FACTORS = ("wording", "prefix", "template", "before")
 WORDS = ("apple banana cherry dolphin eagle falcon garden harbor island jungle kettle lantern meadow needle orchard "
@@ -121,6 +124,16 @@ def make_task(task: str, rng: random.Random, fmt: Dict[str, int]) -> Dict:
                   f'The value of key "{pairs[i][0]}" is') for i in asked]
         return {"context": "{\n" + ",\n".join(lines) + "\n}", "turns": turns,
                 "answers": [[pairs[i][1]] for i in asked]}
+    if task == "mixed":
+        # turns of different kinds on one context: retrieve a needle, summarize (not scored), retrieve another
+        # needle, then answer about the first turn (its answer is in the conversation, not in the context)
+        values = [number() for _ in keys]
+        ask = lambda k: (f"What is the {thing(fmt)} for {k} mentioned in the provided text?",
+                         f"The {thing(fmt)} for {k} is")
+        turns = [ask(keys[0]), ("Summarize the text above in one sentence.", "In short,"), ask(keys[1]),
+                 (f"Which {thing(fmt)} did you give in your first answer?", "In my first answer I gave")]
+        return {"needles": [needle(fmt, k, v) for k, v in zip(keys, values)], "turns": turns,
+                "answers": [[values[0]], None, [values[1]], [values[0]]]}
     if task == "cwe":
         # RULER's common words: 10 words 10 times each among the 41 others 3 times each, a numbered list (~1,000 tokens)
         pool = rng.sample(WORDS, len(WORDS))
@@ -275,7 +288,7 @@ def run(args) -> None:
         prompt_len = len(head_ids) + len(tail_ids)
         llm = open_llama(args.model, label, len(head_ids), args.n_batch, args.threads)
         answers, n_cells = run_row(llm, head_ids, tail_ids, later, mode, args.max_tokens)
-        scores = [score(a, e) for a, e in zip(answers, spec["answers"])]
+        scores = [None if e is None else score(a, e) for a, e in zip(answers, spec["answers"])]
         records.add({"key": key(task, row, label, mode), "task": task, "row": row, "setting": label, "mode": mode,
                      **fmt, "context_tokens": len(head_ids), "prompt_tokens": prompt_len, "budget": llm.budget,
                      "kept": n_cells, "seconds": round(time.perf_counter() - t0, 2), "score": scores[0],
@@ -291,14 +304,15 @@ def run(args) -> None:
 
 def report(args, rows: List[Dict]) -> None:
     by = defaultdict(dict)  # (task, mode, label) -> {row: score}
-    turns = defaultdict(lambda: defaultdict(list))  # (mode, label) -> turn index -> scores (kv)
+    turns = defaultdict(lambda: defaultdict(list))  # (task, mode, label) -> turn index -> scores (multi-turn)
     for r in rows:
         modes = MODES if r["setting"] == "full" else (r["mode"],)
         for m in modes:  # the full cache's one run stands for both modes
             by[(r["task"], m, r["setting"])][r["row"]] = r
-            if r["task"] == "kv":
+            if r["task"] in MULTI_TURN:
                 for i, s in enumerate(r["turn_scores"]):
-                    turns[(m, r["setting"])][i].append(s)
+                    if s is not None:
+                        turns[(r["task"], m, r["setting"])][i].append(s)
     labels = [s for s in args.settings]
     kept_tasks = [t for t in args.tasks if np.mean([x["score"] for x in by[(t, "aware", "full")].values()] or [0])
                   >= args.min_full]
@@ -346,15 +360,19 @@ def report(args, rows: List[Dict]) -> None:
                 cells.append(f"{m:+.3f} ± {se:.3f} (n={len(d)})" if d and ref_lab != lab else "")
             body.append(cells)
         lines += table(["setting", "minus sink, same budget", "minus h2o, same budget"], body) + [""]
-    if "kv" in args.tasks:
-        lines += ["## kv (multi-turn): score per turn (turns 2-3 asked after the context was compressed)", ""]
-        body = []
+    for task in (t for t in MULTI_TURN if t in args.tasks):
+        lines += [f"## {task} (multi-turn): score per turn, mean ± s.e. (later turns asked after the context was "
+                  f"compressed{'; turn 2, a summary, is not scored' if task == 'mixed' else ''})", ""]
+        body, n_turns = [], 0
         for mode in MODES:
             for lab in labels:
-                t = turns[(mode, lab)]
+                t = turns[(task, mode, lab)]
                 if t:
-                    body.append([mode, lab] + [f"{np.mean(t[i]):.2f}" for i in sorted(t)])
-        lines += table(["mode", "setting", "turn 1", "turn 2", "turn 3"], body) + [""]
+                    n_turns = max(n_turns, len(t))
+                    body.append([mode, lab] + ["{:.2f} ± {:.2f}".format(*mean_se(t[i])) for i in sorted(t)] +
+                                ["{:.2f}".format(np.mean([x for i in sorted(t)[1:] for x in t[i]]))])
+        turn_names = [f"turn {i + 1}" for i in range(4 if task == "mixed" else 3) if not (task == "mixed" and i == 1)]
+        lines += table(["mode", "setting"] + turn_names + ["later turns"], body) + [""]
     secs = defaultdict(list)
     for r in rows:
         secs[r["setting"]].append(r["seconds"])

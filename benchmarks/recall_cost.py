@@ -1,0 +1,121 @@
+"""What recall costs: the recall step of a new turn against re-reading the whole history, and decode with recall on.
+
+    python -m benchmarks.recall_cost --model qwen05b --history 4096 16384 --out results/recall/recall-cost-qwen05b
+
+For each history length N (XSum articles, a chat's history as plain text) and one new turn (a question of ~30
+tokens), side by side in one run:
+- `recall step`: the default policy with recall reads the history (a bounded prefill that spills what it evicts to
+  host memory); the time of `recall_for(question)` (the pages of spilled entries, each put back beside the kept ones
+  and ranked by the question probe) is what every new turn pays before its own tokens;
+- `re-read`: the default policy without recall reads history + question from an empty cache (what a stateless
+  client's every turn costs: `create_chat_completion` re-reads the history);
+- `full, new turn`: the full cache holding the history prefills the question alone (what a full cache pays per
+  turn; its memory grows with N);
+- decode tokens/s after the history with the same budget, recall on and off (interleaved repeats, medians);
+- host bytes per spilled token.
+Writes OUT.json and OUT.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+QUESTION = "\nQuestion: which of the stories above mentions a court, and what was decided there? Answer briefly."
+
+
+def history_tokens(llm, n: int, data: Path) -> List[int]:
+    texts = [json.loads(line)["article"] for line in data.open()]
+    tokens: List[int] = []
+    for t in texts:
+        tokens += llm.tokenize(t + "\n\n", add_bos=not tokens)
+        if len(tokens) >= n:
+            return tokens[:n]
+    raise SystemExit(f"{data} holds fewer than {n} tokens")
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(model: str, n: int, budget: int, threads: int, repeats: int, data: Path) -> Dict[str, Any]:
+    from h2o_local import Llama
+
+    def bounded(recall):
+        return Llama(model, budget=budget, n_batch=512, n_threads=threads, recall=recall)
+
+    llm = bounded(True)
+    history = history_tokens(llm, n, data)
+    question = llm.tokenize(QUESTION, add_bos=False)
+    read_spill = timed(lambda: llm.eval(history))
+    snap = llm.save_state()
+    recall_s = timed(lambda: llm.recall_for(question))
+    st = llm.kv_state()
+    host_per_token = st.host_bytes / max(len(st.host_positions), 1)
+    n_recalled = st.n_recalled
+
+    plain = bounded(False)
+    reread = timed(lambda: plain.eval(history + question))
+
+    full = Llama(model, policy="full", n_ctx=n + 1024, n_batch=512, n_threads=threads)
+    full_history = timed(lambda: full.eval(history))
+    full_turn = timed(lambda: full.eval(question))
+    del full
+
+    # decode after the history, recall on and off, interleaved
+    decode = {"recall": [], "plain": []}
+    plain.eval(history)
+    plain_snap = plain.save_state()
+    for _ in range(repeats):
+        for name, l, s in (("recall", llm, snap), ("plain", plain, plain_snap)):
+            l.load_state(s)
+            t0 = time.perf_counter()
+            out = l.generate_events([], max_tokens=64, temperature=0, ignore_eos=True, reset=False)
+            k = sum(e.token is not None for e in out)
+            decode[name].append(k / (time.perf_counter() - t0))
+    row = {"history": n, "budget": budget, "recall_step_s": round(recall_s, 3), "reread_s": round(reread, 3),
+           "full_new_turn_s": round(full_turn, 3), "bounded_read_with_spill_s": round(read_spill, 3),
+           "full_read_s": round(full_history, 3), "recall_vs_reread": round(recall_s / reread, 3),
+           "recall_vs_full_new_turn": round(recall_s / full_turn, 2), "recalled": n_recalled,
+           "host_entries": int(len(st.host_positions)), "host_bytes_per_token": int(host_per_token),
+           "decode_recall_tok_s": round(statistics.median(decode["recall"]), 1),
+           "decode_plain_tok_s": round(statistics.median(decode["plain"]), 1)}
+    row["decode_ratio"] = round(row["decode_recall_tok_s"] / row["decode_plain_tok_s"], 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen05b")
+    ap.add_argument("--history", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum.jsonl")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from experiments.models import model_path
+
+    model = model_path(args.model)
+    rows = [run(model, n, args.budget, args.threads, args.repeats, args.data) for n in args.history]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    lines = ["| history tokens | recall step s | re-read s | recall / re-read | full cache, new turn s | recalled | "
+             "host entries | host bytes / token | decode tok/s recall / plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['history']:,} | {r['recall_step_s']} | {r['reread_s']} | {r['recall_vs_reread']} | "
+              f"{r['full_new_turn_s']} | {r['recalled']} | {r['host_entries']:,} | {r['host_bytes_per_token']:,} | "
+              f"{r['decode_recall_tok_s']} / {r['decode_plain_tok_s']} ({r['decode_ratio']}) |" for r in rows]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
