@@ -198,7 +198,7 @@ def test_a_grammar_over_the_limits_is_a_400_naming_the_limit_and_the_setting(ser
     assert status == 200
 
 
-class _HeldDraws:
+class _HeldDraws(concurrent.futures.Executor):
     """An executor whose draws finish only when the test says so (a grammar draw that takes as long as we like)."""
 
     def __init__(self):
@@ -223,9 +223,8 @@ def test_a_grammar_draw_that_is_not_done_skips_the_step_and_the_others_go_on(tin
     from h2o_local.text import TextAssembler
 
     llm = Llama(tiny_model, policy="h2o", budget=24, n_seq_max=2, kv_unified=False)
-    slots = llm.slots()
     held = _HeldDraws()
-    slots._batch.background, slots._batch.draw_wait_s = held, 0.0
+    slots = llm.slots(draws=held, draw_wait_s=0.0)
     with slots.owned():
         slots.start(0, llm.tokenize("free text"), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
         slots.start(1, llm.tokenize("constrained"), SamplingParams(max_tokens=3, temperature=0,

@@ -476,12 +476,13 @@ class Llama:
         goes on (`reset=False`) feeds it first; `save_state()` keeps it."""
         return list(self._pending)
 
-    def slots(self) -> "Slots":
+    def slots(self, **options: Any) -> "Slots":
         """The sequences as slots that concurrent generations fill and leave, stepped together (what a server
-        needs; see `h2o_local.slots`). Using them ends any generation of this `Llama` left suspended."""
+        needs; see `h2o_local.slots`; `options` are its own). Using them ends any generation of this `Llama` left
+        suspended."""
         from .slots import Slots
 
-        return Slots(self)
+        return Slots(self, **options)
 
     def recall_for(self, question: Prompt, seq_id: int = 0) -> int:
         """Bring back now, within the budget, what `question` (text or token ids; not fed) ranks above the kept

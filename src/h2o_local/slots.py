@@ -20,7 +20,9 @@ from .text import TextAssembler
 class Slots:
     """The `llm.n_seq_max` sequences of `llm` as slots, each with its own budget, scores and sampler."""
 
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Any, draws: Optional[concurrent.futures.Executor] = None, draw_wait_s: float = 0.01):
+        """`draws`: where grammar-constrained slots draw their tokens (default: a thread per slot); a draw not done
+        within draw_wait_s seconds leaves its slot out of that step."""
         self.llm = llm
         self._engine = llm._engine
         self.n_slots: int = llm.n_seq_max
@@ -29,9 +31,10 @@ class Slots:
         # stream of its own (in a shared one their cells would move where the prompt is cut)
         self.interleaves: bool = not llm.kv_unified
         # a grammar's draw runs aside, so that it never holds the step the other slots share
-        self._draws = concurrent.futures.ThreadPoolExecutor(max_workers=self.n_slots, thread_name_prefix="h2o-draw")
+        self._draws = draws or concurrent.futures.ThreadPoolExecutor(max_workers=self.n_slots,
+                                                                     thread_name_prefix="h2o-draw")
         self._batch = generation.Batch(self._engine, unbounded=not llm.policy.bounded, free_finished=False,
-                                       background=self._draws)
+                                       background=self._draws, draw_wait_s=draw_wait_s)
         self._runs: dict = {}
         self._evicted_before: dict = {}  # slot -> entries its restored session had evicted already
 
@@ -132,7 +135,8 @@ class Slots:
 
     def close(self) -> None:
         """Stop drawing aside (a draw still running ends on its own; its token is dropped)."""
-        self._draws.shutdown(wait=False, cancel_futures=True)
+        if isinstance(self._draws, concurrent.futures.ThreadPoolExecutor):
+            self._draws.shutdown(wait=False, cancel_futures=True)
 
     def release(self, slot: int) -> None:
         """The slot leaves the steps and is emptied."""
