@@ -1,5 +1,5 @@
 """Where a probe ranks a needle's tokens, read from a full cache (no eviction): the diagnostic behind the probe's
-scoring rule (docs/quality.md, "Probes, second round").
+scoring rule (docs/quality-log.md, "Probes, second round").
 
     python -m experiments.probe_ranking --input-path ../shared/data/xsum_0shot_dev.jsonl --rows 8 \\
         --out results/quality/probe-ranking-smollm2.md

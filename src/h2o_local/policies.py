@@ -370,7 +370,7 @@ class _PythonRank(_engine.RankedPolicy):
 
 
 # The default policy of `Llama(path, budget=B)`, `h2o-local chat` and `serve`: the best mean score relative to the
-# full cache over the whole quality suite (docs/quality.md, "The default"): heavy hitters ranked by TOVA's score and
+# full cache over the whole quality suite (docs/quality-log.md, "The default"): heavy hitters ranked by TOVA's score and
 # by the prompt's own question (the question probe, pooled over 9 entries and the 12 before each), a recent window
 # of min(32, B // 2) and min(4, B // 8) attention sinks. Plain H2O stays available by name ("h2o").
 DEFAULT_POLICY = "tova"
