@@ -771,23 +771,7 @@ class Llama:
 
     def _logprob_block(self, tokens: List[int], offsets: List[Optional[int]], logits: List[Optional[np.ndarray]],
                        k: int) -> CompletionLogprobs:
-        """llama-cpp-python's logprobs block for `tokens`, each drawn from its row of `logits` (None: no logprob)."""
-        out: CompletionLogprobs = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-        for tok, offset, row in zip(tokens, offsets, logits):
-            out["tokens"].append(self._piece_text(tok))
-            if offset is not None:
-                out["text_offset"].append(offset)
-            if row is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            lp = _log_softmax(row)
-            top = np.argsort(-lp)[:k]
-            out["token_logprobs"].append(float(lp[tok]))
-            out["top_logprobs"].append({self._piece_text(int(t)): float(lp[t]) for t in top})
-        if not out["text_offset"]:
-            del out["text_offset"]
-        return out
+        return responses.logprobs(self._piece_text, tokens, offsets, logits, k)
 
     def _logprobs(self, echoed: List[int], generated: List[int], gen_logits: List[np.ndarray], k: int) -> CompletionLogprobs:
         """Echoed prompt tokens (logits of the prompt pass, none for the first), then the generated ones."""
@@ -979,9 +963,3 @@ def _token_list(tokens: Sequence[int]) -> List[int]:
             raise ValueError(f"token id {t} is out of range")
         out.append(int(t))
     return out
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x = x - x.max()
-    return x - np.log(np.exp(x).sum())

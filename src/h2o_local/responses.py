@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import numpy as np
 
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs, CompletionUsage
 
@@ -77,3 +79,31 @@ def chat_chunk(meta: Dict[str, Any], delta: Dict[str, Any], finish_reason: Optio
 def usage_chunk(meta: Dict[str, Any], use: CompletionUsage, chat: bool) -> Dict[str, Any]:
     """The last streamed piece when `stream_options.include_usage` is asked: no choices, the usage."""
     return {**meta, **({"object": "chat.completion.chunk"} if chat else {}), "choices": [], "usage": use}
+
+
+def logprobs(piece: Callable[[int], str], tokens: List[int], offsets: List[Optional[int]],
+             logits: List[Optional[np.ndarray]], k: int) -> CompletionLogprobs:
+    """llama-cpp-python's logprobs block for `tokens`, each drawn from its row of `logits` (None: no logprob), with
+    the `k` most likely tokens per position; `piece(token)` is a token's text."""
+    out: CompletionLogprobs = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+    for tok, offset, row in zip(tokens, offsets, logits):
+        out["tokens"].append(piece(tok))
+        if offset is not None:
+            out["text_offset"].append(offset)
+        if row is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        lp = _log_softmax(row)
+        top = np.argsort(-lp)[:k]
+        out["token_logprobs"].append(float(lp[tok]))
+        out["top_logprobs"].append({piece(int(t)): float(lp[t]) for t in top})
+    if not out["text_offset"]:
+        del out["text_offset"]
+    return out
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
