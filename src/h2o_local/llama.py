@@ -81,6 +81,10 @@ class KVState:
         return positions, counts / parts.shape[0]
 
 
+# recall=True keeps at most this much evicted K and V per sequence in host memory (bytes)
+RECALL_DEFAULT_BYTES = 256 * 2**20
+
+
 class Llama:
     """A GGUF model on a patched llama.cpp whose KV cache never holds more than `budget` entries per sequence.
 
@@ -143,9 +147,10 @@ class Llama:
         recall: keep what the policy evicts in host memory instead of destroying it, and before each new prompt on a
             sequence (a chat's next turn, `generate(..., reset=False)`, a server conversation continued) bring back
             what that prompt's question ranks above the kept entries, within the budget: True keeps up to the
-            model's trained context (`n_ctx_train` tokens) per sequence, an int that many tokens (the oldest go
-            first beyond it). Host memory: `kv_bytes_per_cell` bytes per token kept there (SmolLM2-135M: 22.5 KiB;
-            Qwen2.5-0.5B: 12 KiB). The device cache stays at budget + n_batch cells. Needs a policy with the question
+            model's trained context (`n_ctx_train` tokens) per sequence and at most 256 MiB of it
+            (RECALL_DEFAULT_BYTES), an int that many tokens (the oldest go first beyond it). Host memory:
+            `kv_bytes_per_cell` bytes per token kept there (SmolLM2-135M: 22.5 KiB, so 8,192 tokens take 180 MiB;
+            Qwen2.5-0.5B: 12 KiB, 21,845 tokens in 256 MiB). The device cache stays at budget + n_batch cells. Needs a policy with the question
             probe (the default has it), no per-head cells and no position rolling. docs/recall.md.
     """
 
@@ -447,10 +452,11 @@ class Llama:
                 self._seq_policies[seq] = value
 
     def set_recall(self, recall: Union[bool, int]) -> None:
-        """Turn recall on (True: up to `n_ctx_train` host entries per sequence; an int: that many) or off (False or 0:
+        """Turn recall on (True: up to `n_ctx_train` host entries per sequence, at most RECALL_DEFAULT_BYTES of them;
+        an int: that many) or off (False or 0:
         what the sequences spilled is dropped). See `Llama(recall=...)`. ValueError when the policy cannot recall."""
         if isinstance(recall, (bool, np.bool_)):
-            cap = self.info.n_ctx_train if recall else 0
+            cap = min(self.info.n_ctx_train, RECALL_DEFAULT_BYTES // max(self._engine.entry_size, 1)) if recall else 0
         else:
             check_int("recall", recall, minimum=0)
             cap = int(recall)
