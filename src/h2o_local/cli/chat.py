@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--file", action="append", default=[], metavar="PATH",
                     help="a text file attached to the first message (repeat for several; /file in the chat)")
     add_penalty_args(ap)
-    add_model_args(ap, budget=512, keep_default="system")
+    add_model_args(ap, budget=512, keep_default="system", recall_default=True)
     args = ap.parse_args(argv)
     llm = load_llama(ap, args)
     try:

