@@ -162,3 +162,20 @@ def test_with_an_api_key_the_page_asks_for_it(tmp_path, browser):
         wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
         assert ask(browser, "Hi").get_attribute("data-finish") in ("stop", "length")
         browser.execute_script("localStorage.clear()")
+
+
+@needs_browser
+def test_with_recall_the_page_shows_what_waits_in_host_memory(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    model = str(write_tiny_llama(tmp_path / "recall.gguf", chat_template=CHATML, n_ctx_train=4096))
+    with serving(model, slots=1, budget=48, policy=None, recall=True) as (port, _):  # the default policy
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
+        ask(browser, "Tell me about the lighthouse and its keeper. " * 5)
+        ask(browser, "What did the keeper write?")
+        classes, stats = cache_view(browser)
+        host = sum("host" in c.split() for c in classes)
+        assert host > 0 and f"in host memory {host}" in stats.text
+        assert len([c for c in classes if "kept" in c.split()]) <= 48
+        browser.save_screenshot(str(tmp_path / "recall.png"))

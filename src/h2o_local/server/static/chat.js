@@ -17,7 +17,8 @@ const chat = {
 };
 
 // the cache view: the conversation's tokens (pieces) and what the cache holds of them
-const cache = { pieces: [], spans: [], positions: [], scores: [], seen: 0, protected: 0, info: null, drawn: 0 };
+const cache = { pieces: [], spans: [], positions: [], scores: [], seen: 0, protected: 0, info: null, drawn: 0,
+                host: new Set(), wasHost: new Set(), back: new Set(), recalled: 0 };
 
 function apiKey() { return localStorage.getItem("h2o_local.api_key") || ""; }
 
@@ -99,12 +100,17 @@ function takeView(view) {
     cache.drawn = Infinity;  // drawn again from the start
     cache.info = { policy: view.policy, budget: view.budget };
     cache.protected = view.protected || 0;
+    if (!view.recalled) cache.back = new Set();  // a conversation that recalled nothing yet (a new one)
   }
   if (view.piece !== undefined) cache.pieces.push(view.piece);
   cache.positions = view.positions;
   cache.scores = view.scores;
   cache.seen = view.seen;
   cache.evicted = view.evicted;
+  cache.host = new Set(view.host || []);
+  cache.recalled = view.recalled || 0;
+  cache.positions.forEach((p) => { if (cache.wasHost && cache.wasHost.has(p)) cache.back.add(p); });
+  cache.wasHost = cache.host;
   scheduleDraw();
 }
 
@@ -140,7 +146,8 @@ function drawCache() {
   cache.spans.forEach((span, i) => {
     let cls = "tok ";
     if (i >= cache.seen) cls += "pending";
-    else if (kept.has(i)) cls += "kept" + (i < cache.protected ? " protected" : "");
+    else if (kept.has(i)) cls += "kept" + (i < cache.protected ? " protected" : "") + (cache.back.has(i) ? " recalled" : "");
+    else if (cache.host.has(i)) cls += "host";
     else cls += "evicted";
     if (span.className !== cls) span.className = cls;
     const entry = kept.get(i);
@@ -150,7 +157,8 @@ function drawCache() {
   });
   const info = cache.info || {};
   ui.stats.textContent = "policy " + info.policy + " · budget " + info.budget + " · kept " + cache.positions.length +
-    " · evicted " + cache.evicted + " · tokens seen " + cache.seen;
+    " · evicted " + cache.evicted + (cache.host.size ? " · in host memory " + cache.host.size + " · recalled " +
+    cache.recalled : "") + " · tokens seen " + cache.seen;
   ui.stats.dataset.kept = cache.positions.length;
   ui.stats.dataset.policy = info.policy || "";
   ui.tokens.scrollTop = ui.tokens.scrollHeight;
