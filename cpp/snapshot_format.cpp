@@ -51,6 +51,16 @@ struct ByteWriter {
         array(s.probe);
         array(s.seen);
     }
+    void host(const HostStore & h) {
+        value<uint64_t>(h.entry_bytes);
+        array(h.positions);
+        array(h.tokens);
+        scores(h.scores);
+        array(h.kv);
+        value(h.n_spilled);
+        value(h.n_recalled);
+        value(h.n_dropped);
+    }
 };
 
 struct ByteReader {
@@ -92,6 +102,18 @@ struct ByteReader {
         s.seen    = array<float>();
         return s;
     }
+    HostStore host() {
+        HostStore h;
+        h.entry_bytes = (size_t) value<uint64_t>();
+        h.positions   = array<llama_pos>();
+        h.tokens      = array<llama_token>();
+        h.scores      = scores();
+        h.kv          = array<uint8_t>();
+        h.n_spilled   = value<int64_t>();
+        h.n_recalled  = value<int64_t>();
+        h.n_dropped   = value<int64_t>();
+        return h;
+    }
 };
 
 // the scores' arrays all cover n entries
@@ -126,15 +148,7 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.value(st.n_keep);
     w.array(snap.logits);
     w.array(snap.pending);
-    const HostStore & h = snap.host;
-    w.value<uint64_t>(h.entry_bytes);
-    w.array(h.positions);
-    w.array(h.tokens);
-    w.scores(h.scores);
-    w.array(h.kv);
-    w.value(h.n_spilled);
-    w.value(h.n_recalled);
-    w.value(h.n_dropped);
+    w.host(snap.host);
     w.value<uint32_t>(crc32(w.out.data(), w.out.size()));
     return w.out;
 }
@@ -193,15 +207,8 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     snap.logits   = r.array<float>();
     snap.pending  = r.array<llama_token>();
     if (checksummed) { // format 4: what the sequence spilled (recall)
-        HostStore & h = snap.host;
-        h.entry_bytes = (size_t) r.value<uint64_t>();
-        h.positions   = r.array<llama_pos>();
-        h.tokens      = r.array<llama_token>();
-        h.scores      = r.scores();
-        h.kv          = r.array<uint8_t>();
-        h.n_spilled   = r.value<int64_t>();
-        h.n_recalled  = r.value<int64_t>();
-        h.n_dropped   = r.value<int64_t>();
+        snap.host = r.host();
+        const HostStore & h = snap.host;
         const size_t n = h.positions.size();
         if (h.tokens.size() != n || !consistent(h.scores, n) || (n > 0 && (h.entry_bytes == 0 ||
             h.kv.size() != n*h.entry_bytes)) || h.n_spilled < 0 || h.n_recalled < 0 || h.n_dropped < 0) {
