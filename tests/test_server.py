@@ -11,6 +11,7 @@ import openai
 import uvicorn
 
 from h2o_local import Llama
+from h2o_local.sampling import CHAT_SURFACE
 from h2o_local.server import create_app, serve_in_background
 from tiny_model import write_tiny_llama
 
@@ -143,7 +144,9 @@ def test_a_continued_conversation_reuses_its_cache(chat_model):
     assert second.usage.prompt_tokens == len(second_tokens)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens == len(first_tokens)
     assert health["session_hits"] == 1
-    assert second.choices[0].message.content == llm.generate(second_tokens, max_tokens=20, temperature=0)
+    # the server's chat defaults (CHAT_SURFACE: a repeat penalty) under the request's temperature
+    chat_defaults = CHAT_SURFACE.replace(max_tokens=20, temperature=0)
+    assert second.choices[0].message.content == llm.generate(second_tokens, sampling=chat_defaults)
 
 
 def test_a_whole_exchange_is_continued_when_the_prompt_holds_its_tokens(chat_model):

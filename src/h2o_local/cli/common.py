@@ -67,10 +67,10 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--seed", type=int, default=0)
 
 
-def add_penalty_args(ap: argparse.ArgumentParser) -> None:
+def add_penalty_args(ap: argparse.ArgumentParser, repeat_penalty: float = 1.0) -> None:
     """llama.cpp's repetition penalties, as its own CLI names them."""
-    ap.add_argument("--repeat-penalty", type=float, default=1.0, help="a repeated token's logit divided by this "
-                    "(1 = off; default: 1)")
+    ap.add_argument("--repeat-penalty", type=float, default=repeat_penalty, help="a repeated token's logit divided "
+                    f"by this (1 = off; default: {repeat_penalty:g})")
     ap.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a repeated token's "
                     "logit (0 = off)")
     ap.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence (0 = off)")

@@ -20,7 +20,7 @@ from .. import generation, grammar, policies, responses
 from .. import tools as tools_mod
 from ..llama import Llama
 from ..policies import Policy
-from ..sampling import CHAT, COMPLETION, SamplingParams
+from ..sampling import CHAT_SURFACE, COMPLETION, SamplingParams
 from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
 from .scheduler import Busy, Cancelled, Job, Scheduler, Started, Viewed
 
@@ -143,7 +143,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if view and plan.parses:
         raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
                        param="kv_cache.view")
-    job = await _submit(state, Job(tokens, _sampling(state, CHAT, body, limit),
+    job = await _submit(state, Job(tokens, _sampling(state, CHAT_SURFACE, body, limit),
                                    n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
                                    time_limit_s=_time_limit(state, body)),
                         request)
