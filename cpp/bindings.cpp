@@ -357,6 +357,11 @@ PYBIND11_MODULE(_engine, m) {
         }, py::arg("seq_id"), py::arg("layer"),
            "The cached keys of seq_id's kept entries in a layer, F32 after RoPE: (positions, [n, n_embd_k_gqa]).")
         .def("set_recall", &Engine::set_recall, py::arg("cap"), py::call_guard<py::gil_scoped_release>())
+        .def("set_seq_recall", &Engine::set_seq_recall, py::arg("seq_id"), py::arg("cap"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("check_recall", [](const Engine & e, const std::shared_ptr<Policy> & policy) {
+            e.check_recall(*policy, 1);
+        }, py::arg("policy"), "Raise ValueError when this policy cannot recall on this engine.")
         .def("recall_for", &Engine::recall_for, py::arg("seq_id"), py::arg("question"),
              py::call_guard<py::gil_scoped_release>())
         .def("state", &state_dict, py::arg("seq_id") = 0)

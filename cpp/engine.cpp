@@ -225,7 +225,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         }
     }
     use_per_head(*policy_);
-    check_recall(*policy_);
+    check_recall(*policy_, params_.host_entries);
 }
 
 Engine::~Engine() {
@@ -243,7 +243,7 @@ SeqCache & Engine::seq_cache(llama_seq_id seq) {
     if (it == seqs_.end()) {
         it = seqs_.emplace(seq, SeqCache(ctx_, seq, n_head_)).first;
         it->second.set_keep(*policy_, params_.n_keep);
-        it->second.set_spill(params_.host_entries);
+        it->second.set_spill(recall_of(seq));
     }
     return it->second;
 }
@@ -254,16 +254,16 @@ void Engine::set_recall(int64_t cap) {
     const int64_t before = params_.host_entries;
     params_.host_entries = cap;
     try {
-        check_recall(*policy_);
+        check_recall(*policy_, cap);
         for (const auto & kv : seq_policies_) {
-            check_recall(*kv.second);
+            check_recall(*kv.second, recall_of(kv.first));
         }
     } catch (...) {
         params_.host_entries = before;
         throw;
     }
     for (auto & kv : seqs_) {
-        kv.second.set_spill(cap);
+        kv.second.set_spill(recall_of(kv.first));
     }
 }
 
@@ -445,6 +445,10 @@ void Engine::set_policy(PolicyPtr policy) {
         throw std::invalid_argument("set_policy needs a policy");
     }
     check_fits(*policy);
+    check_recall(*policy, params_.host_entries);
+    for (const auto & kv : seq_recall_) {
+        check_recall(*policy, kv.second);
+    }
     if (policy->bounded()) {
         // protected prefixes, of the sequences held and of those to come, must still fit
         policy->split().after_prefix(params_.n_keep);
@@ -469,6 +473,7 @@ void Engine::set_seq_policy(llama_seq_id seq, PolicyPtr policy) {
         return;
     }
     check_fits(*policy);
+    check_recall(*policy, recall_of(seq));
     use_per_head(*policy);
     if (policy->bounded()) {
         policy->split().after_prefix(sc.state().n_keep); // its protected prefix must fit the new budget
@@ -504,7 +509,6 @@ void Engine::check_fits(const Policy & policy) const {
                                     "scoring policy or export_scores=True");
     }
     check_room(policy);
-    check_recall(policy);
 }
 
 void Engine::check_room(const Policy & policy) const {
@@ -650,8 +654,26 @@ void Engine::check_host(const SeqSnapshot & snap) const {
     }
 }
 
-void Engine::check_recall(const Policy & policy) const {
-    if (params_.host_entries <= 0 || !policy.bounded()) {
+int64_t Engine::recall_of(llama_seq_id seq) const {
+    const auto it = seq_recall_.find(seq);
+    return it == seq_recall_.end() ? params_.host_entries : it->second;
+}
+
+void Engine::set_seq_recall(llama_seq_id seq, int64_t cap) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    SeqCache & sc = seq_cache(seq);
+    const int64_t value = cap < 0 ? params_.host_entries : cap;
+    check_recall(policy_of(seq), value);
+    if (cap < 0) {
+        seq_recall_.erase(seq);
+    } else {
+        seq_recall_[seq] = cap;
+    }
+    sc.set_spill(value);
+}
+
+void Engine::check_recall(const Policy & policy, int64_t cap) const {
+    if (cap <= 0 || !policy.bounded()) {
         return;
     }
     check_policy(policy.probe().source == ProbeSource::question,
@@ -797,7 +819,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     };
     // a new prompt first brings back what it asks about of what its sequence spilled (recall)
     for (const auto & [seq, toks] : tokens) {
-        if (toks.size() > 1 && seqs_.at(seq).host().size() > 0) {
+        if (toks.size() > 1 && seqs_.at(seq).spill_cap() > 0 && seqs_.at(seq).host().size() > 0) {
             try {
                 recall(seq, toks);
             } catch (...) {

@@ -98,6 +98,10 @@ public:
     void set_keep(llama_seq_id seq, int32_t n_keep);
     // recall on (cap: evicted entries each sequence keeps in host memory) or off (0: the stores are emptied)
     void set_recall(int64_t cap);
+    // recall (cap > 0) needs a question probe, no per-head cells, no rolling: throws std::invalid_argument otherwise
+    void check_recall(const Policy & policy, int64_t cap) const;
+    // recall for seq alone (kept when seq is reset): cap entries in host memory, 0 off; -1: the engine's again
+    void set_seq_recall(llama_seq_id seq, int64_t cap);
     // bring back now what `question` ranks above seq's kept entries of what it spilled (the question is not fed)
     void recall_for(llama_seq_id seq, const std::vector<llama_token> & question);
     // evict now what the current policy would not keep (after set_policy, say)
@@ -163,7 +167,7 @@ private:
     // ones by the question probe (the prompt's last tokens) and the policy keeps the best within its budget; the rest
     // go (back) to the host store
     void recall(llama_seq_id seq, const std::vector<llama_token> & prompt);
-    void check_recall(const Policy & policy) const; // recall needs a question probe, no per-head cells, no rolling
+    int64_t recall_of(llama_seq_id seq) const; // seq's host store cap: its own or the engine's
     void check_host(const SeqSnapshot & snap) const; // a snapshot's host store fits this cache and its positions
     // throws when policy needs scores the engine does not export, or its budget and probe leave no room in a stream
     void check_fits(const Policy & policy) const;
@@ -189,6 +193,7 @@ private:
 
     std::map<llama_seq_id, SeqCache> seqs_;
     std::map<llama_seq_id, PolicyPtr> seq_policies_; // set_seq_policy
+    std::map<llama_seq_id, int64_t> seq_recall_;     // set_seq_recall
     std::map<llama_seq_id, std::vector<float>> last_logits_;
     std::map<llama_seq_id, std::vector<float>> logits_all_;
 

@@ -263,3 +263,28 @@ def test_a_long_random_session_stays_bounded(tiny_model):
     run = RecallSession.TestCase
     run.settings = h_settings(max_examples=15, stateful_step_count=25, deadline=None, derandomize=True)
     run().runTest()
+
+
+def test_a_server_conversation_chooses_recall_for_itself(chat_model):
+    from h2o_local.server import create_app, serve_in_background
+    import httpx
+
+    llm = Llama(chat_model, policy=default_policy(48), n_seq_max=2, kv_unified=False, n_threads=1)
+    with serve_in_background(create_app(llm, model_id="tiny")) as port:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0}
+        plain = httpx.post(url, json=body, timeout=60).json()["usage"]["kv_cache"]
+        assert "host" not in plain  # the server does not recall
+        mine = httpx.post(url, json={**body, "kv_cache": {"recall": True}}, timeout=60).json()["usage"]["kv_cache"]
+        assert mine["host"] > 0 and mine["kept"] <= 48
+        refused = httpx.post(url, json={**body, "kv_cache": {"recall": True, "policy": "sink"}}, timeout=60)
+        assert refused.status_code == 400 and "question probe" in refused.json()["error"]["message"]
+    llm = Llama(chat_model, policy=default_policy(48), n_seq_max=2, kv_unified=False, n_threads=1, recall=True)
+    with serve_in_background(create_app(llm, model_id="tiny")) as port:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        on = httpx.post(url, json=body, timeout=60).json()["usage"]["kv_cache"]
+        assert on["host"] > 0
+        sink = httpx.post(url, json={**body, "kv_cache": {"policy": "sink"}}, timeout=60)  # cannot recall: served
+        assert sink.status_code == 200 and "host" not in sink.json()["usage"]["kv_cache"]
+        off = httpx.post(url, json={**body, "kv_cache": {"recall": False}}, timeout=60).json()["usage"]["kv_cache"]
+        assert "host" not in off

@@ -451,18 +451,31 @@ class Llama:
                 self._engine.set_seq_policy(seq, value.cpp)
                 self._seq_policies[seq] = value
 
-    def set_recall(self, recall: Union[bool, int]) -> None:
+    def set_recall(self, recall: Union[bool, int, None], *, seq_id: Optional[int] = None) -> None:
         """Turn recall on (True: up to `n_ctx_train` host entries per sequence, at most RECALL_DEFAULT_BYTES of them;
-        an int: that many) or off (False or 0:
-        what the sequences spilled is dropped). See `Llama(recall=...)`. ValueError when the policy cannot recall."""
-        if isinstance(recall, (bool, np.bool_)):
+        an int: that many) or off (False or 0: what the sequences spilled is dropped). See `Llama(recall=...)`.
+        `seq_id`: for that sequence alone (a server's conversation; None as `recall`: the Llama's setting again).
+        ValueError when the policy cannot recall."""
+        if recall is None:
+            if seq_id is None:
+                raise ValueError("recall=None means the Llama's own setting: give it with seq_id")
+            cap = -1
+        elif isinstance(recall, (bool, np.bool_)):
             cap = min(self.info.n_ctx_train, RECALL_DEFAULT_BYTES // max(self._engine.entry_size, 1)) if recall else 0
         else:
             check_int("recall", recall, minimum=0)
             cap = int(recall)
         with self._lock:
-            self._engine.set_recall(cap)
-            self.recall = cap
+            if seq_id is None:
+                self._engine.set_recall(cap)
+                self.recall = cap
+            else:
+                self._engine.set_seq_recall(self._check_seq(seq_id), cap)
+
+    def check_recall(self, policy: Optional[Policy] = None) -> None:
+        """Raise ValueError, saying why, when `policy` (default: this Llama's) cannot recall here (no question probe,
+        per-head cells, position rolling, a cache that cannot keep entries apart)."""
+        self._engine.check_recall((policy or self.policy).cpp)
 
     def policy_of(self, seq_id: int = 0) -> Policy:
         """The policy sequence `seq_id` follows: its own (`set_policy(..., seq_id=...)`) or the `Llama`'s."""

@@ -50,7 +50,8 @@ class Slots:
               between_chunks: Optional[Callable[[], None]] = None,
               save_prefix: Optional[Callable[[Any], None]] = None,
               policy: Optional[Policy] = None,
-              time_limit_s: Optional[float] = None) -> List[generation.Event]:
+              time_limit_s: Optional[float] = None,
+              recall: Optional[bool] = None) -> List[generation.Event]:
         """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
         `policy`: the slot's own (a resolved value that fits the slot's cells), None: the `Llama`'s.
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
@@ -58,10 +59,13 @@ class Slots:
         to it (a shared system prompt that later requests start from).
         `between_chunks()` runs between the chunks of a long prompt (with `interleaves`: it may `step()`).
         `time_limit_s`: generation ends with "length" once it has run this long (seconds, from its first token).
+        `recall`: the slot's own recall setting (None: the `Llama`'s).
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
         sampler = self.llm._sampler(params, history=tokens)  # bad sampling input raises before the slot changes
         self._engine.reset_seq(slot)
+        self.llm.set_recall(False, seq_id=slot)  # the last conversation's setting goes before its policy does
         self.llm._set_seq_policy(slot, policy)
+        self.llm.set_recall(recall, seq_id=slot)
         feed = tokens
         if resume is not None:
             snapshot, n_fed = resume
@@ -113,7 +117,7 @@ class Slots:
         summary = {"policy": policy.label, "budget": policy.budget, "kept": st.n_cells,
                    "evicted": st.n_evicted - self._evicted_before.get(slot, 0), "peak": st.peak_cells,
                    "protected": st.n_keep}
-        if self.llm.recall:  # entries in host memory now, and brought back by a prompt so far (this conversation)
+        if st.n_spilled or len(st.host_positions):  # in host memory now, and brought back by a prompt so far
             summary.update(host=int(len(st.host_positions)), recalled=int(st.n_recalled))
         return summary
 

@@ -37,6 +37,9 @@ class KVCacheRequest(BaseModel):
                                               "a label (h2o-128+s4); default: the server's")
     budget: Optional[StrictInt] = Field(default=None, ge=1, description="KV entries kept (tokens); default: the server's")
     view: bool = Field(default=False, description="streamed chunks carry what the cache holds (kv_cache)")
+    recall: Optional[bool] = Field(default=None, description="keep what this conversation evicts in host memory and "
+                                   "recall it for each new message (default: the server's --recall, where the "
+                                   "conversation's policy can)")
 
 
 class _Request(BaseModel):

@@ -94,9 +94,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                 raise ValueError(f"token ids must be in [0, {llm.n_vocab()})")
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="prompt") from None
-    policy, view = _conversation_cache(state, body)
+    policy, view, recall = _conversation_cache(state, body)
     job = await _submit(state, Job(tokens, _sampling(state, COMPLETION, body, body.max_tokens),
-                                   n_keep=state.default_keep, policy=policy, view=view,
+                                   n_keep=state.default_keep, policy=policy, view=view, recall=recall,
                                    time_limit_s=_time_limit(state, body)), request)
     meta = responses.completion_meta(state.model_id)
     if body.echo and text is None:  # token ids: their text, as llama-cpp-python echoes it
@@ -139,12 +139,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    policy, view = _conversation_cache(state, body)
+    policy, view, recall = _conversation_cache(state, body)
     if view and plan.parses:
         raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
                        param="kv_cache.view")
     job = await _submit(state, Job(tokens, _sampling(state, CHAT_SURFACE, body, limit),
                                    n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
+                                   recall=recall,
                                    time_limit_s=_time_limit(state, body)),
                         request)
     meta = responses.chat_meta(state.model_id)
@@ -162,8 +163,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _conversation_cache(state: ServerState, body: _Request) -> Tuple[Optional[Policy], bool]:
-    """The request's own policy (None: the server's) and whether it asked for the live view (`kv_cache`)."""
+def _conversation_cache(state: ServerState, body: _Request) -> Tuple[Optional[Policy], bool, Optional[bool]]:
+    """The request's own policy (None: the server's), whether it asked for the live view, and its recall setting
+    (None: the server's) (`kv_cache`)."""
+    policy, view = _conversation_policy(state, body)
+    asked = None if body.kv_cache is None else body.kv_cache.recall
+    try:
+        if asked:
+            state.llm.check_recall(policy)
+        elif asked is None and state.llm.recall and policy is not None:
+            state.llm.check_recall(policy)  # the server recalls where a conversation's own policy can
+    except ValueError as e:
+        if asked:
+            raise APIError(400, f"kv_cache.recall: {e}", param="kv_cache.recall") from None
+        asked = False
+    return policy, view, asked
+
+
+def _conversation_policy(state: ServerState, body: _Request) -> Tuple[Optional[Policy], bool]:
+    """The request's own policy (None: the server's) and whether it asked for the live view."""
     asked = body.kv_cache
     if asked is None:
         return None, False

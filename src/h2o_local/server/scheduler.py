@@ -75,6 +75,7 @@ class Job:
     policy: Optional[Policy] = None     # its own policy (resolved, fits a slot), None: the server's
     view: bool = False                  # deliver the cache's state with every event (Started.view, Viewed)
     time_limit_s: Optional[float] = None  # generation ends with "length" after this long (seconds)
+    recall: Optional[bool] = None       # its own recall setting (None: the server's)
     loop: Optional[asyncio.AbstractEventLoop] = None
     queue: Optional["asyncio.Queue[Any]"] = None
     cancelled: bool = False
@@ -224,7 +225,7 @@ class Scheduler:
             events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
                                       between_chunks=lambda: self._between_prompt_chunks(job),
                                       save_prefix=self._prefix_saver(job) if session is None else None,
-                                      policy=job.policy, time_limit_s=job.time_limit_s)
+                                      policy=job.policy, time_limit_s=job.time_limit_s, recall=job.recall)
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
             job.put(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)
@@ -311,5 +312,5 @@ class Scheduler:
 
 
 def _label(job: Job) -> str:
-    """Saved sessions are continued only under the policy that made them ("": the server's)."""
-    return "" if job.policy is None else job.policy.label
+    """Saved sessions are continued only under the policy and recall setting that made them ("": the server's)."""
+    return ("" if job.policy is None else job.policy.label) + ("" if job.recall is None else f"+recall={job.recall}")
