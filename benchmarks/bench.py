@@ -2,7 +2,7 @@
 decode roofline, side by side with llama-cpp-python on the same model, threads and batch size.
 
     pip install ".[bench]"
-    python -m benchmarks.bench --depths 512 2048 8192 --budgets 128 256 512 1024 --repeats 3 --out results/bench
+    python -m benchmarks.bench --depths 512 2048 8192 --budgets 128 256 512 1024 --repeats 3 --out results/speed/bench
 
 Every setting runs in its own subprocess (peak resident memory is per process) and the settings of one depth run
 interleaved, repeat after repeat, so that machine noise spreads over all of them; medians are reported.
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
     ap.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
-    ap.add_argument("--out", type=Path, default=Path("results/bench"))
+    ap.add_argument("--out", type=Path, default=Path("results/speed/bench"))
     ap.add_argument("--report", type=Path, nargs="+", help="only write the report of these JSON files (merged)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

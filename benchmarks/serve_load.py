@@ -6,13 +6,13 @@ Each chat has a long system prompt (an XSum article) and a question. Reports thr
 the wall time of the whole load), time to first token, the gap between tokens, and KV bytes. Bounded in requests
 and time; writes JSON and a markdown table.
 
-    python -m benchmarks.serve_load --chats 4 --budget 256 --max-tokens 64 --out results/serve-load
+    python -m benchmarks.serve_load --chats 4 --budget 256 --max-tokens 64 --out results/serving/serve-load
 
 With --shared-prefix: N conversations that share one long system prompt (an article) and ask different
 questions, one after another, on a server with saved sessions and on one without (side by side in one run,
 alternating): the prompt tokens each request found cached and its time to first token.
 
-    python -m benchmarks.serve_load --shared-prefix --chats 6 --budget 1024 --out results/serve-shared-prefix
+    python -m benchmarks.serve_load --shared-prefix --chats 6 --budget 1024 --out results/serving/serve-shared-prefix
 """
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-batch", type=int, default=128)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per setting at most")
-    ap.add_argument("--out", default="results/serve-load")
+    ap.add_argument("--out", default="results/serving/serve-load")
     ap.add_argument("--shared-prefix", action="store_true", help="conversations that share a system prompt, one at "
                     "a time, with and without saved sessions")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """Fault run against `h2o-local serve` on loopback: what clients and attackers do, and what must hold afterwards.
 
-    python -m benchmarks.server_faults --out results/server-faults-smollm2          # SmolLM2, 1,000 requests
+    python -m benchmarks.server_faults --out results/serving/server-faults-smollm2          # SmolLM2, 1,000 requests
     python -m benchmarks.server_faults --sequential 50 --disconnects 5 --out /tmp/f  # a quick one
 
 Starts the server as a child process (its own resident memory is what is sampled), then:

@@ -4,7 +4,7 @@ working tree against an earlier commit (a restructure must not cost speed).
     # the earlier commit, built into its own folder and run by a Python that does not see this install
     git worktree add /tmp/base <commit> && pip install --target /tmp/base-site /tmp/base
     python -m benchmarks.side_by_side --baseline-python python3 --baseline-path /tmp/base-site \\
-        --baseline-module h2o_local.bench --out results/side-by-side
+        --baseline-module h2o_local.bench --out results/speed/side-by-side
 
 Each measurement runs in its own process (`--one` of either benchmark); runs alternate between the two installs,
 repeat after repeat, so machine noise falls on both. Reports medians and the ratio new / baseline.

@@ -1,7 +1,7 @@
 """Soak: one rolling chat session generating N tokens (default 200,000), sampling resident memory, KV cells and
 speed every 10,000 tokens, and checking that the output stays text. Writes as it goes (OUT.jsonl), then OUT.md.
 
-    python -m benchmarks.soak --out results/soak-smollm2 [--tokens 200000] [--budget 256]
+    python -m benchmarks.soak --out results/serving/soak-smollm2 [--tokens 200000] [--budget 256]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The MT-Bench "infinite" session: all 160 turns of question.jsonl in one session, the cache kept across turns.
 
     python -m experiments.mtbench --input-path ../shared/data/question.jsonl \\
-        --settings full h2o-1024+roll64 --output results/mtbench-smollm2
+        --settings full h2o-1024+roll64 --output results/quality/mtbench-smollm2
 
 Each turn is the user message formatted by the model's chat template and appended to the cache; the reply is
 generated greedily (up to --max-tokens) until the end-of-turn token, which is fed back so the next turn follows

@@ -2,7 +2,7 @@
 
     pip install ".[experiments]"     # transformers, accelerate and torch==2.13.0 (CPU)
     python -m experiments.perhead --input-path ../shared/data/xsum.jsonl \\
-        --output-path results/xsum-smollm2-perhead.jsonl --budgets 64 128 256 512 1024 full --sample-num 20 \\
+        --output-path results/quality/xsum-smollm2-perhead.jsonl --budgets 64 128 256 512 1024 full --sample-num 20 \\
         --seeds 0 1 2 --greedy
 
 llama.cpp shares one KV cell across all layers and heads, so h2o_local evicts whole tokens by the sum of their

@@ -1,7 +1,7 @@
 """Streaming past the trained context: perplexity over one long text for full, local, sink, h2o and h2o + rolling.
 
     python -m experiments.streaming --input-path ../shared/data/xsum_0shot_dev.jsonl \\
-        --tokens 32768 --budgets 256 1024 --output results/streaming-smollm2
+        --tokens 32768 --budgets 256 1024 --output results/quality/streaming-smollm2
 
 The articles are concatenated into one stream and fed in chunks of `--chunk` tokens (one forward pass each, then
 eviction) with every token's logits kept: the negative log-likelihood of token t comes from the logits after token

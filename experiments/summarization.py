@@ -1,7 +1,7 @@
 """XSum summarization quality vs KV budget: H2O vs a local window vs the full cache (the llama-recipes H2O table).
 
     python -m experiments.summarization --input-path ../shared/data/xsum.jsonl \\
-        --output-path results/xsum-smollm2.jsonl --budgets 64 128 256 512 1024 full --policies h2o local \\
+        --output-path results/quality/xsum-smollm2.jsonl --budgets 64 128 256 512 1024 full --policies h2o local \\
         --sample-num 100 --seeds 0 1 2 --greedy
 
 Faithful to the reference run (llama-recipes run_summarization.py): the prompt is the row's `article` without BOS,

@@ -2,7 +2,7 @@
 
     python -m experiments.throughput --input-path ../shared/data/xsum_0shot_dev.jsonl \\
         --lengths 512:512 1024:1024 --batch-sizes 1 2 4 8 16 --policies full h2o-20% h2o-128 h2o-256 \\
-        --kv-limit-batch 4 --peer --quality 8 --output results/throughput-smollm2
+        --kv-limit-batch 4 --peer --quality 8 --output results/speed/throughput-smollm2
 
 The paper's setting scaled down: prompts of exactly P tokens (an XSum article cut to fit, then the instruction)
 and exactly G generated tokens (end-of-generation tokens banned), greedy. `h2o-20%` is the paper's budget: 20% of
