@@ -18,7 +18,7 @@ const chat = {
 
 // the cache view: the conversation's tokens (pieces) and what the cache holds of them
 const cache = { pieces: [], spans: [], positions: [], scores: [], seen: 0, protected: 0, info: null, drawn: 0,
-                host: new Set(), wasHost: new Set(), back: new Set(), recalled: 0 };
+                hostCount: 0, hostFrom: Infinity, wasHost: () => false, back: new Set(), recalled: 0 };
 
 function apiKey() { return localStorage.getItem("h2o_local.api_key") || ""; }
 
@@ -107,10 +107,14 @@ function takeView(view) {
   cache.scores = view.scores;
   cache.seen = view.seen;
   cache.evicted = view.evicted;
-  cache.host = new Set(view.host || []);
+  // with recall every evicted position from host_from on waits in host memory (the store drops the oldest first)
+  cache.hostCount = view.host || 0;
+  cache.hostFrom = view.host ? view.host_from : Infinity;
   cache.recalled = view.recalled || 0;
-  cache.positions.forEach((p) => { if (cache.wasHost && cache.wasHost.has(p)) cache.back.add(p); });
-  cache.wasHost = cache.host;
+  const kept = new Set(cache.positions);
+  cache.positions.forEach((p) => { if (cache.wasHost(p)) cache.back.add(p); });
+  const hostFrom = cache.hostFrom, seen = cache.seen;
+  cache.wasHost = (p) => !kept.has(p) && p >= hostFrom && p < seen;
   scheduleDraw();
 }
 
@@ -147,7 +151,7 @@ function drawCache() {
     let cls = "tok ";
     if (i >= cache.seen) cls += "pending";
     else if (kept.has(i)) cls += "kept" + (i < cache.protected ? " protected" : "") + (cache.back.has(i) ? " recalled" : "");
-    else if (cache.host.has(i)) cls += "host";
+    else if (i >= cache.hostFrom) cls += "host";
     else cls += "evicted";
     if (span.className !== cls) span.className = cls;
     const entry = kept.get(i);
@@ -157,7 +161,7 @@ function drawCache() {
   });
   const info = cache.info || {};
   ui.stats.textContent = "policy " + info.policy + " · budget " + info.budget + " · kept " + cache.positions.length +
-    " · evicted " + cache.evicted + (cache.host.size ? " · in host memory " + cache.host.size + " · recalled " +
+    " · evicted " + cache.evicted + (cache.hostCount ? " · in host memory " + cache.hostCount + " · recalled " +
     cache.recalled : "") + " · tokens seen " + cache.seen;
   ui.stats.dataset.kept = cache.positions.length;
   ui.stats.dataset.policy = info.policy || "";
