@@ -288,3 +288,42 @@ def test_a_server_conversation_chooses_recall_for_itself(chat_model):
         assert sink.status_code == 200 and "host" not in sink.json()["usage"]["kv_cache"]
         off = httpx.post(url, json={**body, "kv_cache": {"recall": False}}, timeout=60).json()["usage"]["kv_cache"]
         assert "host" not in off
+
+
+def test_recall_ranks_what_comes_back_as_an_independent_numpy_reference_does(tiny_model):
+    """With room for one page, recall puts every spilled entry back (bit for bit: the prompt fitted, so its K and V
+    are a full cache's), ranks all entries by the new question's lift over each entry's baseline, and the policy keeps
+    its budget. The same ranking computed from a full cache's attention, read independently (tests/test_probe.py's
+    rule), chooses the same entries with the same probe scores."""
+    from h2o_local import TOVA
+
+    from test_probe import BUDGET, PROMPT, reference_keep
+
+    n_q = 8
+    question = list(range(130, 130 + n_q))
+    llm = Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="question", question=n_q), n_ctx=512, n_batch=512,
+                n_threads=1, recall=1000)
+    llm.eval(PROMPT)  # fits: decoded whole (its last n_q tokens on their own), probed, then evicted to the budget
+    assert len(llm.kv_state().host_positions) == len(PROMPT) - BUDGET
+    kept_before = llm.kv_state().positions.tolist()
+    assert llm.recall_for(question) > 0
+
+    before = Llama(tiny_model, n_ctx=512, export_scores=True, n_threads=1)
+    before.eval(PROMPT[:-n_q])  # the baseline leaves out the prompt's question window
+    st0 = before.kv_state()
+    full = Llama(tiny_model, n_ctx=512, export_scores=True, n_threads=1)
+    full.eval(PROMPT)
+    queries = full.kv_state().queries
+    full.eval(question)
+    sums = full.last_scores()[1][: len(PROMPT)] / n_q
+    per_query = np.zeros((len(PROMPT), sums.shape[1]))
+    per_query[:-n_q] = st0.head_scores / st0.queries[:, None]
+    mean = per_query.mean(axis=0)
+    base = (per_query * queries[:, None] + 128 * mean) / (queries[:, None] + 128) + 0.05 * mean
+    ref = (sums / base).max(axis=1)
+
+    st = llm.kv_state()
+    keep = reference_keep(ref, 0, 1, BUDGET)
+    assert st.positions.tolist() == keep != kept_before  # the question chose other entries than the prompt's did
+    np.testing.assert_allclose(st.probe_scores, ref[keep], rtol=1e-4, atol=1e-6)
+    assert sorted(st.host_positions.tolist()) == sorted(set(range(len(PROMPT))) - set(keep))
