@@ -81,6 +81,25 @@ def reference_probe_scores(model, probes):
     return best
 
 
+def reference_question_lift(model, n_q, question):
+    """Per prompt entry, from a full cache read independently: `question`'s attention per query over the entry's
+    baseline, where the baseline leaves out the prompt's last n_q tokens (its question window, decoded on their own),
+    in the head where that lift is largest."""
+    before = Llama(model, n_ctx=512, export_scores=True, n_threads=1)
+    before.eval(PROMPT[:-n_q])
+    st0 = before.kv_state()
+    full = Llama(model, n_ctx=512, export_scores=True, n_threads=1)
+    full.eval(PROMPT)
+    queries = full.kv_state().queries
+    full.eval(question)
+    sums = full.last_scores()[1][: len(PROMPT)] / len(question)
+    per_query = np.zeros((len(PROMPT), sums.shape[1]))
+    per_query[:-n_q] = st0.head_scores / st0.queries[:, None]
+    mean = per_query.mean(axis=0)
+    base = (per_query * queries[:, None] + 128 * mean) / (queries[:, None] + 128) + 0.05 * mean
+    return (sums / base).max(axis=1)
+
+
 def reference_keep(scores, sinks, recent, n_keep_total):
     """Indices kept: the first `sinks`, the last `recent`, and the best-scored of the rest (ties: the older)."""
     n = len(scores)
@@ -252,20 +271,7 @@ def test_the_question_probe_s_baseline_leaves_out_the_question(tiny_model):
     n_q = 8
     llm = Llama(tiny_model, policy=TOVA(budget=BUDGET, probe="question", question=n_q), n_ctx=512, n_threads=1)
     llm.eval(PROMPT)
-
-    before = Llama(tiny_model, n_ctx=512, export_scores=True, n_threads=1)
-    before.eval(PROMPT[:-n_q])
-    st0 = before.kv_state()
-    full = Llama(tiny_model, n_ctx=512, export_scores=True, n_threads=1)
-    full.eval(PROMPT)
-    queries = full.kv_state().queries
-    full.eval(PROMPT[-n_q:])
-    sums = full.last_scores()[1][: len(PROMPT)] / n_q
-    per_query = np.zeros((len(PROMPT), sums.shape[1]))
-    per_query[:-n_q] = st0.head_scores / st0.queries[:, None]
-    mean = per_query.mean(axis=0)
-    base = (per_query * queries[:, None] + 128 * mean) / (queries[:, None] + 128) + 0.05 * mean
-    ref = (sums / base).max(axis=1)
+    ref = reference_question_lift(tiny_model, n_q, PROMPT[-n_q:])
     st = llm.kv_state()
     keep = reference_keep(ref, 0, 1, BUDGET)
     assert st.positions.tolist() == keep

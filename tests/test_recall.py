@@ -297,7 +297,7 @@ def test_recall_ranks_what_comes_back_as_an_independent_numpy_reference_does(tin
     rule), chooses the same entries with the same probe scores."""
     from h2o_local import TOVA
 
-    from test_probe import BUDGET, PROMPT, reference_keep
+    from test_probe import BUDGET, PROMPT, reference_keep, reference_question_lift
 
     n_q = 8
     question = list(range(130, 130 + n_q))
@@ -308,19 +308,7 @@ def test_recall_ranks_what_comes_back_as_an_independent_numpy_reference_does(tin
     kept_before = llm.kv_state().positions.tolist()
     assert llm.recall_for(question) > 0
 
-    before = Llama(tiny_model, n_ctx=512, export_scores=True, n_threads=1)
-    before.eval(PROMPT[:-n_q])  # the baseline leaves out the prompt's question window
-    st0 = before.kv_state()
-    full = Llama(tiny_model, n_ctx=512, export_scores=True, n_threads=1)
-    full.eval(PROMPT)
-    queries = full.kv_state().queries
-    full.eval(question)
-    sums = full.last_scores()[1][: len(PROMPT)] / n_q
-    per_query = np.zeros((len(PROMPT), sums.shape[1]))
-    per_query[:-n_q] = st0.head_scores / st0.queries[:, None]
-    mean = per_query.mean(axis=0)
-    base = (per_query * queries[:, None] + 128 * mean) / (queries[:, None] + 128) + 0.05 * mean
-    ref = (sums / base).max(axis=1)
+    ref = reference_question_lift(tiny_model, n_q, question)
 
     st = llm.kv_state()
     keep = reference_keep(ref, 0, 1, BUDGET)
