@@ -49,7 +49,8 @@ py::dict facts_dict(const ModelFacts & f) {
     return py::dict("arch"_a = f.arch, "n_ctx_train"_a = f.n_ctx_train, "n_vocab"_a = f.n_vocab, "n_layer"_a = f.n_layer,
                     "n_head"_a = f.n_head, "n_head_kv"_a = f.n_head_kv, "n_embd"_a = f.n_embd,
                     "kv_bytes_per_cell"_a = f.kv_bytes_per_cell, "model_bytes"_a = f.model_bytes, "n_params"_a = f.n_params,
-                    "add_bos"_a = f.add_bos, "token_bos"_a = f.token_bos, "token_eos"_a = f.token_eos, "chat_template"_a = tmpl);
+                    "add_bos"_a = f.add_bos, "token_bos"_a = f.token_bos, "token_eos"_a = f.token_eos, "chat_template"_a = tmpl,
+                    "layer_devices"_a = f.layer_devices);
 }
 
 py::dict state_dict(const Engine & e, llama_seq_id seq) {
@@ -159,6 +160,25 @@ PYBIND11_MODULE(_engine, m) {
     m.doc() = "h2o_local engine: a patched llama.cpp context with per-sequence KV eviction";
 
     m.def("policy_names", &policy_names, "The registered eviction policies, sorted.");
+    m.def("backend_devices", [] {
+        init_backend(false);
+        py::list out;
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+            size_t free = 0, total = 0;
+            ggml_backend_dev_memory(dev, &free, &total);
+            const char * type = "cpu";
+            switch (ggml_backend_dev_type(dev)) {
+                case GGML_BACKEND_DEVICE_TYPE_GPU:   type = "gpu";   break;
+                case GGML_BACKEND_DEVICE_TYPE_IGPU:  type = "igpu";  break;
+                case GGML_BACKEND_DEVICE_TYPE_ACCEL: type = "accel"; break;
+                default: break;
+            }
+            out.append(py::dict("name"_a = ggml_backend_dev_name(dev), "description"_a = ggml_backend_dev_description(dev),
+                                "type"_a = type, "memory_free"_a = free, "memory_total"_a = total));
+        }
+        return out;
+    }, "The ggml devices this build and machine offer: name, description, type (cpu, gpu, igpu, accel), memory in bytes.");
     m.def("padded_cells", &padded_cells, py::arg("n_cells"), py::arg("n_seq"), py::arg("kv_unified"),
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
@@ -295,6 +315,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_readwrite("type_k", &EngineParams::type_k)
         .def_readwrite("type_v", &EngineParams::type_v)
         .def_readwrite("flash_attn", &EngineParams::flash_attn)
+        .def_readwrite("op_offload", &EngineParams::op_offload)
         .def_readwrite("rpc_servers", &EngineParams::rpc_servers)
         .def_readwrite("compact_cells", &EngineParams::compact_cells)
         .def_readwrite("host_entries", &EngineParams::host_entries)
@@ -312,10 +333,22 @@ PYBIND11_MODULE(_engine, m) {
                  py::gil_scoped_release release;
                  return new Engine(model_path, p);
              }), py::arg("model_path"), py::arg("params"))
-        .def("eval", &Engine::eval, py::arg("tokens"), py::arg("logits_all") = false,
-             py::arg("between_chunks") = std::function<void()>(), py::call_guard<py::gil_scoped_release>(),
-             "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says; between_chunks() is called "
-             "between the chunks of a long feed (it may eval sequences with streams of their own, or raise).")
+        .def("eval", [](Engine & e, const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool logits_all,
+                        py::object between_chunks) {
+                 std::function<Engine::Riders()> hook;
+                 if (!between_chunks.is_none()) {
+                     hook = [between_chunks] {
+                         py::gil_scoped_acquire gil;
+                         py::object riders = between_chunks();
+                         return riders.is_none() ? Engine::Riders() : riders.cast<Engine::Riders>();
+                     };
+                 }
+                 py::gil_scoped_release release;
+                 e.eval(tokens, logits_all, hook);
+             }, py::arg("tokens"), py::arg("logits_all") = false, py::arg("between_chunks") = py::none(),
+             "Feed {seq_id: [token, ...]} in one batch, evicting as the policy says. between_chunks() is called "
+             "between the chunks of a long feed and may return {seq_id: [token]} of other sequences (each with a "
+             "stream of its own) to decode with the next chunk; it may also eval such sequences, or raise.")
         .def("sample", &Engine::sample, py::arg("seq_id"), py::arg("sampler"), py::call_guard<py::gil_scoped_release>(),
              "The next token of seq_id, drawn from its last logits in place.")
         .def("set_policy", [](Engine & e, std::shared_ptr<Policy> policy) { e.set_policy(std::move(policy)); },
@@ -382,6 +415,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("n_ctx", &Engine::n_ctx)
         .def_property_readonly("capacity", &Engine::capacity)
         .def_property_readonly("stream_capacity", &Engine::stream_capacity)
+        .def_property_readonly("n_decode", &Engine::n_decode, "llama_decode calls made so far")
         .def_property_readonly("kv_unified", &Engine::kv_unified)
         .def("room", &Engine::room, py::arg("seq_id"), py::call_guard<py::gil_scoped_release>(),
              "KV cells still free for seq_id: its stream's, or the whole unified cache's (shared by all sequences).")

@@ -147,6 +147,14 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         throw std::invalid_argument("keep must be >= 0 tokens");
     }
 
+    // the first device other than the CPU that holds a layer (and its KV cache); empty: everything on the CPU
+    std::string offloaded_to;
+    for (const std::string & d : model_->facts().layer_devices) {
+        if (d != "CPU" && offloaded_to.empty()) {
+            offloaded_to = d;
+        }
+    }
+
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = n_ctx;
     cp.n_batch         = std::min(params.n_batch, n_ctx);
@@ -156,6 +164,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.kv_unified      = params.kv_unified;
     cp.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.no_perf         = true;
+    cp.op_offload      = params.op_offload;
     if (params.kv_f32) {
         cp.type_k = GGML_TYPE_F32;
         cp.type_v = GGML_TYPE_F32;
@@ -177,6 +186,13 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
             throw std::invalid_argument("position_rolling with type_k '" + params.type_k + "' needs key heads of a "
                                         "multiple of 64 values and LLAMA_ATTN_ROT_DISABLE unset (llama.cpp cannot "
                                         "shift other quantized keys); this model's hold " + std::to_string(head));
+        }
+        // that path, with the keys on a device, wrote out of bounds on Vulkan (lavapipe: heap corruption, aborts);
+        // untested on CUDA and Metal: refused on every device until it is shown to work there
+        if (params.position_rolling && ggml_is_quantized(cp.type_k) && !offloaded_to.empty()) {
+            throw std::invalid_argument("position_rolling with type_k '" + params.type_k + "' is not supported with "
+                                        "layers on " + offloaded_to + ": llama.cpp's shift of quantized keys is known to "
+                                        "corrupt memory there (use type_k f16, or n_gpu_layers=0)");
         }
         // unquantized keys are shifted by ggml_rope in place, which takes F32 and F16 only (bf16 aborts)
         if (params.position_rolling && !ggml_is_quantized(cp.type_k) && cp.type_k != GGML_TYPE_F16 &&
@@ -203,8 +219,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         cp.n_threads_batch = params.n_threads;
     }
 
-    check_host_memory(model_->get(), n_ctx, cp.n_outputs_max, params.n_gpu_layers == 0 && params.rpc_servers.empty(),
-                      params.kv_f32);
+    check_host_memory(model_->get(), n_ctx, cp.n_outputs_max, offloaded_to.empty(), params.kv_f32);
     clear_llama_error();
     ctx_ = llama_init_from_model(model_->get(), cp);
     if (ctx_ == nullptr) {
@@ -725,7 +740,7 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt) {
 }
 
 void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool logits_all,
-                  const std::function<void()> & between_chunks) {
+                  const std::function<Riders()> & between_chunks) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const int32_t n_vocab = model_->n_vocab();
     size_t n_total = 0;
@@ -775,7 +790,9 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     in.defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
     in.bounded        = bounded;
     in.budget         = budget;
-    in.n_batch        = n_batch();
+    // with riders, each chunk leaves room for one token of every other sequence
+    const size_t n_riders_max = between_chunks ? (size_t) params_.n_seq_max - 1 : 0;
+    in.n_batch        = n_batch() > 2*n_riders_max ? n_batch() - n_riders_max : n_batch();
     in.query_window   = (size_t) window;
     const PrefillPlan plan = plan_prefill(in);
     if (!plan.fits && !bounded) {
@@ -834,18 +851,37 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
         if (i > 0 && params_.check_interrupt) {
             params_.check_interrupt();
         }
+        Riders riders;
         if (i > 0 && between_chunks) {
-            between_chunks();
+            riders = between_chunks();
+            check_riders(riders, tokens);
         }
         const PrefillStep & step = plan.steps[i];
         std::map<llama_seq_id, std::vector<llama_token>> chunk;
+        size_t n_chunk = 0;
         for (const auto & [seq, part] : step.chunk) {
             const auto & toks = tokens.at(seq);
             chunk[seq].assign(toks.begin() + part.first, toks.begin() + part.first + part.second);
+            n_chunk += part.second;
+        }
+        size_t n_riding = 0;
+        for (const auto & kv : riders) {
+            n_riding += kv.second.size();
+        }
+        for (const auto & kv : riders) {
+            mark_clean(kv.first);
+        }
+        if (n_riding > 0 && (logits_all || n_chunk + n_riding > (size_t) n_batch())) {
+            decode(riders, false, {}); // no room beside this chunk (or its every row is wanted): before it
+        } else {
+            chunk.insert(riders.begin(), riders.end());
         }
         decode(chunk, logits_all, step.query_windows);
         for (const auto & [seq, part] : step.chunk) {
             fed[seq] = part.first + part.second;
+        }
+        for (const auto & kv : riders) {
+            evict_or_roll_back(kv.first, &kv.second);
         }
         for (const llama_seq_id seq : step.evict_after) {
             evict_or_roll_back(seq, &tokens.at(seq));
@@ -861,6 +897,24 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     for (const auto & kv : tokens) {
         if (kv.second.size() > 1 && seqs_.at(kv.first).state().n_evicted > n_evicted[kv.first]) {
             compact(kv.first);
+        }
+    }
+}
+
+void Engine::check_riders(const Riders & riders, const std::map<llama_seq_id, std::vector<llama_token>> & fed) {
+    const int32_t n_vocab = model_->n_vocab();
+    for (const auto & [seq, toks] : riders) {
+        if (params_.kv_unified) {
+            throw std::invalid_argument("tokens can ride with a prompt's chunks only where each sequence has a stream of its own (kv_unified=False)");
+        }
+        seq_cache(seq);
+        if (fed.count(seq) || toks.empty()) {
+            throw std::invalid_argument("sequence " + std::to_string(seq) + " cannot ride: it is being fed, or has no token");
+        }
+        for (const llama_token t : toks) {
+            if (t < 0 || t >= n_vocab) {
+                throw std::invalid_argument("token id " + std::to_string(t) + " out of range [0, " + std::to_string(n_vocab) + ")");
+            }
         }
     }
 }
@@ -881,6 +935,7 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
     }
 
     clear_llama_error();
+    ++n_decode_;
     const int32_t rc = llama_decode(ctx_, batch_);
     if (rc != 0) {
         // llama.cpp drops only the failed ubatch: drop the whole chunk so the state stays as before the call

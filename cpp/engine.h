@@ -44,6 +44,7 @@ struct EngineParams {
     std::string type_k;               // K cells' type by ggml name ("q8_0", "q4_0", ...); empty: as V (F16 or F32)
     std::string type_v;               // V cells' type; a quantized one needs flash_attn (llama.cpp)
     bool     flash_attn = false;      // llama.cpp's flash attention (scores from the CPU kernel, or a KQ softmax pass on a GPU)
+    bool     op_offload = true;       // llama.cpp's: large batches' products of CPU-held weights run on the GPU
     std::vector<std::string> rpc_servers; // "host:port" of ggml RPC servers that take the offloaded layers
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
     // recall: each sequence keeps up to this many evicted entries in host memory (K and V of every layer) and, before
@@ -74,12 +75,16 @@ public:
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
+    // tokens of other sequences to decode with a long feed's next chunk (a server's running requests: their next
+    // tokens ride with the prompt, as in llama-server's continuous batching)
+    using Riders = std::map<llama_seq_id, std::vector<llama_token>>;
     // feed tokens to sequences (one batch for all), evicting as the policy says; with logits_all every fed
     // token's logits are kept (see logits_all), otherwise only each sequence's last. between_chunks, when set, is
-    // called between the chunks of a long feed: it may eval other sequences that have a stream of their own
-    // (a server decodes its running requests there), or throw to stop the feed, as check_interrupt may
+    // called between the chunks of a long feed and returns riders: sequences with streams of their own, not fed
+    // in this call, whose tokens are decoded (and evicted for) with the next chunk; it may also eval such
+    // sequences itself, or throw to stop the feed, as check_interrupt may
     void eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool logits_all,
-              const std::function<void()> & between_chunks = {});
+              const std::function<Riders()> & between_chunks = {});
     // the next token of seq, drawn from its last logits where they are (no copy)
     llama_token sample(llama_seq_id seq, Sampler & sampler) const;
 
@@ -142,6 +147,7 @@ public:
     // cells a policy's probe needs beside a sequence's entries (the repeat probe: its instruction + one batch)
     int32_t  probe_cells(const Policy & policy) const;
     int32_t  cells_used() const;  // KV entries held by all sequences
+    int64_t  n_decode() const { return n_decode_; } // llama_decode calls made so far
 
 private:
     SeqCache & seq_cache(llama_seq_id seq); // checks the id, creates the sequence on first use
@@ -149,6 +155,8 @@ private:
     int32_t size_of(llama_seq_id seq) const;
     std::string origin() const; // what a snapshot must match to be restored here
     std::string kv_types() const; // "F16", "q8_0/F16", ...
+    // riders: valid tokens of existing sequences, each with a stream of its own, none of them being fed
+    void check_riders(const Riders & riders, const std::map<llama_seq_id, std::vector<llama_token>> & fed);
     // query_windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
     // probes: the sequences whose tokens in chunk are a probe's (observed into SeqScores::probe)
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
@@ -182,6 +190,7 @@ private:
     std::unique_ptr<Model>  model_;
     PolicyPtr policy_;
     llama_context * ctx_ = nullptr;
+    int64_t         n_decode_ = 0;
     llama_batch     batch_ {};
     int32_t  n_head_ = 0;
     uint32_t capacity_ = 0;

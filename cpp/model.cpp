@@ -136,6 +136,10 @@ ModelFacts Model::facts() const {
     f.token_eos   = llama_vocab_eos(vocab());
     const char * tmpl = llama_model_chat_template(model_, nullptr);
     f.chat_template = tmpl ? tmpl : "";
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        ggml_backend_dev_t dev = model_->dev_layer((int) il);
+        f.layer_devices.push_back(dev ? ggml_backend_dev_name(dev) : "CPU");
+    }
     return f;
 }
 

@@ -26,6 +26,7 @@ struct ModelFacts {
     llama_token token_bos = -1;
     llama_token token_eos = -1;
     std::string chat_template;      // the GGUF's own (tokenizer.chat_template); empty when it has none
+    std::vector<std::string> layer_devices; // per layer, the ggml device that holds its weights ("CPU", "Vulkan0", ...)
 };
 
 class Model {

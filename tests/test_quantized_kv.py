@@ -25,18 +25,20 @@ def test_a_quantized_k_cache_takes_the_bytes_its_type_says(tiny_hd64, type_k, ra
 
 @pytest.mark.parametrize("type_k", ["q8_0", "q4_0"])
 def test_eviction_rolling_and_snapshots_work_on_quantized_keys(tiny_hd64, type_k):
-    llm = Llama(tiny_hd64, policy="h2o", budget=24, n_batch=32, position_rolling=True, type_k=type_k)
+    """On the CPU backend (on a device, rolling a quantized K cache is refused: tests/test_device.py)."""
+    kw = dict(policy="h2o", budget=24, n_batch=32, position_rolling=True, n_gpu_layers=0)
+    llm = Llama(tiny_hd64, type_k=type_k, **kw)
     llm.eval(llm.tokenize(TEXT))
     st = llm.kv_state()
     assert st.n_cells == 24 and st.positions.tolist() == list(range(24)) and st.n_evicted > 0
-    copy = Llama(tiny_hd64, policy="h2o", budget=24, n_batch=32, position_rolling=True, type_k=type_k)
+    copy = Llama(tiny_hd64, type_k=type_k, **kw)
     copy.load_state(llm.save_state())
     for t in llm.tokenize(" and more", add_bos=False):  # the pending K shift dequantizes, rotates, requantizes
         llm.eval([t])
         copy.eval([t])
         np.testing.assert_allclose(copy.last_logits(), llm.last_logits(), atol=1e-4)
     with pytest.raises(ValueError, match="another model or cache"):
-        Llama(tiny_hd64, policy="h2o", budget=24, n_batch=32, position_rolling=True).load_state(llm.save_state())
+        Llama(tiny_hd64, **kw).load_state(llm.save_state())
 
 
 def log_softmax(x):

@@ -401,6 +401,42 @@ def test_a_long_prompt_is_read_between_the_running_requests_tokens(chat_model):
         scheduler.close()
 
 
+def test_the_running_slots_tokens_are_decoded_with_the_prompts_chunks(chat_model):
+    """Continuous batching: between two chunks of a long prompt every running slot draws its next token, and that
+    token is decoded in the same llama_decode as the next chunk (one decode per chunk, not two), giving the tokens
+    the running slot gives alone."""
+    from h2o_local.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    alone = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1)
+    slots = alone.slots()
+    with slots.owned():
+        slots.start(0, [1, 5, 6, 7], params)
+        expected = [e.token for _ in range(14) for e in slots.step()]
+
+    llm = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1)
+    slots = llm.slots()
+    got = []
+
+    def between_chunks():
+        events, riders = slots.ride()
+        got.extend(e.token for e in events)
+        assert list(riders) == [0] and len(riders[0]) == 1
+        return riders
+
+    with slots.owned():
+        slots.start(0, [1, 5, 6, 7], params)
+        got += [e.token for e in slots.step()]
+        before = llm._engine.n_decode
+        long_prompt = list(range(10, 10 + 15 * 12))  # 12 chunks of 15 tokens (n_batch 16 leaves one for a rider);
+        # without riders: 12 chunks of 16 and less, and 11 decodes of the running slot between them
+        slots.start(1, long_prompt, SamplingParams(max_tokens=1, temperature=0), between_chunks=between_chunks)
+        assert llm._engine.n_decode - before == 12  # the 11 riders went with the chunks
+        got += [e.token for e in slots.step() if e.index == 0]
+    assert got == expected[:len(got)] and len(got) == 13
+    assert llm.kv_state(1).n_seen == len(long_prompt) and llm.kv_state(0).n_seen == 4 + len(got)  # every token fed
+
+
 SLOW = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if 'slow' in m['content'] %}"
                       "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}")
 

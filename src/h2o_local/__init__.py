@@ -5,6 +5,7 @@
     print(llm.generate("The capital of France is", max_tokens=32))
 """
 from . import llama_types, models, policies
+from .backends import Device, devices, gpu_offload_supported
 from .llama import KVState, Llama, Snapshot
 from .model_info import ModelInfo
 from .policies import H2O, TOVA, Full, H2OHeadNorm, H2OMaxHead, H2ONorm, KeyDiff, Local, Policy, Sink, SnapKV
@@ -12,4 +13,4 @@ from .sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["Llama", "KVState", "Snapshot", "ModelInfo", "SamplingParams", "Policy", "H2O", "H2ONorm", "H2OMaxHead", "H2OHeadNorm", "TOVA", "SnapKV", "KeyDiff", "Local", "Sink", "Full", "policies",
-           "llama_types", "models", "__version__"]
+           "llama_types", "models", "Device", "devices", "gpu_offload_supported", "__version__"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -162,6 +162,18 @@ class Batch:
         for seq_id in feed:
             self.live[seq_id].pending = None
         return out
+
+    def ride(self) -> Tuple[List[Event], Dict[int, List[int]]]:
+        """Like `feed()`, but hands the tokens over instead of feeding them: they ride with a prompt's next chunk
+        (`engine.eval(..., between_chunks=)` decodes them in the same batch). Returns (the ends of sequences that
+        no longer fit, the riders)."""
+        self.release()
+        feed, self._feed, out = self._feed, {}, []
+        if self.unbounded:
+            out += self._stop_what_does_not_fit(feed)
+        for seq_id in feed:
+            self.live[seq_id].pending = None  # fed with the chunk (a failed decode fails every slot)
+        return out, feed
 
     def _stop_what_does_not_fit(self, feed: Dict[int, List[int]]) -> List[Event]:
         """A cache that never evicts: a sequence whose stream (or the shared cache) has no cell left for its next

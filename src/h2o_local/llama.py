@@ -113,7 +113,9 @@ class Llama(Completions):
             sequence its own stream of n_ctx / n_seq_max cells (default: a budget + one batch each), so that a
             sequence attends only its own cells, as in llama.cpp's parallel server slots.
         n_threads: CPU threads (None: the physical cores this process may use, `h2o_local.cpu.physical_cores()`).
-        n_gpu_layers: layers offloaded to the GPU (-1: all).
+        n_gpu_layers: layers whose weights and KV cache go to the GPU (-1, the default: all, as llama.cpp's own
+            default and Ollama do; 0: none). Only a build with a GPU backend has a GPU to offload to (README,
+            "GPU backends"); on a CPU build every value runs on the CPU. `layer_devices` says where each layer went.
         seed: seed of the sampling RNG; each call without its own seed draws from it.
         kv_f32: store K/V in F32 instead of F16 (twice the bytes; exact position rolling).
         type_k: the K cache's type by ggml name: "q8_0" (K at 0.53 of F16's bytes, a whole cell at 0.77), "q4_0"
@@ -128,6 +130,8 @@ class Llama(Completions):
             forms no softmax: for the scoring policies the CPU kernel writes the softmax's column sums itself (a
             cache in CPU memory costs what `local` costs); a cache on a GPU gets them from a KQ softmax pass beside
             the flash kernel (no V product), at the cost of that pass. Either way the same scores as without it.
+        op_offload: llama.cpp's (and llama-cpp-python's) setting: with a GPU backend, a large batch's products of
+            weights held on the CPU still run on the GPU (False: layers kept on the CPU compute there).
         compact_cells: after a prompt (or `compress()`) evicted, move the kept entries to the lowest KV cells, so
             that decoding attends about `budget` cells rather than every cell the prompt went through (llama.cpp
             attends up to the highest used cell). Costs one copy of the kept K/V per prompt; off only to measure it.
@@ -168,12 +172,13 @@ class Llama(Completions):
         n_seq_max: int = 1,
         kv_unified: bool = True,
         n_threads: Optional[int] = None,
-        n_gpu_layers: int = 0,
+        n_gpu_layers: int = -1,
         seed: int = 0,
         kv_f32: bool = False,
         type_k: Optional[str] = None,
         type_v: Optional[str] = None,
         flash_attn: bool = False,
+        op_offload: bool = True,
         rpc_servers: Optional[Sequence[str]] = None,
         compact_cells: bool = True,
         export_scores: bool = False,
@@ -192,7 +197,7 @@ class Llama(Completions):
             check_int(name, value, minimum)
         check_int("seed", seed, maximum=None)  # seeds Python's generator: any int
         for name, value in (("position_rolling", position_rolling), ("kv_unified", kv_unified), ("kv_f32", kv_f32),
-                            ("compact_cells", compact_cells), ("flash_attn", flash_attn), ("export_scores", export_scores),
+                            ("compact_cells", compact_cells), ("flash_attn", flash_attn), ("op_offload", op_offload), ("export_scores", export_scores),
                             ("verbose", verbose)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -225,11 +230,15 @@ class Llama(Completions):
         params.type_k = "" if type_k is None else type_k
         params.type_v = "" if type_v is None else type_v
         params.flash_attn = bool(flash_attn)
+        params.op_offload = bool(op_offload)
         params.rpc_servers = rpc.parse_endpoints(rpc_servers)
         params.compact_cells = bool(compact_cells)
         params.verbose = bool(verbose)
         self._engine = _engine.Engine(self.model_path, params)
-        self.info = ModelInfo.from_facts(self.model_path, self._engine.facts())
+        facts = self._engine.facts()
+        self.info = ModelInfo.from_facts(self.model_path, facts)
+        # per layer, the ggml device holding its weights and KV cache: "CPU", "Vulkan0", "CUDA0", "Metal", "RPC[...]"
+        self.layer_devices: Tuple[str, ...] = tuple(facts["layer_devices"])
         self.position_rolling = bool(position_rolling)
         self.export_scores = bool(export_scores)
         self.roll_interval = int(roll_interval)

@@ -41,4 +41,4 @@ class ModelInfo:
 
     @classmethod
     def from_facts(cls, path: str, facts: Dict[str, Any]) -> "ModelInfo":
-        return cls(path=path, **facts)
+        return cls(path=path, **{k: v for k, v in facts.items() if k in cls.__dataclass_fields__})

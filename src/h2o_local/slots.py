@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import time
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import generation
 from .policies import Policy
@@ -47,7 +47,7 @@ class Slots:
 
     def start(self, slot: int, tokens: List[int], params: SamplingParams, *, n_keep: int = 0,
               resume: Optional[Tuple[Any, int]] = None,
-              between_chunks: Optional[Callable[[], None]] = None,
+              between_chunks: Optional[Callable[[], Optional[Dict[int, List[int]]]]] = None,
               save_prefix: Optional[Callable[[Any], None]] = None,
               policy: Optional[Policy] = None,
               time_limit_s: Optional[float] = None,
@@ -57,7 +57,8 @@ class Slots:
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
         `save_prefix(snapshot)`: without `resume`, the protected prefix is fed alone first and its snapshot given
         to it (a shared system prompt that later requests start from).
-        `between_chunks()` runs between the chunks of a long prompt (with `interleaves`: it may `step()`).
+        `between_chunks()` runs between the chunks of a long prompt (with `interleaves`): it may return
+        `ride()`'s tokens, which are decoded with the next chunk, so that the running slots go on while it is read.
         `time_limit_s`: generation ends with "length" once it has run this long (seconds, from its first token).
         `recall`: the slot's own recall setting (None: the `Llama`'s).
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
@@ -95,6 +96,13 @@ class Slots:
         if not events and idle_wait_s > 0:
             self._batch.wait_for_draws(idle_wait_s)
         return events
+
+    def ride(self) -> Tuple[List[generation.Event], Dict[int, List[int]]]:
+        """Between a prompt's chunks (`start(between_chunks=)`): a token (or its end) for every live slot, as in
+        `step()`, but not fed here: returns (the events, the tokens to decode with the prompt's next chunk)."""
+        events = self._batch.sample()
+        ends, riders = self._batch.ride()
+        return events + ends, riders
 
     @property
     def n_live(self) -> int:

@@ -49,7 +49,8 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    help="with rolling, renumber positions once per this many evicted tokens (default: every eviction)")
     g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
     g.add_argument("--threads", type=int, help=f"CPU threads (default: the physical cores, {physical_cores()} here)")
-    g.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU or RPC servers (-1: all)")
+    g.add_argument("--n-gpu-layers", type=int, default=-1,
+                   help="layers offloaded to the GPU or RPC servers (default -1: all; 0: none; a CPU build runs all on the CPU)")
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
     g.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention (every policy; on the CPU the "

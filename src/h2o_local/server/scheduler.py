@@ -190,16 +190,20 @@ class Scheduler:
         self.peak_batch = max(self.peak_batch, self.slots.n_live)
         self._deliver(self.slots.step(idle_wait_s))
 
-    def _between_prompt_chunks(self, job: Job) -> None:
-        """Called between the chunks of a long prompt: the running requests decode a token meanwhile, so a long
-        prompt does not stall them, and a prompt whose client left stops here."""
+    def _between_prompt_chunks(self, job: Job) -> Dict[int, List[int]]:
+        """Called between the chunks of a long prompt: the running requests draw their next tokens, which are
+        decoded with the prompt's next chunk (one batch, as llama-server's continuous batching), so that a long
+        prompt stalls no stream by more than a step; a prompt whose client left stops here."""
         if job.cancelled:
             raise Cancelled()
         with self._cv:
             gone = [s for s, j in self._active.items() if j.cancelled and s in self._started]
         try:
             self._free(gone)
-            self._decode_step(idle_wait_s=0)  # the prompt's next chunk is work enough
+            self.peak_batch = max(self.peak_batch, self.slots.n_live)
+            events, riders = self.slots.ride()
+            self._deliver(events)
+            return {slot: tokens for slot, tokens in riders.items() if slot in self._started}
         except Exception as e:
             raise _StepFailed(e) from e
 
