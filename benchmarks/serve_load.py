@@ -13,6 +13,14 @@ questions, one after another, on a server with saved sessions and on one without
 alternating): the prompt tokens each request found cached and its time to first token.
 
     python -m benchmarks.serve_load --shared-prefix --chats 6 --budget 1024 --out results/serving/serve-shared-prefix
+
+With --equal-memory MIB (the paper's throughput claim, served): the full cache and the default policy each get the
+same KV memory, and each holds as many chats at once as fit in it (`Llama.for_kv_limit`; the full cache needs
+prompt + max_tokens cells per chat); N chats arrive at once, those beyond the slots wait. Every chat generates
+max_tokens (end tokens ignored), so both serve the same work. Reports chats held, throughput and per-token latency.
+
+    python -m benchmarks.serve_load --equal-memory 48 --chats 16 --budget 128 --max-tokens 256 \
+        --out results/serving/serve-equal-memory-smollm2
 """
 from __future__ import annotations
 
@@ -40,13 +48,13 @@ def chats(n: int, chars: int):
     return out
 
 
-def load(llm, conversations, max_tokens: int, timeout: float):
+def load(llm, conversations, max_tokens: int, timeout: float, ignore_eos: bool = False):
     app = create_app(llm, model_id="m", max_waiting=64, session_mib=0)
     with serve_in_background(app) as port:
-        return _load(port, llm, conversations, max_tokens, timeout)
+        return _load(port, llm, conversations, max_tokens, timeout, ignore_eos)
 
 
-def _load(port, llm, conversations, max_tokens: int, timeout: float):
+def _load(port, llm, conversations, max_tokens: int, timeout: float, ignore_eos: bool = False):
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=timeout)
@@ -66,7 +74,8 @@ def _load(port, llm, conversations, max_tokens: int, timeout: float):
         t0 = time.perf_counter()
         times, n = [], 0
         stream = client.chat.completions.create(model="m", messages=conversations[i], max_tokens=max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True} if ignore_eos else None)
         for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
                 times.append(time.perf_counter())
@@ -92,6 +101,8 @@ def _load(port, llm, conversations, max_tokens: int, timeout: float):
             "ttft_mean_s": round(statistics.mean(r["ttft"] for r in done if r["ttft"] is not None), 3),
             "ttft_max_s": round(max(r["ttft"] for r in done if r["ttft"] is not None), 3),
             "token_gap_ms": round(1000 * statistics.mean(gaps), 1) if gaps else None,
+            "token_gap_p95_ms": round(1000 * sorted(gaps)[int(0.95 * (len(gaps) - 1))], 1) if gaps else None,
+            "token_gap_max_ms": round(1000 * max(gaps), 1) if gaps else None,
             "kv_bytes": llm.kv_state().kv_bytes, "slots": llm.n_seq_max}
 
 
@@ -155,6 +166,47 @@ def shared_prefix(model, args, common) -> int:
     return 0
 
 
+def equal_memory(model, args, common) -> int:
+    """The full cache and the default policy within the same KV memory, each with as many slots as fit."""
+    conversations = chats(args.chats, args.article_chars)
+    limit = int(args.equal_memory * 2**20)
+    probe = Llama(model, budget=args.budget, **common)
+    prompt_tokens = max(len(probe.chat_tokens(c)[0]) for c in conversations)
+    del probe
+    settings = [("default policy", lambda: Llama.for_kv_limit(model, limit, prompt_tokens=prompt_tokens,
+                                                              max_tokens=args.max_tokens, budget=args.budget, **common)),
+                ("full cache", lambda: Llama.for_kv_limit(model, limit, prompt_tokens=prompt_tokens,
+                                                          max_tokens=args.max_tokens, **common))]
+    rows = []
+    for name, make in settings:
+        llm = make()
+        r = {"setting": name, "policy": llm.policy.label,
+             **load(llm, conversations, args.max_tokens, args.timeout, ignore_eos=True)}
+        print(json.dumps(r))
+        rows.append(r)
+        del llm
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "prompt_tokens": prompt_tokens,
+                                                    "rows": rows}, indent=1))
+    d, f = rows
+    lines = [f"{args.chats} streaming chats arriving at once, prompts up to {prompt_tokens} tokens, {args.max_tokens} "
+             f"tokens each (end tokens ignored), greedy, within {args.equal_memory} MiB of KV each; one run\n",
+             "| setting | policy | chats held | KV MiB | throughput tok/s | TTFT mean / max s | token gap mean / p95 / max ms | completed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['setting']} | {r['policy']} | {r['slots']} | {r['kv_bytes'] / 2**20:.1f} | "
+                     f"{r['throughput_tok_s']} | {r['ttft_mean_s']} / {r['ttft_max_s']} | "
+                     f"{r['token_gap_ms']} / {r['token_gap_p95_ms']} / {r['token_gap_max_ms']} | "
+                     f"{r['completed']}/{r['requests']} |")
+    lines.append(f"\nDefault policy vs full cache at equal KV memory: {d['slots'] / f['slots']:.1f}x the chats held, "
+                 f"{d['throughput_tok_s'] / f['throughput_tok_s']:.2f}x the throughput, "
+                 f"{d['token_gap_ms'] / f['token_gap_ms']:.2f}x the mean gap between tokens.")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file, or smollm2 (the default), qwen05b, qwen15b")
@@ -166,10 +218,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per setting at most")
     ap.add_argument("--out", default="results/serving/serve-load")
+    ap.add_argument("--equal-memory", type=float, metavar="MIB", help="the full cache and the default policy, each "
+                    "within this much KV memory, as many chats held as fit")
     ap.add_argument("--shared-prefix", action="store_true", help="conversations that share a system prompt, one at "
                     "a time, with and without saved sessions")
     args = ap.parse_args(argv)
     model = model_path(args.model)
+    if args.equal_memory:
+        return equal_memory(model, args, dict(n_batch=args.n_batch, n_threads=args.threads, kv_unified=False))
     if args.shared_prefix:
         return shared_prefix(model, args, dict(n_batch=args.n_batch, n_threads=args.threads, kv_unified=False))
     conversations = chats(args.chats, args.article_chars)

@@ -1,5 +1,6 @@
 // pybind11 bindings: h2o_local._engine. The Python package (h2o_local/) is the user API; this is its engine room.
 #include "engine.h"
+#include "kv_types.h"
 #include "prefill_plan.h"
 #include "snapshot_format.h"
 
@@ -182,6 +183,15 @@ PYBIND11_MODULE(_engine, m) {
     m.def("padded_cells", &padded_cells, py::arg("n_cells"), py::arg("n_seq"), py::arg("kv_unified"),
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
+    m.def("choose_kv_types", [](const EngineParams & params, int32_t key_head, const std::string & offloaded_to,
+                                bool rotation_disabled) {
+        KvTypeFacts facts;
+        facts.key_head = key_head; facts.offloaded_to = offloaded_to; facts.rotation_disabled = rotation_disabled;
+        const KvTypes t = choose_kv_types(params, facts);
+        return py::make_tuple(ggml_type_name(t.k), ggml_type_name(t.v));
+    }, py::arg("params"), py::arg("key_head"), py::arg("offloaded_to") = "", py::arg("rotation_disabled") = false,
+       "The (K, V) cache types a context gets from params on a model with key heads of key_head values whose layers "
+       "are on offloaded_to (empty: the CPU); raises ValueError for what llama.cpp cannot do with them.");
     m.def("plan_prefill", [](const std::map<llama_seq_id, size_t> & sizes, const std::map<llama_seq_id, int32_t> & cells,
                              int32_t capacity, bool kv_unified, bool defer_eviction, bool bounded, int32_t budget,
                              size_t n_batch, size_t query_window) {

@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "kv_types.h"
 #include "prefill_plan.h"
 
 #include "llama-attn-scores.h"
@@ -29,33 +30,10 @@ uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool k
     return kv_unified ? n_seq*budget + n_batch : n_seq*(budget + n_batch);
 }
 
-namespace {
-
-// the K / V cache types llama.cpp supports (its --cache-type-k list); a quantized V cache needs flash attention
-ggml_type kv_cache_type(const char * what, const std::string & name) {
-    static const ggml_type types[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
-                                      GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1};
-    std::string names;
-    for (const ggml_type t : types) {
-        if (name == ggml_type_name(t)) {
-            return t;
-        }
-        names += std::string(names.empty() ? "" : ", ") + ggml_type_name(t);
-    }
-    throw std::invalid_argument(std::string(what) + " must be one of " + names + ", got '" + name + "'");
-}
-
-} // namespace
-
 uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified) {
     constexpr uint32_t pad = 256; // llama_context's GGML_PAD(n_ctx, 256) and GGML_PAD(n_ctx_seq, 256)
     auto up = [](uint32_t n) { return (n + pad - 1)/pad*pad; };
     return kv_unified ? up(n_cells) : n_seq*up(up(n_cells)/n_seq);
-}
-
-double kv_type_bytes(const std::string & name) {
-    const ggml_type t = kv_cache_type("a KV cache type", name);
-    return (double) ggml_type_size(t)/ggml_blck_size(t);
 }
 
 namespace {
@@ -165,55 +143,14 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.no_perf         = true;
     cp.op_offload      = params.op_offload;
-    if (params.kv_f32) {
-        cp.type_k = GGML_TYPE_F32;
-        cp.type_v = GGML_TYPE_F32;
-    }
-    if (!params.type_k.empty()) {
-        cp.type_k = kv_cache_type("type_k", params.type_k);
-        // the K shift and the per-head views cut keys per head: a head must hold whole quantization blocks
-        const int32_t head = key_head_size(model_->get());
-        if (head % ggml_blck_size(cp.type_k) != 0) {
-            throw std::invalid_argument("type_k '" + params.type_k + "' stores blocks of " +
-                                        std::to_string(ggml_blck_size(cp.type_k)) + " values; this model's key heads "
-                                        "hold " + std::to_string(head) + " (use f16, f32 or bf16)");
-        }
-        // llama.cpp shifts quantized keys through its Hadamard-rotated path only (heads of a multiple of 64 values,
-        // rotation not disabled); the other path crashes inside the K shift
-        const char * rot_disable = std::getenv("LLAMA_ATTN_ROT_DISABLE");
-        const bool rotated = head % 64 == 0 && !(rot_disable && std::atoi(rot_disable));
-        if (params.position_rolling && ggml_is_quantized(cp.type_k) && !rotated) {
-            throw std::invalid_argument("position_rolling with type_k '" + params.type_k + "' needs key heads of a "
-                                        "multiple of 64 values and LLAMA_ATTN_ROT_DISABLE unset (llama.cpp cannot "
-                                        "shift other quantized keys); this model's hold " + std::to_string(head));
-        }
-        // that path, with the keys on a device, wrote out of bounds on Vulkan (lavapipe: heap corruption, aborts);
-        // untested on CUDA and Metal: refused on every device until it is shown to work there
-        if (params.position_rolling && ggml_is_quantized(cp.type_k) && !offloaded_to.empty()) {
-            throw std::invalid_argument("position_rolling with type_k '" + params.type_k + "' is not supported with "
-                                        "layers on " + offloaded_to + ": llama.cpp's shift of quantized keys is known to "
-                                        "corrupt memory there (use type_k f16, or n_gpu_layers=0)");
-        }
-        // unquantized keys are shifted by ggml_rope in place, which takes F32 and F16 only (bf16 aborts)
-        if (params.position_rolling && !ggml_is_quantized(cp.type_k) && cp.type_k != GGML_TYPE_F16 &&
-            cp.type_k != GGML_TYPE_F32) {
-            throw std::invalid_argument("position_rolling with type_k '" + params.type_k + "' is not possible: "
-                                        "llama.cpp rotates unquantized keys in place with ggml_rope, which takes "
-                                        "f16 and f32 only (use f16, f32 or q8_0)");
-        }
-    }
-    if (!params.type_v.empty()) {
-        cp.type_v = kv_cache_type("type_v", params.type_v);
-        if (ggml_is_quantized(cp.type_v) && !params.flash_attn) {
-            throw std::invalid_argument("a quantized type_v needs flash_attn=True (llama.cpp keeps V unquantized "
-                                        "without flash attention)");
-        }
-        if (key_head_size(model_->get()) % ggml_blck_size(cp.type_v) != 0) {
-            throw std::invalid_argument("type_v '" + params.type_v + "' stores blocks of " +
-                                        std::to_string(ggml_blck_size(cp.type_v)) + " values; this model's heads "
-                                        "hold " + std::to_string(key_head_size(model_->get())));
-        }
-    }
+    KvTypeFacts type_facts;
+    type_facts.key_head     = key_head_size(model_->get());
+    type_facts.offloaded_to = offloaded_to;
+    const char * rot_disable = std::getenv("LLAMA_ATTN_ROT_DISABLE");
+    type_facts.rotation_disabled = rot_disable && std::atoi(rot_disable);
+    const KvTypes types = choose_kv_types(params, type_facts);
+    cp.type_k = types.k;
+    cp.type_v = types.v;
     if (params.n_threads > 0) {
         cp.n_threads       = params.n_threads;
         cp.n_threads_batch = params.n_threads;

@@ -1,0 +1,58 @@
+"""The K and V cache types a context gets, and what is refused before any model is loaded (cpp/kv_types.cpp): a
+function of the settings, the model's key head size and where its layers are, so each rule is checked here alone."""
+import pytest
+
+from h2o_local import _engine
+
+
+def types(key_head=64, offloaded_to="", rotation_disabled=False, **settings):
+    params = _engine.EngineParams()
+    for name, value in settings.items():
+        setattr(params, name, value)
+    return _engine.choose_kv_types(params, key_head, offloaded_to, rotation_disabled)
+
+
+def test_f16_unless_asked_and_f32_with_kv_f32():
+    assert types() == ("f16", "f16")
+    assert types(kv_f32=True) == ("f32", "f32")
+    assert types(type_k="q8_0") == ("q8_0", "f16")
+    assert types(type_k="q4_0", type_v="q8_0", flash_attn=True) == ("q4_0", "q8_0")
+
+
+def test_an_unknown_type_names_the_ones_llama_cpp_takes():
+    with pytest.raises(ValueError, match="type_k must be one of f32, f16, bf16, q8_0"):
+        types(type_k="q3_k")
+
+
+def test_a_quantized_v_needs_flash_attention():
+    with pytest.raises(ValueError, match="needs flash_attn=True"):
+        types(type_v="q8_0")
+
+
+def test_a_head_must_hold_whole_quantization_blocks():
+    with pytest.raises(ValueError, match="blocks of 32 values; this model's key heads hold 16"):
+        types(key_head=16, type_k="q8_0")
+    with pytest.raises(ValueError, match="blocks of 32 values; this model's heads hold 48"):
+        types(key_head=48, type_v="q4_0", flash_attn=True)
+
+
+def test_rolling_quantized_keys_needs_the_rotated_shift_on_the_cpu():
+    assert types(type_k="q8_0", position_rolling=True) == ("q8_0", "f16")
+    with pytest.raises(ValueError, match="multiple of 64 values"):
+        types(key_head=96, type_k="q8_0", position_rolling=True)
+    with pytest.raises(ValueError, match="LLAMA_ATTN_ROT_DISABLE"):
+        types(type_k="q8_0", position_rolling=True, rotation_disabled=True)
+
+
+@pytest.mark.parametrize("device", ["Vulkan0", "CUDA0", "Metal"])
+def test_rolling_quantized_keys_on_a_device_is_refused(device):
+    """Seen to corrupt memory on Vulkan (docs/gpu.md); F16 keys roll on a device."""
+    with pytest.raises(ValueError, match=f"not supported with layers on {device}"):
+        types(type_k="q4_0", position_rolling=True, offloaded_to=device)
+    assert types(position_rolling=True, offloaded_to=device) == ("f16", "f16")
+
+
+def test_rolling_bf16_keys_is_refused_instead_of_aborting_in_ggml_rope():
+    with pytest.raises(ValueError, match="f16 and f32 only"):
+        types(type_k="bf16", position_rolling=True)
+    assert types(type_k="bf16") == ("bf16", "f16")
