@@ -61,3 +61,20 @@ def test_a_per_head_policy_shows_how_many_heads_hold_each_token(tiny_model):
     assert 16 <= ins.kept.sum() <= 4 * 16 and ins.kept[-1] and ins.head_share[-1] == 1.0
     assert 0 < ins.head_share[ins.kept].min() < 1  # some tokens are held by some heads only
     assert "of the layers' KV heads" in to_html([ins])
+
+
+def test_with_recall_the_evicted_tokens_wait_in_host_memory_and_a_question_brings_some_back(tiny_model, capsys):
+    label = "tova-16+s4+q8+p4+f4+r4"  # the default's fields: the question probe that recall needs
+    # the tiny model's text is short of its trained context (128 tokens, the store's cap): nothing is dropped
+    before = inspect_text(tiny_model, TEXT, [label], recall=True)[0]
+    assert before.in_host is not None and before.in_host.sum() == before.n_evicted
+    assert not (before.in_host & before.kept).any()
+    after = inspect_text(tiny_model, TEXT, [label], recall=True, question=" what is heavy?")[0]
+    assert after.n_tokens > before.n_tokens and after.kept.sum() == 16
+    assert after.in_host.sum() + after.kept.sum() == after.n_tokens  # every token is on the device or in host memory
+    page = to_html([after])
+    assert page.count("class='h'") == int(after.in_host.sum()) + 1  # host entries, plus the legend's
+    assert main(["inspect", TEXT, "--model", tiny_model, "--policies", label, "--recall", "--question",
+                 " what?", "--html", "/dev/null", "--png", ""]) == 0
+    assert re.search(r"kept 16 of \d+ tokens, evicted \d+, \d+ in host memory", capsys.readouterr().out)
+    assert inspect_text(tiny_model, TEXT, ["h2o-16"])[0].in_host is None  # without recall: evicted is gone

@@ -31,6 +31,9 @@ class Inspection:
     # a per-head policy: float [n], the share of the (layer, KV head) parts that hold the token (kept = share > 0;
     # scores is then this share); None for a policy that keeps whole tokens
     head_share: Optional[np.ndarray] = None
+    # with recall: bool [n], the token's entry waits in host memory (evicted from the device, recallable); None
+    # without recall
+    in_host: Optional[np.ndarray] = None
 
     @property
     def has_scores(self) -> bool:
@@ -38,23 +41,32 @@ class Inspection:
 
 
 def inspect_text(model_path: str, text: str, policies: Sequence[Union[str, Policy]], *, max_tokens: int = 0,
-                 n_batch: int = 128, n_threads: Optional[int] = None, chat: bool = False) -> List[Inspection]:
+                 n_batch: int = 128, n_threads: Optional[int] = None, chat: bool = False, recall: bool = False,
+                 question: Optional[str] = None) -> List[Inspection]:
     """Feed `text` (wrapped in the chat template with `chat`) and `max_tokens` greedy tokens after it through each
-    policy ("h2o-64", "sink-64", a Policy value, ...); one Inspection per policy."""
+    policy ("h2o-64", "sink-64", a Policy value, ...); one Inspection per policy. With `recall`, evicted entries wait
+    in host memory (`Inspection.in_host`); a `question` fed after them brings back what it asks about."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("the text is empty")
+    if question is not None and (not isinstance(question, str) or not question.strip()):
+        raise ValueError("the question is empty")
     out = []
     for spec in policies:
         policy = parse(spec) if isinstance(spec, str) else spec
-        llm = Llama(model_path, policy=policy, n_batch=n_batch, n_threads=n_threads, export_scores=True)
+        llm = Llama(model_path, policy=policy, n_batch=n_batch, n_threads=n_threads, export_scores=True,
+                    recall=recall)
         if chat:
             tokens = llm.chat_tokens([{"role": "user", "content": text}])[0]
         else:
             tokens = llm.tokenize(text, add_bos=llm.info.add_bos)
         generated = [e.token for e in llm.generate_events(tokens, max_tokens=max_tokens, temperature=0)
                      if e.token is not None] if max_tokens else llm.eval(tokens) or []
+        fed = (tokens + generated)[: llm.kv_state().n_seen]  # a last generated token is shown but not fed
+        asked = llm.tokenize(question, add_bos=False) if question is not None else []
+        if asked:
+            llm.eval(asked)
         st = llm.kv_state()
-        all_tokens = (tokens + generated)[: st.n_seen]  # a last generated token is shown but not fed
+        all_tokens = fed + asked
         n = len(all_tokens)
         kept = np.zeros(n, bool)
         scores = np.zeros(n, np.float32)
@@ -72,7 +84,11 @@ def inspect_text(model_path: str, text: str, policies: Sequence[Union[str, Polic
             scores[pos] = st.scores[: len(pos)]
             head[pos] = st.head_scores[: len(pos)]
         pieces = [llm.token_to_piece(t, special=True).decode("utf-8", errors="replace") for t in all_tokens]
-        out.append(Inspection(policy.label, pieces, kept, scores, head, st.n_evicted, n, share))
+        in_host = None
+        if recall:
+            in_host = np.zeros(n, bool)
+            in_host[st.host_positions[st.host_positions < n]] = True
+        out.append(Inspection(policy.label, pieces, kept, scores, head, st.n_evicted, n, share, in_host))
     return out
 
 
@@ -95,15 +111,17 @@ def to_html(inspections: Sequence[Inspection], title: str = "h2o_local inspect")
              "body{font-family:system-ui,sans-serif;max-width:60em;margin:2em auto;line-height:1.7}"
              ".t{white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:0.9em}"
              ".e{color:#aaa;text-decoration:line-through}.k{border-radius:2px}"
+             ".h{color:#357;text-decoration:underline dotted}"
              "h2{font-size:1.1em;margin-top:2em}.legend span{padding:0 .4em}</style></head><body>",
              f"<h1>{html.escape(title)}</h1><p class='legend'>kept, by score rank: "
              + "".join(f"<span class='k' style='background:{_color(x)}'>{int(x * 100)}%</span>" for x in (0, .25, .5, .75, 1))
-             + " &nbsp; <span class='e'>evicted</span></p>"]
+             + " &nbsp; <span class='e'>evicted</span> &nbsp; <span class='h'>in host memory (recall)</span></p>"]
     for ins in inspections:
         shade = _shade(ins.scores, ins.kept) if ins.has_scores else np.where(ins.kept, 0.5, 0.0)
         held = " by at least one layer's KV head" if ins.head_share is not None else ""
+        host = f", {int(ins.in_host.sum())} of them in host memory" if ins.in_host is not None else ""
         parts.append(f"<h2>{html.escape(ins.label)}: {int(ins.kept.sum())} of {ins.n_tokens} tokens kept{held}, "
-                     f"{ins.n_evicted} evicted</h2><div class='t'>")
+                     f"{ins.n_evicted} evicted{host}</h2><div class='t'>")
         for i, piece in enumerate(ins.pieces):
             text = html.escape(piece)
             if ins.kept[i]:
@@ -111,6 +129,8 @@ def to_html(inspections: Sequence[Inspection], title: str = "h2o_local inspect")
                         else f"score {ins.scores[i]:.4g}")
                 parts.append(f"<span class='k' style='background:{_color(shade[i])}' "
                              f"title='position {i}, {what}'>{text}</span>")
+            elif ins.in_host is not None and ins.in_host[i]:
+                parts.append(f"<span class='h' title='position {i}, evicted to host memory'>{text}</span>")
             else:
                 parts.append(f"<span class='e' title='position {i}, evicted'>{text}</span>")
         parts.append("</div>")

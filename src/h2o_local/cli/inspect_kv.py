@@ -22,6 +22,10 @@ def main(argv=None) -> int:
                     help="policy labels NAME-BUDGET[+sS] (default: h2o-64 sink-64)")
     ap.add_argument("--max-tokens", type=int, default=0, help="greedy tokens generated after the text (default: 0)")
     ap.add_argument("--chat", action="store_true", help="wrap the text in the chat template as a user message")
+    ap.add_argument("--recall", action="store_true", help="evicted entries wait in host memory (shown underlined); "
+                    "needs a policy with the question probe, such as the default's label")
+    ap.add_argument("--question", help="a prompt fed after the text (and the generated tokens): with --recall it "
+                    "brings back what it asks about")
     ap.add_argument("--html", default="kept.html", help="HTML page to write (default: kept.html)")
     ap.add_argument("--png", default="kept.png", help="PNG heat map to write (default: kept.png; needs matplotlib)")
     ap.add_argument("--threads", type=int)
@@ -42,7 +46,8 @@ def main(argv=None) -> int:
         if args.max_tokens < 0:
             raise ValueError("--max-tokens must be >= 0")
         inspections = inspect_text(args.model or default_model_path(), text, args.policies, max_tokens=args.max_tokens,
-                                   n_threads=args.threads, chat=args.chat)
+                                   n_threads=args.threads, chat=args.chat, recall=args.recall,
+                                   question=args.question)
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(to_html(inspections, title=f"h2o_local inspect: {', '.join(i.label for i in inspections)}"))
     except (ValueError, TypeError, OSError, RuntimeError) as e:
@@ -59,7 +64,8 @@ def main(argv=None) -> int:
             return 1
     for ins in inspections:
         held = " (held by at least one layer's KV head)" if ins.head_share is not None else ""
-        print(f"{ins.label}: kept {int(ins.kept.sum())} of {ins.n_tokens} tokens{held}, evicted {ins.n_evicted}")
+        host = f", {int(ins.in_host.sum())} in host memory" if ins.in_host is not None else ""
+        print(f"{ins.label}: kept {int(ins.kept.sum())} of {ins.n_tokens} tokens{held}, evicted {ins.n_evicted}{host}")
     return 0
 
 
