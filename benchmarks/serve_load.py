@@ -173,8 +173,10 @@ def equal_memory(model, args, common) -> int:
     probe = Llama(model, budget=args.budget, **common)
     prompt_tokens = max(len(probe.chat_tokens(c)[0]) for c in conversations)
     del probe
-    settings = [("default policy", lambda: Llama.for_kv_limit(model, limit, prompt_tokens=prompt_tokens,
-                                                              max_tokens=args.max_tokens, budget=args.budget, **common)),
+    bounded = dict(budget=args.budget) if args.policy is None else dict(budget=args.budget, policy=args.policy)
+    settings = [(args.policy or "default policy",
+                 lambda: Llama.for_kv_limit(model, limit, prompt_tokens=prompt_tokens, max_tokens=args.max_tokens,
+                                            **bounded, **common)),
                 ("full cache", lambda: Llama.for_kv_limit(model, limit, prompt_tokens=prompt_tokens,
                                                           max_tokens=args.max_tokens, **common))]
     rows = []
@@ -199,7 +201,7 @@ def equal_memory(model, args, common) -> int:
                      f"{r['throughput_tok_s']} | {r['ttft_mean_s']} / {r['ttft_max_s']} | "
                      f"{r['token_gap_ms']} / {r['token_gap_p95_ms']} / {r['token_gap_max_ms']} | "
                      f"{r['completed']}/{r['requests']} |")
-    lines.append(f"\nDefault policy vs full cache at equal KV memory: {d['slots'] / f['slots']:.1f}x the chats held, "
+    lines.append(f"\n{d['setting']} vs full cache at equal KV memory: {d['slots'] / f['slots']:.1f}x the chats held, "
                  f"{d['throughput_tok_s'] / f['throughput_tok_s']:.2f}x the throughput, "
                  f"{d['token_gap_ms'] / f['token_gap_ms']:.2f}x the mean gap between tokens.")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -220,6 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/serving/serve-load")
     ap.add_argument("--equal-memory", type=float, metavar="MIB", help="the full cache and the default policy, each "
                     "within this much KV memory, as many chats held as fit")
+    ap.add_argument("--policy", help="with --equal-memory: the bounded policy's name (default: the default policy)")
     ap.add_argument("--shared-prefix", action="store_true", help="conversations that share a system prompt, one at "
                     "a time, with and without saved sessions")
     args = ap.parse_args(argv)
