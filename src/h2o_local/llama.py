@@ -6,7 +6,6 @@ import random
 import threading
 import logging
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -17,6 +16,7 @@ from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .completions import Completions
 from .cpu import physical_cores
+from .kv_state import KVState, Snapshot
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
@@ -27,57 +27,6 @@ if TYPE_CHECKING:
     from .slots import Slots
 
 Prompt = Union[str, bytes, Sequence[int]]
-
-# a sequence's saved cache (`Llama.save_state`): KV cells, positions, scores, counters, last logits, the token shown
-# and not fed; `.to_bytes()` and `Snapshot.from_bytes(data)` (ValueError for anything but a well-formed snapshot)
-Snapshot = _engine.SeqSnapshot
-
-
-@dataclass(frozen=True)
-class KVState:
-    """What the KV cache of one sequence holds (see `Llama.kv_state`)."""
-
-    positions: np.ndarray    # int32 [n]: kept positions, ascending
-    scores: np.ndarray       # float32 [n]: accumulated attention of each kept position, summed over heads
-    head_scores: np.ndarray  # float32 [n, n_head]: the same per query head
-    queries: np.ndarray      # int64 [n]: queries that have attended each kept position (its own included)
-    n_evicted: int           # tokens evicted so far
-    n_seen: int              # tokens fed so far
-    peak_cells: int          # most entries held at once (right after a decode, before its eviction)
-    kv_bytes: int            # bytes allocated for the whole context's KV cache
-    kv_cells: int            # KV cells allocated (n_ctx)
-    n_keep: int = 0          # the oldest entries protected from eviction (`keep`)
-    tokens: Optional[np.ndarray] = None        # int32 [n]: the token of each kept entry
-    probe_scores: Optional[np.ndarray] = None  # float32 [n]: the most attention a probe gave each (0: none yet)
-    # a per-head policy (`per_head=True`): int32 [n_layers, n_head_kv, n], the position whose K and V cell i holds
-    # in that layer and KV head (`positions[i]` is where the cell was written, what the attention mask reads);
-    # None when every cell holds its own position everywhere
-    head_positions: Optional[np.ndarray] = None
-    head_layers: Optional[np.ndarray] = None   # int32 [n_layers]: the layers of head_positions
-    evict_seconds: float = 0.0  # time spent choosing and removing what is evicted, moves included (seconds)
-    n_head_moves: int = 0       # per-head cells: K/V slices of one layer's KV head moved between cells so far
-    # recall (`Llama(recall=...)`): the positions of the entries kept in host memory (in the order they left), their
-    # K and V bytes there, entries spilled so far, brought back by a later prompt and kept, and dropped for the cap
-    host_positions: Optional[np.ndarray] = None
-    host_bytes: int = 0
-    n_spilled: int = 0
-    n_recalled: int = 0
-    n_dropped: int = 0
-
-    @property
-    def n_cells(self) -> int:
-        """Entries held now."""
-        return int(self.positions.shape[0])
-
-    def held(self) -> Tuple[np.ndarray, np.ndarray]:
-        """The positions whose K and V the cache holds, ascending (per-head cells: in at least one layer's KV
-        head), and the share of the layers' KV heads that hold each (1.0 everywhere for whole-token cells)."""
-        if self.head_positions is None:
-            return self.positions, np.ones(self.n_cells)
-        parts = self.head_positions.reshape(-1, self.head_positions.shape[-1])
-        positions, counts = np.unique(parts, return_counts=True)
-        return positions, counts / parts.shape[0]
-
 
 # recall=True keeps at most this much evicted K and V per sequence in host memory (bytes)
 RECALL_DEFAULT_BYTES = 256 * 2**20
