@@ -1,4 +1,5 @@
 // pybind11 bindings: h2o_local._engine. The Python package (h2o_local/) is the user API; this is its engine room.
+#include "context_size.h"
 #include "engine.h"
 #include "kv_types.h"
 #include "prefill_plan.h"
@@ -183,6 +184,19 @@ PYBIND11_MODULE(_engine, m) {
     m.def("padded_cells", &padded_cells, py::arg("n_cells"), py::arg("n_seq"), py::arg("kv_unified"),
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
+    m.def("context_size", [](const EngineParams & params, std::shared_ptr<Policy> policy, int32_t n_ctx_train,
+                             int32_t n_probe) {
+        const ContextSize c = context_size(params, *policy, n_ctx_train, n_probe);
+        return py::dict("n_ctx"_a = c.n_ctx, "n_batch"_a = c.n_batch, "n_outputs_max"_a = c.n_outputs_max);
+    }, py::arg("params"), py::arg("policy"), py::arg("n_ctx_train"), py::arg("n_probe") = 0,
+       "The KV cells, batch and logits rows of a context for params under policy (n_probe: one probe's cells).");
+    m.def("check_host_memory", [](uint32_t n_ctx, uint32_t n_outputs_max, uint64_t kv_bytes_per_cell, int32_t n_vocab,
+                                  bool kv_on_host, uint64_t have) {
+        ContextSize c;
+        c.n_ctx = n_ctx; c.n_outputs_max = n_outputs_max;
+        check_host_memory(c, kv_bytes_per_cell, n_vocab, kv_on_host, have);
+    }, py::arg("n_ctx"), py::arg("n_outputs_max"), py::arg("kv_bytes_per_cell"), py::arg("n_vocab"),
+       py::arg("kv_on_host"), py::arg("have"), "Raises ValueError when the context needs more than `have` bytes.");
     m.def("choose_kv_types", [](const EngineParams & params, int32_t key_head, const std::string & offloaded_to,
                                 bool rotation_disabled) {
         KvTypeFacts facts;

@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "context_size.h"
 #include "kv_types.h"
 #include "prefill_plan.h"
 
@@ -26,16 +27,6 @@ std::string probe_text(ProbeSource source) {
     }
 }
 
-uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool kv_unified) {
-    return kv_unified ? n_seq*budget + n_batch : n_seq*(budget + n_batch);
-}
-
-uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified) {
-    constexpr uint32_t pad = 256; // llama_context's GGML_PAD(n_ctx, 256) and GGML_PAD(n_ctx_seq, 256)
-    auto up = [](uint32_t n) { return (n + pad - 1)/pad*pad; };
-    return kv_unified ? up(n_cells) : n_seq*up(up(n_cells)/n_seq);
-}
-
 namespace {
 
 // elements per key head (GGUF's attention.key_length, else n_embd / n_head)
@@ -48,37 +39,6 @@ int32_t key_head_size(const llama_model * model) {
         return std::atoi(value);
     }
     return llama_model_n_embd(model) / std::max(llama_model_n_head(model), 1);
-}
-
-// this machine's memory in bytes (0: unknown)
-uint64_t physical_memory_bytes() {
-#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGE_SIZE)
-    const long pages = sysconf(_SC_PHYS_PAGES);
-    const long page  = sysconf(_SC_PAGE_SIZE);
-    return pages > 0 && page > 0 ? (uint64_t) pages*(uint64_t) page : 0;
-#else
-    return 0;
-#endif
-}
-
-// a context whose KV cells (kept in host memory when no layer is offloaded) and logits alone need more than this
-// machine has is refused before llama.cpp allocates it: parts of it would be allocated, and the system would stop
-// the process when they are touched
-void check_host_memory(const llama_model * model, uint32_t n_ctx, uint32_t n_outputs, bool kv_on_host, bool kv_f32) {
-    const uint64_t have = physical_memory_bytes();
-    if (have == 0) {
-        return;
-    }
-    const uint64_t per_cell = (uint64_t) llama_model_n_layer(model)*2*llama_model_n_head_kv(model)*
-                              (uint64_t) key_head_size(model)*(kv_f32 ? 4 : 2);
-    const uint64_t logits = (uint64_t) n_outputs*(uint64_t) llama_vocab_n_tokens(llama_model_get_vocab(model))*4;
-    const uint64_t need   = (kv_on_host ? (uint64_t) n_ctx*per_cell : 0) + logits;
-    if (need > have) {
-        throw std::invalid_argument("n_ctx=" + std::to_string(n_ctx) + " cells and n_batch=" + std::to_string(n_outputs) +
-                                    " outputs need about " + std::to_string(need >> 30) + " GiB of KV cache and logits, "
-                                    "more than this machine's " + std::to_string(have >> 30) + " GiB: use a smaller "
-                                    "budget, n_batch or n_ctx");
-    }
 }
 
 } // namespace
@@ -103,20 +63,9 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     catalyst_      = model_->tokenize(probe_text(ProbeSource::catalyst), false, false);
     repeat_prefix_ = model_->tokenize(probe_text(ProbeSource::repeat), false, false);
 
-    // cells per stream: the budgets of all sequences + one batch (unified), or a budget + one batch per sequence
-    const uint32_t n_stream   = params.kv_unified ? 1 : params.n_seq_max;
-    const uint32_t kept_per_stream = policy_->bounded() ? params.n_seq_max/n_stream*policy_->split().total() : 0;
-    uint32_t n_ctx = params.n_ctx;
-    if (n_ctx == 0) {
-        const uint32_t n_ctx_train = (uint32_t) std::max(llama_model_n_ctx_train(model_->get()), 1);
-        n_ctx = policy_->bounded() ? bounded_cells(params.n_seq_max, policy_->split().total(), params.n_batch, params.kv_unified) +
-                                         n_stream*probe_cells(*policy_) // a probe's cells beside a piece
-                                   : n_stream*n_ctx_train;
-    }
-    if (policy_->bounded() && n_ctx/n_stream <= kept_per_stream) {
-        throw std::invalid_argument("n_ctx=" + std::to_string(n_ctx) + " leaves no room beside the budget (" +
-                                    std::to_string(kept_per_stream) + " entries per stream): use n_ctx > budget * n_seq_max, or 0");
-    }
+    const ContextSize size = context_size(params, *policy_, llama_model_n_ctx_train(model_->get()),
+                                          probe_cells(*policy_));
+    const uint32_t n_ctx = size.n_ctx;
     capacity_ = n_ctx;
     check_room(*policy_);
     if (policy_->bounded()) {
@@ -135,9 +84,9 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
 
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = n_ctx;
-    cp.n_batch         = std::min(params.n_batch, n_ctx);
-    cp.n_ubatch        = cp.n_batch;
-    cp.n_outputs_max   = std::max(cp.n_batch, params.n_seq_max); // a step of n_seq_max sequences has that many outputs
+    cp.n_batch         = size.n_batch;
+    cp.n_ubatch        = size.n_batch;
+    cp.n_outputs_max   = size.n_outputs_max;
     cp.n_seq_max       = params.n_seq_max;
     cp.kv_unified      = params.kv_unified;
     cp.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
@@ -156,7 +105,10 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         cp.n_threads_batch = params.n_threads;
     }
 
-    check_host_memory(model_->get(), n_ctx, cp.n_outputs_max, offloaded_to.empty(), params.kv_f32);
+    const llama_model * model = model_->get();
+    const uint64_t cell_bytes = (uint64_t) llama_model_n_layer(model)*2*llama_model_n_head_kv(model)*
+                                (uint64_t) type_facts.key_head*(params.kv_f32 ? 4 : 2);
+    check_host_memory(size, cell_bytes, model_->n_vocab(), offloaded_to.empty(), physical_memory_bytes());
     clear_llama_error();
     ctx_ = llama_init_from_model(model_->get(), cp);
     if (ctx_ == nullptr) {

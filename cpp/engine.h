@@ -56,12 +56,6 @@ struct EngineParams {
     std::function<void()> check_interrupt;
 };
 
-// KV cells a bounded cache needs: the budgets of all sequences + one batch of fresh tokens in one cell space
-// (kv_unified), or a budget + one batch per sequence's stream. The one sizing rule (Python's capacity.py asks it).
-uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool kv_unified);
-// KV cells llama.cpp allocates for n_cells: llama_context rounds n_ctx, and each stream's share, up to a multiple of
-// 256 (llama-context.cpp); what a memory limit has to cover
-uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified);
 // the fixed text a probe decodes (InfiniPot's catalyst prompt; KVzip's repeat instruction, before the entries' own
 // tokens); empty for the question probe, whose tokens are the prompt's
 std::string probe_text(ProbeSource source);

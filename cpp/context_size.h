@@ -1,0 +1,37 @@
+// How big a context is made: its KV cells, its batch, its rows of logits, and whether the machine can hold them.
+// Functions of plain numbers, so that each rule can be tested without a model.
+#pragma once
+
+#include "engine.h"
+
+#include <cstdint>
+
+namespace h2o {
+
+// KV cells a bounded cache needs: the budgets of all sequences + one batch of fresh tokens in one cell space
+// (kv_unified), or a budget + one batch per sequence's stream. The one sizing rule (Python's capacity.py asks it).
+uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool kv_unified);
+// KV cells llama.cpp allocates for n_cells: llama_context rounds n_ctx, and each stream's share, up to a multiple of
+// 256 (llama-context.cpp); what a memory limit has to cover
+uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified);
+struct ContextSize {
+    uint32_t n_ctx         = 0; // KV cells asked of llama.cpp (it pads them: padded_cells)
+    uint32_t n_batch       = 0; // tokens per llama_decode (n_ubatch the same)
+    uint32_t n_outputs_max = 0; // rows of logits one decode may return
+};
+
+// the context for params under policy: n_ctx as asked, or (0) the budgets plus one batch and one probe's cells
+// (n_probe) per stream for a bounded policy, the trained context per stream for the full cache; refuses an n_ctx that
+// leaves no room beside the budgets
+ContextSize context_size(const EngineParams & params, const Policy & policy, int32_t n_ctx_train, int32_t n_probe);
+
+// refuses a context whose KV cells (when they are in host memory) and logits alone need more than `have` bytes
+// (0: unknown, nothing refused): parts of it would be allocated, and the system would stop the process when they
+// are touched
+void check_host_memory(const ContextSize & size, uint64_t kv_bytes_per_cell, int32_t n_vocab, bool kv_on_host,
+                       uint64_t have);
+
+// this machine's memory in bytes (0: unknown)
+uint64_t physical_memory_bytes();
+
+} // namespace h2o

@@ -1,0 +1,47 @@
+"""How big a context is made (cpp/context_size.cpp): its KV cells, batch and logits rows, and the refusal of one the
+machine cannot hold, each rule checked alone on plain numbers."""
+import pytest
+
+from h2o_local import _engine
+from h2o_local.policies import resolve
+
+
+def size(policy, n_ctx_train=4096, n_probe=0, **settings):
+    params = _engine.EngineParams()
+    for name, value in settings.items():
+        setattr(params, name, value)
+    return _engine.context_size(params, resolve(policy).cpp, n_ctx_train, n_probe)
+
+
+def test_the_full_cache_gets_the_trained_context_per_stream():
+    assert size("full", n_batch=512)["n_ctx"] == 4096
+    assert size("full", n_seq_max=3, kv_unified=False)["n_ctx"] == 3 * 4096
+
+
+def test_a_bounded_cache_gets_the_budgets_one_batch_and_one_probe_per_stream():
+    assert size("h2o-64", n_batch=32)["n_ctx"] == 64 + 32
+    assert size("h2o-64", n_batch=32, n_probe=8)["n_ctx"] == 64 + 32 + 8
+    assert size("h2o-64", n_batch=32, n_probe=8, n_seq_max=4)["n_ctx"] == 4 * 64 + 32 + 8  # one shared cell space
+    assert size("h2o-64", n_batch=32, n_probe=8, n_seq_max=4, kv_unified=False)["n_ctx"] == 4 * (64 + 32 + 8)
+
+
+def test_the_batch_fits_the_context_and_a_step_of_every_sequence_fits_the_outputs():
+    s = size("full", n_ctx=100, n_batch=512)
+    assert (s["n_ctx"], s["n_batch"], s["n_outputs_max"]) == (100, 100, 100)
+    assert size("h2o-8", n_batch=4, n_seq_max=16)["n_outputs_max"] == 16
+
+
+def test_an_n_ctx_without_room_beside_the_budgets_is_refused():
+    with pytest.raises(ValueError, match="leaves no room beside the budget"):
+        size("h2o-64", n_ctx=64)
+    with pytest.raises(ValueError, match=r"\(128 entries per stream\)"):
+        size("h2o-64", n_ctx=128, n_seq_max=2, kv_unified=True)
+
+
+def test_a_context_the_machine_cannot_hold_is_refused_before_it_is_made():
+    gib = 2**30
+    _engine.check_host_memory(1000, 512, 2**20, 32000, True, 16 * gib)  # 1 GiB of cells + 62 MiB of logits
+    with pytest.raises(ValueError, match="more than this machine's 1 GiB"):
+        _engine.check_host_memory(1000, 512, 2**20, 32000, True, gib)
+    _engine.check_host_memory(1000, 512, 2**20, 32000, False, gib)  # the cells are on a device: only the logits count
+    _engine.check_host_memory(10**9, 10**6, 2**20, 32000, True, 0)  # memory unknown: nothing refused
