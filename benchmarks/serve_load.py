@@ -106,6 +106,20 @@ def _load(port, llm, conversations, max_tokens: int, timeout: float, ignore_eos:
             "kv_bytes": llm.kv_state().kv_bytes, "slots": llm.n_seq_max}
 
 
+def row_cells(r, *cells) -> str:
+    """One markdown row: a request setting's name, policy, slots and KV MiB, then `cells`."""
+    return "| " + " | ".join([r["setting"], r["policy"], str(r["slots"]), f"{r['kv_bytes'] / 2**20:.1f}", *map(str, cells)]) + " |"
+
+
+def write_report(args, data: dict, lines) -> None:
+    """OUT.json (the arguments and `data`) and OUT.md (`lines`), printed too."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), **data}, indent=1))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 QUESTIONS = ["Who is the article about?", "Summarise it in one sentence.", "Where does it take place?",
              "What happened first?", "What is the main number in it?", "Give it a title.", "Who said what?",
              "What happens next?"]
@@ -147,9 +161,6 @@ def shared_prefix(model, args, common) -> int:
     finally:
         for cm in stack:
             cm.__exit__(None, None, None)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": found}, indent=1))
     later = {name: [r["ttft_s"] for r in rs[1:] if r["ttft_s"] is not None] for name, rs in found.items()}
     on, off = statistics.median(later["sessions on"]), statistics.median(later["sessions off"])
     lines = [f"{args.chats} conversations sharing one system prompt ({found['sessions on'][0]['prompt_tokens']} prompt "
@@ -161,8 +172,7 @@ def shared_prefix(model, args, common) -> int:
         lines.append(f"| {a['request']} | {a['cached_tokens']} | {a['ttft_s']} | {b['cached_tokens']} | {b['ttft_s']} |")
     lines.append(f"\nRequests 2-{args.chats}, median time to first token: sessions on {on} s, off {off} s "
                  f"(ratio {on / off:.2f}).")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args, {"rows": found}, lines)
     return 0
 
 
@@ -187,25 +197,18 @@ def equal_memory(model, args, common) -> int:
         print(json.dumps(r))
         rows.append(r)
         del llm
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "prompt_tokens": prompt_tokens,
-                                                    "rows": rows}, indent=1))
     d, f = rows
     lines = [f"{args.chats} streaming chats arriving at once, prompts up to {prompt_tokens} tokens, {args.max_tokens} "
              f"tokens each (end tokens ignored), greedy, within {args.equal_memory} MiB of KV each; one run\n",
              "| setting | policy | chats held | KV MiB | throughput tok/s | TTFT mean / max s | token gap mean / p95 / max ms | completed |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['setting']} | {r['policy']} | {r['slots']} | {r['kv_bytes'] / 2**20:.1f} | "
-                     f"{r['throughput_tok_s']} | {r['ttft_mean_s']} / {r['ttft_max_s']} | "
-                     f"{r['token_gap_ms']} / {r['token_gap_p95_ms']} / {r['token_gap_max_ms']} | "
-                     f"{r['completed']}/{r['requests']} |")
+    lines += [row_cells(r, r["throughput_tok_s"], f"{r['ttft_mean_s']} / {r['ttft_max_s']}",
+                        f"{r['token_gap_ms']} / {r['token_gap_p95_ms']} / {r['token_gap_max_ms']}",
+                        f"{r['completed']}/{r['requests']}") for r in rows]
     lines.append(f"\n{d['setting']} vs full cache at equal KV memory: {d['slots'] / f['slots']:.1f}x the chats held, "
                  f"{d['throughput_tok_s'] / f['throughput_tok_s']:.2f}x the throughput, "
                  f"{d['token_gap_ms'] / f['token_gap_ms']:.2f}x the mean gap between tokens.")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args, {"prompt_tokens": prompt_tokens, "rows": rows}, lines)
     return 0
 
 
@@ -252,20 +255,14 @@ def main(argv=None) -> int:
         rows.append(r)
         del llm
     base = rows[0]["throughput_tok_s"]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "prompt_tokens": prompt_tokens,
-                                                    "rows": rows}, indent=1))
     lines = [f"{args.chats} concurrent streaming chats, prompts up to {prompt_tokens} tokens, {args.max_tokens} tokens "
              f"each, greedy; one run\n",
              "| setting | policy | slots | KV MiB | throughput tok/s | vs h2o | TTFT mean / max s | token gap ms | completed |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['setting']} | {r['policy']} | {r['slots']} | {r['kv_bytes'] / 2**20:.1f} | "
-                     f"{r['throughput_tok_s']} | {r['throughput_tok_s'] / base:.2f} | {r['ttft_mean_s']} / {r['ttft_max_s']} | "
-                     f"{r['token_gap_ms']} | {r['completed']}/{r['requests']} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    lines += [row_cells(r, r["throughput_tok_s"], f"{r['throughput_tok_s'] / base:.2f}",
+                        f"{r['ttft_mean_s']} / {r['ttft_max_s']}", r["token_gap_ms"],
+                        f"{r['completed']}/{r['requests']}") for r in rows]
+    write_report(args, {"prompt_tokens": prompt_tokens, "rows": rows}, lines)
     return 0
 
 
