@@ -634,3 +634,21 @@ def test_conversations_with_the_same_system_prompt_start_from_its_saved_cache(ch
     with serving(chat_model, slots=1, budget=256, session_mib=0) as (_, off):  # sessions off: nothing saved or reused
         ask(off, "What do you see?")
         assert ask(off, "Any ships tonight?").usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_riders_that_cannot_ride_are_refused_and_leave_the_sequences_usable(chat_model):
+    """Only another sequence with a stream of its own, and a valid token, can ride with a prompt's chunks."""
+    llm = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1)
+    long_prompt = list(range(10, 10 + 15 * 4))
+    for riders, message in (({0: [5]}, "cannot ride: it is being fed"), ({1: []}, "has no token"),
+                            ({1: [10**7]}, "out of range"), ({5: [5]}, "seq_id")):
+        llm.reset()
+        llm.eval([1, 5, 6], seq_id=1)
+        with pytest.raises(ValueError, match=message):
+            llm._engine.eval({0: long_prompt}, False, lambda: riders)
+        llm.eval([7], seq_id=1)  # both sequences go on
+        llm.eval([8, 9], seq_id=0)
+    unified = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, n_batch=16, n_threads=1)
+    unified.eval([1, 5, 6], seq_id=1)
+    with pytest.raises(ValueError, match="a stream of its own"):
+        unified._engine.eval({0: long_prompt}, False, lambda: {1: [5]})
