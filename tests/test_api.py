@@ -152,6 +152,17 @@ def test_cli_runs_the_main_job(tiny_model, capsys):
                  "--max-tokens", "40"]) == 0
     err = capsys.readouterr().err
     assert "policy=tova budget=16" in err and "probe=question/32 pool=9 follow=12" in err and "kept=" in err
+    # where the layers ran: the CPU here, the GPU's name in a GPU build (n_gpu_layers defaults to all)
+    import h2o_local
+    gpu = [d.name for d in h2o_local.devices() if d.type in ("gpu", "igpu")]
+    assert f"cells) on {gpu[0] if gpu else 'CPU'}, " in err
+
+
+def test_the_cli_says_where_a_split_model_runs():
+    from h2o_local.backends import where_layers_run
+
+    assert where_layers_run(("CPU", "CPU")) == "CPU" and where_layers_run(("Vulkan0",) * 3) == "Vulkan0"
+    assert where_layers_run(("CPU", "Vulkan0", "Vulkan0")) == "CPU + Vulkan0 (2 of 3 layers off the CPU)"
 
 
 def test_cli_runs_per_head_h2o_and_refuses_what_it_cannot_do(tiny_model, capsys):

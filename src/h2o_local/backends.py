@@ -10,7 +10,7 @@ CPU (Mesa's lavapipe) out unless `GGML_VK_VISIBLE_DEVICES` selects them, as llam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Sequence
 
 from . import _engine
 
@@ -32,3 +32,12 @@ def devices() -> List[Device]:
 def gpu_offload_supported() -> bool:
     """True when a GPU (discrete or integrated) is there for `n_gpu_layers` (llama.cpp's llama_supports_gpu_offload)."""
     return any(d.type in ("gpu", "igpu") for d in devices())
+
+
+def where_layers_run(layer_devices: Sequence[str]) -> str:
+    """`Llama.layer_devices` in a few words: "CPU", "Vulkan0", or "CPU + Vulkan0 (20 of 30 layers off the CPU)"."""
+    names = sorted(set(layer_devices), key=list(layer_devices).index)
+    if len(names) == 1:
+        return names[0]
+    off = sum(d != "CPU" for d in layer_devices)
+    return f"{' + '.join(names)} ({off} of {len(layer_devices)} layers off the CPU)"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
+from .backends import where_layers_run
 from .chat_template import Message, normalize_messages
 from .llama import Llama, Snapshot
 from .sampling import CHAT
@@ -286,5 +287,6 @@ class ChatSession:
                 "seen": st.n_seen, "kv_bytes": st.kv_bytes, "turns": sum(m["role"] == "user" for m in self.messages),
                 "prompt_tokens": self.last.prompt_tokens, "reused_tokens": self.last.reused_tokens,
                 "completion_tokens": self.last.completion_tokens,
-                "tokens_per_second": round(self.last.tokens_per_second, 1)}
+                "tokens_per_second": round(self.last.tokens_per_second, 1),
+                "device": where_layers_run(self.llm.layer_devices)}
 

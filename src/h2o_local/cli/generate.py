@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 
+from ..backends import where_layers_run
 from .common import add_model_args, add_penalty_args, load_llama, penalty_kwargs
 
 
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     print(f"\n\n[h2o_local] policy={llm.policy.name} budget={llm.budget} (sinks={llm.sinks} heavy={llm.heavy} "
           f"recent={llm.recent}{_probe_text(llm.policy)}) prompt={len(tokens)} tokens, seen={st.n_seen}, kept={st.n_cells}, "
           f"evicted={st.n_evicted}, peak={st.peak_cells} entries, KV allocated={st.kv_bytes / 2**20:.2f} MiB "
-          f"({st.kv_cells} cells), {dt:.1f} s", file=sys.stderr)
+          f"({st.kv_cells} cells) on {where_layers_run(llm.layer_devices)}, {dt:.1f} s", file=sys.stderr)
     return 0
 
 
