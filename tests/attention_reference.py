@@ -3,11 +3,12 @@
 It shares nothing with llama.cpp but the GGUF file: RMS norm, RoPE (llama.cpp's "normal" mode: adjacent pairs),
 grouped-query causal attention and the SwiGLU feed-forward, in float64. `column_sums(tokens)` gives, for a fresh
 cache holding tokens at positions 0..n-1, the per-head sum over queries and layers of the softmax probabilities each
-position received: what the patch exports for a prefill. Quantized weights are dequantized with the gguf package.
+position received: what the patch exports for a prefill. `visible` narrows what each query attends to (a cache that
+holds only some of the earlier entries). Quantized weights are dequantized with the gguf package.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -48,19 +49,23 @@ class LlamaReference:
         out[..., 1::2] = x0 * sin + x1 * cos
         return out
 
-    def attention(self, tokens: List[int]) -> List[np.ndarray]:
-        """Per layer, the softmax probabilities [n_head, n_query, n_key] of a causal pass over `tokens`."""
-        return self.forward(tokens)[0]
+    def attention(self, tokens: List[int], visible: Optional[np.ndarray] = None) -> List[np.ndarray]:
+        """Per layer, the softmax probabilities [n_head, n_query, n_key] of a causal pass over `tokens`; `visible`
+        ([n, n] booleans, query by key) removes the keys a query cannot see, beside the causal mask."""
+        return self.forward(tokens, visible)[0]
 
     def keys(self, tokens: List[int]) -> List[np.ndarray]:
         """Per layer, the keys [n, n_head_kv, head_dim] after RoPE: what the KV cache holds for `tokens`."""
         return self.forward(tokens)[1]
 
-    def forward(self, tokens: List[int]):
+    def forward(self, tokens: List[int], visible: Optional[np.ndarray] = None):
         w = self.w
         keys = []
         x = w["token_embd.weight"][tokens]
         n = len(tokens)
+        allowed = np.tril(np.ones((n, n), dtype=bool))
+        if visible is not None:
+            allowed &= visible
         probs = []
         for il in range(self.n_layer):
             h = self._rms(x, w[f"blk.{il}.attn_norm.weight"])
@@ -80,7 +85,7 @@ class LlamaReference:
             kh = np.repeat(k, group, axis=1)            # query head h reads KV head h // group
             vh = np.repeat(v, group, axis=1)
             logits = np.einsum("qhd,khd->hqk", q, kh) / np.sqrt(d)
-            logits = logits + np.triu(np.full((n, n), -np.inf), 1)
+            logits = np.where(allowed, logits, -np.inf)
             p = np.exp(logits - logits.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             probs.append(p)

@@ -81,23 +81,35 @@ def reference_probe_scores(model, probes):
     return best
 
 
-def reference_question_lift(model, n_q, question):
-    """Per prompt entry, from a full cache read independently: `question`'s attention per query over the entry's
-    baseline, where the baseline leaves out the prompt's last n_q tokens (its question window, decoded on their own),
-    in the head where that lift is largest."""
-    before = Llama(model, n_ctx=512, export_scores=True, n_threads=1)
+def question_baseline(model, n_q, **options):
+    """A function of the entries the cache holds when a question is probed, giving [entry, head] for them: the
+    attention each entry usually gets per query, the baseline a question's lift is measured against. It leaves out
+    the prompt's last n_q tokens (its question window, decoded on their own), and is shrunk towards the head's mean
+    over the held entries by 128 pseudo-queries, floored at 5% of that mean."""
+    before = Llama(model, n_ctx=512, export_scores=True, n_threads=1, **options)
     before.eval(PROMPT[:-n_q])
     st0 = before.kv_state()
-    full = Llama(model, n_ctx=512, export_scores=True, n_threads=1)
+    full = Llama(model, n_ctx=512, export_scores=True, n_threads=1, **options)
     full.eval(PROMPT)
     queries = full.kv_state().queries
+    per_query = np.zeros((len(PROMPT), st0.head_scores.shape[1]))
+    per_query[:-n_q] = st0.head_scores / st0.queries[:, None]
+
+    def base(entries):
+        mean = per_query[entries].mean(axis=0)
+        return (per_query[entries] * queries[entries, None] + 128 * mean) / (queries[entries, None] + 128) + 0.05 * mean
+
+    return base
+
+
+def reference_question_lift(model, n_q, question):
+    """Per prompt entry, from a full cache read independently: `question`'s attention per query over the entry's
+    baseline, in the head where that lift is largest."""
+    full = Llama(model, n_ctx=512, export_scores=True, n_threads=1)
+    full.eval(PROMPT)
     full.eval(question)
     sums = full.last_scores()[1][: len(PROMPT)] / len(question)
-    per_query = np.zeros((len(PROMPT), sums.shape[1]))
-    per_query[:-n_q] = st0.head_scores / st0.queries[:, None]
-    mean = per_query.mean(axis=0)
-    base = (per_query * queries[:, None] + 128 * mean) / (queries[:, None] + 128) + 0.05 * mean
-    return (sums / base).max(axis=1)
+    return (sums / question_baseline(model, n_q)(list(range(len(PROMPT))))).max(axis=1)
 
 
 def reference_keep(scores, sinks, recent, n_keep_total):

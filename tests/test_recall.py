@@ -315,3 +315,47 @@ def test_recall_ranks_what_comes_back_as_an_independent_numpy_reference_does(tin
     assert st.positions.tolist() == keep != kept_before  # the question chose other entries than the prompt's did
     np.testing.assert_allclose(st.probe_scores, ref[keep], rtol=1e-4, atol=1e-6)
     assert sorted(st.host_positions.tolist()) == sorted(set(range(len(PROMPT))) - set(keep))
+
+
+def test_a_recall_over_many_pages_equals_a_numpy_reference_of_its_page_tournament(tiny_model):
+    """With room for one page of 16 entries beside the kept ones, the spilled entries come back a page at a time, in
+    position order: each page is ranked together with what the earlier pages left, by the question's attention over
+    just those entries (a NumPy forward pass whose question sees only them) relative to each entry's baseline, and the
+    policy keeps its budget. The reference plays the same tournament (each entry's baseline shrunk towards the mean of
+    the entries held in its round) and ends with the same entries and scores."""
+    from attention_reference import LlamaReference
+    from h2o_local import TOVA
+
+    from test_probe import BUDGET, PROMPT, question_baseline, reference_keep
+
+    n_q, page = 8, 16
+    question = list(range(130, 130 + n_q))
+    policy = TOVA(budget=BUDGET, probe="question", question=n_q)
+    whole = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=512, n_threads=1, recall=1000, kv_f32=True)
+    whole.eval(PROMPT)  # decoded whole: every entry's K and V are a full cache's, as the reference computes them
+    paged = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=page, n_threads=1, recall=1000, kv_f32=True)
+    paged.load_state(whole.save_state())
+    kept = paged.kv_state().positions.tolist()
+    waiting = sorted(paged.kv_state().host_positions.tolist())
+    assert len(waiting) > 4 * page
+    paged.recall_for(question)
+
+    base = question_baseline(tiny_model, n_q, kv_f32=True)
+    reference = LlamaReference(tiny_model)
+    n = len(PROMPT)
+    tokens = PROMPT + question
+    for a in range(0, len(waiting), page):
+        entries = sorted(set(kept) | set(waiting[a:a + page]))
+        visible = np.ones((len(tokens), len(tokens)), dtype=bool)
+        visible[n:, :n] = False
+        visible[n:, entries] = True
+        sums = sum(p[:, n:, :n].sum(axis=1) for p in reference.attention(tokens, visible)).T / n_q
+        lift = (sums[entries] / base(entries)).max(axis=1)
+        keep = reference_keep(lift, 0, 1, BUDGET)
+        kept = [entries[i] for i in keep]
+
+    st = paged.kv_state()
+    assert st.positions.tolist() == kept
+    np.testing.assert_allclose(st.probe_scores, lift[keep], rtol=1e-4, atol=1e-6)
+    assert sorted(st.host_positions.tolist()) == sorted(set(range(n)) - set(kept))
+    assert st.n_recalled == len(set(kept) - set(whole.kv_state().positions.tolist())) > 0
