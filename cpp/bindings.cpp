@@ -1,6 +1,7 @@
 // pybind11 bindings: h2o_local._engine. The Python package (h2o_local/) is the user API; this is its engine room.
 #include "context_size.h"
 #include "engine.h"
+#include "host_store.h"
 #include "kv_types.h"
 #include "prefill_plan.h"
 #include "snapshot_format.h"
@@ -190,6 +191,7 @@ PYBIND11_MODULE(_engine, m) {
         return py::dict("n_ctx"_a = c.n_ctx, "n_batch"_a = c.n_batch, "n_outputs_max"_a = c.n_outputs_max);
     }, py::arg("params"), py::arg("policy"), py::arg("n_ctx_train"), py::arg("n_probe") = 0,
        "The KV cells, batch and logits rows of a context for params under policy (n_probe: one probe's cells).");
+    m.def("q8_0_entry_bytes", &q8_0_entry_bytes, py::arg("raw_bytes"), "Bytes of one F16 entry kept as q8_0 blocks.");
     m.def("check_host_memory", [](uint32_t n_ctx, uint32_t n_outputs_max, uint64_t kv_bytes_per_cell, int32_t n_vocab,
                                   bool kv_on_host, uint64_t have) {
         ContextSize c;
@@ -343,6 +345,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_readwrite("rpc_servers", &EngineParams::rpc_servers)
         .def_readwrite("compact_cells", &EngineParams::compact_cells)
         .def_readwrite("host_entries", &EngineParams::host_entries)
+        .def_readwrite("host_q8_0", &EngineParams::host_q8_0)
         .def_readwrite("verbose", &EngineParams::verbose);
 
     py::class_<Engine> engine(m, "Engine");

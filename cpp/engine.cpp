@@ -1,5 +1,6 @@
 #include "engine.h"
 #include "context_size.h"
+#include "host_store.h"
 #include "kv_types.h"
 #include "prefill_plan.h"
 
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <stdexcept>
 
@@ -147,7 +149,7 @@ SeqCache & Engine::seq_cache(llama_seq_id seq) {
     if (it == seqs_.end()) {
         it = seqs_.emplace(seq, SeqCache(ctx_, seq, n_head_)).first;
         it->second.set_keep(*policy_, params_.n_keep);
-        it->second.set_spill(recall_of(seq));
+        it->second.set_spill(recall_of(seq), params_.host_q8_0);
     }
     return it->second;
 }
@@ -167,7 +169,7 @@ void Engine::set_recall(int64_t cap) {
         throw;
     }
     for (auto & kv : seqs_) {
-        kv.second.set_spill(recall_of(kv.first));
+        kv.second.set_spill(recall_of(kv.first), params_.host_q8_0);
     }
 }
 
@@ -198,11 +200,14 @@ HostStore Engine::host(llama_seq_id seq, bool with_kv) const {
         return HostStore();
     }
     const HostStore & h = it->second.host();
-    if (with_kv) {
-        return h;
-    }
     HostStore out;
+    if (with_kv) { // as a recall puts them back
+        std::vector<size_t> all(h.size());
+        std::iota(all.begin(), all.end(), 0);
+        out.kv = h.raw_rows(all, entry_size());
+    }
     out.entry_bytes = h.entry_bytes;
+    out.q8_0 = h.q8_0;
     out.positions = h.positions;
     out.tokens = h.tokens;
     out.n_spilled = h.n_spilled;
@@ -547,7 +552,8 @@ void Engine::check_host(const SeqSnapshot & snap) const {
             throw std::invalid_argument("the snapshot's host entries do not match its positions");
         }
     }
-    if (h.entry_bytes != llama_kv_entry_size(ctx_) || h.kv.size() != h.size()*h.entry_bytes ||
+    const size_t raw_bytes = llama_kv_entry_size(ctx_);
+    if ((h.entry_bytes != raw_bytes && h.entry_bytes != q8_0_entry_bytes(raw_bytes)) || h.kv.size() != h.size()*h.entry_bytes ||
         h.tokens.size() != h.size() || h.scores.size() != h.size() || h.scores.n_head != n_head_) {
         throw std::invalid_argument("the snapshot's host entries do not match this model's cache");
     }
@@ -573,7 +579,7 @@ void Engine::set_seq_recall(llama_seq_id seq, int64_t cap) {
     } else {
         seq_recall_[seq] = cap;
     }
-    sc.set_spill(value);
+    sc.set_spill(value, params_.host_q8_0);
 }
 
 void Engine::check_recall(const Policy & policy, int64_t cap) const {

@@ -50,6 +50,7 @@ struct EngineParams {
     // recall: each sequence keeps up to this many evicted entries in host memory (K and V of every layer) and, before
     // each new prompt, brings back those the prompt's question ranks above the kept ones (0: evicted entries are gone)
     int64_t  host_entries = 0;
+    bool     host_q8_0 = false;       // recall keeps q8_0 blocks of the F16 rows (about half the bytes, not exact)
     bool     verbose = false;
     // asked between the chunks of a long prompt; it may throw to stop the feed there (Ctrl-C), leaving the
     // sequences with what was fed so far

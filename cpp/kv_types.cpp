@@ -75,6 +75,11 @@ KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts) 
                                         "hold " + std::to_string(facts.key_head));
         }
     }
+    if (params.host_q8_0 && (out.k != GGML_TYPE_F16 || out.v != GGML_TYPE_F16)) {
+        throw std::invalid_argument(std::string("recall_type 'q8_0' quantizes F16 rows; this cache keeps ") +
+                                    ggml_type_name(out.k) + "/" + ggml_type_name(out.v) + " (recall_type None keeps "
+                                    "its own rows)");
+    }
     return out;
 }
 

@@ -25,7 +25,7 @@ struct KvTypes {
 // a KV cache type by its ggml name, one of those llama.cpp takes (its --cache-type-k list); `what` names the setting
 ggml_type kv_cache_type(const char * what, const std::string & name);
 
-// params.kv_f32, type_k, type_v, flash_attn and position_rolling; throws std::invalid_argument with the reason
+// params.kv_f32, type_k, type_v, flash_attn, position_rolling and host_q8_0; throws std::invalid_argument with the reason
 KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts);
 
 } // namespace h2o

@@ -185,24 +185,19 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     }
 }
 
-void HostStore::keep_only(const std::vector<size_t> & indices) {
-    keep_rows(positions, 1, indices);
-    keep_rows(tokens, 1, indices);
-    scores.keep_only(indices);
-    keep_rows(kv, entry_bytes, indices);
-}
-
-void SeqCache::set_spill(int64_t cap) {
+void SeqCache::set_spill(int64_t cap, bool q8) {
     check_policy(cap >= 0, "the host store's cap must be >= 0 entries, got " + std::to_string(cap));
     spill_cap_ = cap;
+    spill_q8_  = q8;
     if (cap == 0) {
         host_ = HostStore();
-    } else if (host_.entry_bytes == 0) {
-        host_.entry_bytes = llama_kv_entry_size(ctx_);
-        check_policy(host_.entry_bytes > 0, "this model's KV cache cannot keep evicted entries apart (SWA layers, or "
-                                            "no KV cache): recall is not available");
-        host_.scores.n_head = st_.scores.n_head;
+        return;
     }
+    const size_t raw_bytes = llama_kv_entry_size(ctx_);
+    check_policy(raw_bytes > 0, "this model's KV cache cannot keep evicted entries apart (SWA layers, or no KV "
+                                "cache): recall is not available");
+    host_.set_encoding(q8, raw_bytes);
+    host_.scores.n_head = st_.scores.n_head;
 }
 
 void SeqCache::spill(const std::vector<size_t> & indices) {
@@ -211,13 +206,13 @@ void SeqCache::spill(const std::vector<size_t> & indices) {
         return;
     }
     const std::vector<llama_pos> pos = gather_rows(st_.positions, 1, indices);
-    const size_t at = host_.kv.size();
-    host_.kv.resize(at + n*host_.entry_bytes);
-    const int32_t rc = llama_kv_entries_get(ctx_, seq_, (int32_t) n, pos.data(), host_.kv.data() + at);
+    const size_t raw_bytes = llama_kv_entry_size(ctx_);
+    std::vector<uint8_t> rows(n*raw_bytes);
+    const int32_t rc = llama_kv_entries_get(ctx_, seq_, (int32_t) n, pos.data(), rows.data());
     if (rc != 0) {
-        host_.kv.resize(at);
         throw std::runtime_error("llama_kv_entries_get failed with status " + std::to_string(rc));
     }
+    host_.append_rows(rows, raw_bytes);
     host_.positions.insert(host_.positions.end(), pos.begin(), pos.end());
     const std::vector<llama_token> toks = gather_rows(st_.tokens, 1, indices);
     host_.tokens.insert(host_.tokens.end(), toks.begin(), toks.end());
@@ -235,14 +230,20 @@ void SeqCache::spill(const std::vector<size_t> & indices) {
 }
 
 void SeqCache::set_host(const HostStore & host) {
-    if (host.size() > 0 && host.entry_bytes != llama_kv_entry_size(ctx_)) {
-        throw std::invalid_argument("the snapshot's host entries have another size than this cache's");
+    // a saved store says how it kept its entries by their size: the cache's own rows, or their q8_0 blocks
+    const size_t raw_bytes = llama_kv_entry_size(ctx_);
+    HostStore h = host;
+    if (h.size() > 0) {
+        if (h.entry_bytes != raw_bytes && h.entry_bytes != q8_0_entry_bytes(raw_bytes)) {
+            throw std::invalid_argument("the snapshot's host entries have another size than this cache's");
+        }
+        h.q8_0 = h.entry_bytes != raw_bytes;
     }
-    host_ = host;
-    if (host_.entry_bytes == 0 && spill_cap_ > 0) {
-        host_.entry_bytes = llama_kv_entry_size(ctx_);
+    if (h.size() > 0 || spill_cap_ > 0) {
+        h.set_encoding(spill_q8_, raw_bytes);
     }
-    host_.scores.n_head = st_.scores.n_head;
+    h.scores.n_head = st_.scores.n_head;
+    host_ = std::move(h);
 }
 
 void SeqCache::readmit(const std::vector<size_t> & indices) {
@@ -252,7 +253,7 @@ void SeqCache::readmit(const std::vector<size_t> & indices) {
     }
     const std::vector<llama_pos>   pos  = gather_rows(host_.positions, 1, indices);
     const std::vector<llama_token> toks = gather_rows(host_.tokens, 1, indices);
-    const std::vector<uint8_t>     kv   = gather_rows(host_.kv, host_.entry_bytes, indices);
+    const std::vector<uint8_t>     kv   = host_.raw_rows(indices, llama_kv_entry_size(ctx_));
     const int32_t rc = llama_kv_entries_put(ctx_, seq_, (int32_t) n, pos.data(), toks.data(), kv.data());
     if (rc != 0) {
         throw std::runtime_error("llama_kv_entries_put failed with status " + std::to_string(rc) +

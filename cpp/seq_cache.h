@@ -2,6 +2,7 @@
 // things done to it: evict what the policy does not keep, roll the kept positions back to 0..n-1, and snapshot.
 #pragma once
 
+#include "host_store.h"
 #include "policy.h"
 
 #include "llama.h"
@@ -46,24 +47,6 @@ struct SeqState {
     double    evict_seconds = 0.0;      // time spent choosing and removing what is evicted (moves included)
     int64_t   n_head_moves  = 0;        // per-head cells: K/V slices of one layer's KV head moved between cells
     HeadParts parts;                    // per-head cells (empty: every cell holds its own position everywhere)
-};
-
-// Entries evicted from a sequence and kept in host memory, to be recalled by a later prompt (recall): each one's K
-// and V of every layer as llama_kv_entries_get wrote them (entry_bytes each), its position, token and scores.
-struct HostStore {
-    size_t entry_bytes = 0;
-    std::vector<llama_pos>   positions; // in the order they were spilled
-    std::vector<llama_token> tokens;
-    SeqScores                scores;
-    std::vector<uint8_t>     kv;        // [n][entry_bytes]
-    int64_t n_spilled  = 0;             // entries ever spilled (a recalled entry spilled again counts again)
-    int64_t n_recalled = 0;             // entries brought back that the policy kept
-    int64_t n_dropped  = 0;             // entries dropped for the store's cap (gone for good)
-
-    size_t size() const { return positions.size(); }
-    size_t nbytes() const { return kv.size() + positions.size()*(sizeof(llama_pos) + sizeof(llama_token)); }
-    // keep only the entries at `indices` (ascending)
-    void keep_only(const std::vector<size_t> & indices);
 };
 
 // A sequence's cache and its bookkeeping, to branch several continuations from one prefix.
@@ -111,7 +94,8 @@ public:
 
     // recall: evicted entries go to a host store of at most cap entries (the lowest positions are dropped beyond
     // it) instead of being destroyed; 0 turns it off (and empties the store)
-    void set_spill(int64_t cap);
+    // q8: the store keeps q8_0 blocks of the cache's F16 rows (about half the bytes; the caller checked the types)
+    void set_spill(int64_t cap, bool q8 = false);
     int64_t spill_cap() const { return spill_cap_; }
     const HostStore & host() const { return host_; }
     // put back a store taken with this sequence's state (a snapshot); throws if its entries do not fit this cache
@@ -154,6 +138,7 @@ private:
     size_t key_rows_ = 0;
 
     int64_t   spill_cap_ = 0;
+    bool      spill_q8_  = false;
     HostStore host_;
 };
 

@@ -56,3 +56,12 @@ def test_rolling_bf16_keys_is_refused_instead_of_aborting_in_ggml_rope():
     with pytest.raises(ValueError, match="f16 and f32 only"):
         types(type_k="bf16", position_rolling=True)
     assert types(type_k="bf16") == ("bf16", "f16")
+
+
+def test_a_q8_0_host_copy_of_recalled_entries_needs_f16_rows():
+    assert types(host_q8_0=True) == ("f16", "f16")
+    assert types(host_q8_0=True, type_k="f16") == ("f16", "f16")
+    for settings in ({"kv_f32": True}, {"type_k": "q8_0"}, {"type_k": "bf16"},
+                     {"type_v": "q4_0", "flash_attn": True}):
+        with pytest.raises(ValueError, match="recall_type 'q8_0' quantizes F16 rows; this cache keeps"):
+            types(host_q8_0=True, **settings)

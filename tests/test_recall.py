@@ -117,7 +117,74 @@ def test_snapshots_and_session_bytes_carry_the_host_store(tiny_model):
         llm.generate(q, max_tokens=6, temperature=0, reset=False)
 
 
+def host_rows(llm):
+    """What the store puts back: positions, and per entry its F16 values as float32 (the tiny model's cache is F16)."""
+    positions, blob = llm._engine.host_kv(0)
+    return list(positions), np.frombuffer(blob, dtype=np.float16).astype(np.float32).reshape(len(positions), -1)
+
+
+def assert_within_q8_0_rounding(exact, rounded):
+    """Each value within half a q8_0 step of its 32-value block (the block's largest magnitude / 127), plus the F16
+    rounding of the block's scale and of the value itself."""
+    a, b = exact.reshape(len(exact), -1, 32), rounded.reshape(len(rounded), -1, 32)
+    amax = np.abs(a).max(axis=-1, keepdims=True)
+    assert np.all(np.abs(a - b) <= amax / 127 / 2 + amax * 2e-3)
+    assert not np.array_equal(a, b)  # rounded: not the same bytes
+
+
+def test_a_q8_0_host_copy_keeps_about_half_the_bytes_and_puts_back_what_it_kept(tiny_model):
+    """recall_type='q8_0': the store keeps ggml's q8_0 blocks of the F16 rows (34 bytes per 32 values); what comes
+    back is the rows that dequantizing gives, each value within q8_0's rounding of the one that left, and a recalled
+    cell holds exactly those bytes."""
+    from h2o_local import _engine
+
+    exact, q8 = make(tiny_model, n_ctx=512), make(tiny_model, recall_type="q8_0", n_ctx=512)
+    tokens = exact.tokenize(PROMPT)
+    exact.eval(tokens)
+    q8.eval(tokens)
+    size = exact._engine.entry_size
+    n_host = len(q8.kv_state().host_positions)
+    assert q8.host_entry_bytes == _engine.q8_0_entry_bytes(size) == size // 64 * 34 and exact.host_entry_bytes == size
+    assert q8.kv_state().host_bytes == n_host * q8.host_entry_bytes and n_host > 0
+    assert q8.kv_state().host_bytes / exact.kv_state().host_bytes == pytest.approx(34 / 64)
+    positions, rows = host_rows(q8)
+    exact_positions, exact_rows = host_rows(exact)
+    assert positions == exact_positions  # the store's encoding does not change what is evicted
+    assert_within_q8_0_rounding(exact_rows, rows)
+
+    q8.set_policy(default_policy(400))  # room for everything: the next prompt brings every entry back
+    q8.eval(q8.tokenize(QUESTION, add_bos=False))
+    assert len(q8.kv_state().host_positions) == 0
+    back = np.frombuffer(q8._engine.kv_entries(0, positions), dtype=np.float16).astype(np.float32)
+    np.testing.assert_array_equal(back.reshape(rows.shape), rows)
+
+
+def test_a_saved_store_loads_into_either_encoding(tiny_model):
+    """A session's store keeps its entries as saved and is converted on load to the loading Llama's recall_type:
+    q8_0 -> q8_0 unchanged, q8_0 -> rows (the dequantized rows), rows -> q8_0 (within q8_0's rounding)."""
+    q8, exact = make(tiny_model, recall_type="q8_0"), make(tiny_model)
+    tokens = q8.tokenize(PROMPT)
+    q8.eval(tokens)
+    exact.eval(tokens)
+    saved_q8 = type(q8.save_state()).from_bytes(q8.save_state().to_bytes())
+    saved_exact = type(exact.save_state()).from_bytes(exact.save_state().to_bytes())
+
+    for recall_type, saved, expect in ((None, saved_q8, q8), ("q8_0", saved_q8, q8), ("q8_0", saved_exact, None)):
+        other = make(tiny_model, recall_type=recall_type)
+        other.load_state(saved)
+        st = other.kv_state()
+        assert st.host_bytes == len(st.host_positions) * other.host_entry_bytes > 0
+        if expect is not None:
+            assert other._engine.host_kv(0) == expect._engine.host_kv(0)
+        else:
+            assert_within_q8_0_rounding(host_rows(exact)[1], host_rows(other)[1])
+
+
 def test_what_recall_cannot_do_is_refused_clearly(tiny_model):
+    with pytest.raises(ValueError, match="recall_type must be None"):
+        make(tiny_model, recall_type="q4_0")
+    with pytest.raises(ValueError, match="recall_type 'q8_0' quantizes F16 rows; this cache keeps f32/f32"):
+        make(tiny_model, recall_type="q8_0", kv_f32=True)
     with pytest.raises(ValueError, match="question probe"):
         Llama(tiny_model, policy="h2o", budget=24, recall=True)
     with pytest.raises(ValueError, match="position rolling"):
@@ -188,6 +255,10 @@ def test_the_cli_takes_recall_and_the_server_reports_the_store(chat_model):
     llm = load_llama(ap, ap.parse_args(["--model", chat_model, "--budget", "48", "--recall", "500"]))
     assert llm.recall == 500
     assert load_llama(ap, ap.parse_args(["--model", chat_model, "--budget", "48", "--recall"])).recall == 4096
+    q8 = load_llama(ap, ap.parse_args(["--model", chat_model, "--budget", "48", "--recall", "--recall-type", "q8_0"]))
+    assert q8.recall_type == "q8_0" and q8.host_entry_bytes < q8._engine.entry_size
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--model", chat_model, "--recall-type", "q4_0"])
     with pytest.raises(SystemExit):
         ap.parse_args(["--model", chat_model, "--recall", "-3"])
 
@@ -219,11 +290,13 @@ class RecallSession(RuleBasedStateMachine):
     one batch and the probe while it reads), and every position seen is on the device or in the host store, once."""
 
     model = None
+    recall_type = None
     BUDGET, CAP = 16, 60
 
     def __init__(self):
         super().__init__()
-        self.llm = Llama(self.model, policy=default_policy(self.BUDGET), n_batch=32, recall=self.CAP, n_threads=1)
+        self.llm = Llama(self.model, policy=default_policy(self.BUDGET), n_batch=32, recall=self.CAP, n_threads=1,
+                         recall_type=self.recall_type)
         self.saved = []
 
     @rule(tokens=st.lists(st.integers(3, 255), min_size=1, max_size=70))
@@ -256,10 +329,13 @@ class RecallSession(RuleBasedStateMachine):
         held = s.positions.tolist() + s.host_positions.tolist()
         assert len(held) == len(set(held)) and all(0 <= p < s.n_seen for p in held)
         assert len(s.host_positions) <= self.CAP
+        assert s.host_bytes == len(s.host_positions) * self.llm.host_entry_bytes
 
 
-def test_a_long_random_session_stays_bounded(tiny_model):
+@pytest.mark.parametrize("recall_type", [None, "q8_0"])
+def test_a_long_random_session_stays_bounded(tiny_model, recall_type):
     RecallSession.model = tiny_model
+    RecallSession.recall_type = recall_type
     run = RecallSession.TestCase
     run.settings = h_settings(max_examples=15, stateful_step_count=25, deadline=None, derandomize=True)
     run().runTest()

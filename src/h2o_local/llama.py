@@ -103,6 +103,10 @@ class Llama(Completions):
             `kv_bytes_per_cell` bytes per token kept there (SmolLM2-135M: 22.5 KiB, so 8,192 tokens take 180 MiB;
             Qwen2.5-0.5B: 12 KiB, 21,845 tokens in 256 MiB). The device cache stays at budget + n_batch cells. Needs a policy with the question
             probe (the default has it), no per-head cells and no position rolling. docs/recall.md.
+        recall_type: how host memory keeps what recall spilled: None, the cache's own rows (a recalled entry is
+            bit for bit the one that left); "q8_0", ggml's q8_0 blocks of the F16 rows (34 bytes per 32 values:
+            0.53x the bytes, and twice the tokens in recall=True's 256 MiB; a recalled entry differs from the one
+            that left by q8_0's rounding). "q8_0" needs an F16 cache (no kv_f32, type_k or type_v).
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class Llama(Completions):
         keep: Union[int, str, None] = None,
         chat_template: Optional[str] = None,
         recall: Union[bool, int] = False,
+        recall_type: Optional[str] = None,
         verbose: bool = False,
         _scores_sum_rows: bool = False,
     ):
@@ -155,6 +160,8 @@ class Llama(Completions):
         for name, value in (("type_k", type_k), ("type_v", type_v)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a ggml type name such as 'q8_0', got {value!r}")
+        if recall_type not in (None, "q8_0"):
+            raise ValueError(f"recall_type must be None (the cache's own rows) or 'q8_0', got {recall_type!r}")
         self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
         if keep is not None and keep != "system":
             check_int("keep", keep, minimum=0)
@@ -182,6 +189,7 @@ class Llama(Completions):
         params.op_offload = bool(op_offload)
         params.rpc_servers = rpc.parse_endpoints(rpc_servers)
         params.compact_cells = bool(compact_cells)
+        params.host_q8_0 = recall_type == "q8_0"
         params.verbose = bool(verbose)
         self._engine = _engine.Engine(self.model_path, params)
         facts = self._engine.facts()
@@ -207,6 +215,7 @@ class Llama(Completions):
         self._chat_template: Optional[ChatTemplate] = None
         self._seq_policies: Dict[int, Policy] = {}  # sequences with a policy of their own (set_policy(seq_id=))
         self.recall: int = 0  # host entries kept per sequence (0: off)
+        self.recall_type: Optional[str] = recall_type
         if recall is not False and recall is not None:
             self.set_recall(recall)
 
@@ -417,7 +426,7 @@ class Llama(Completions):
                 raise ValueError("recall=None means the Llama's own setting: give it with seq_id")
             cap = -1
         elif isinstance(recall, (bool, np.bool_)):
-            cap = min(self.info.n_ctx_train, RECALL_DEFAULT_BYTES // max(self._engine.entry_size, 1)) if recall else 0
+            cap = min(self.info.n_ctx_train, RECALL_DEFAULT_BYTES // max(self.host_entry_bytes, 1)) if recall else 0
         else:
             check_int("recall", recall, minimum=0)
             cap = int(recall)
@@ -427,6 +436,12 @@ class Llama(Completions):
                 self.recall = cap
             else:
                 self._engine.set_seq_recall(self._check_seq(seq_id), cap)
+
+    @property
+    def host_entry_bytes(self) -> int:
+        """Bytes of host memory per token recall keeps there (its K and V of every layer, as `recall_type` says)."""
+        raw = self._engine.entry_size
+        return _engine.q8_0_entry_bytes(raw) if self.recall_type == "q8_0" else raw
 
     def check_recall(self, policy: Optional[Policy] = None) -> None:
         """Raise ValueError, saying why, when `policy` (default: this Llama's) cannot recall here (no question probe,

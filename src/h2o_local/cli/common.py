@@ -64,6 +64,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                         f"(docs/recall.md){'; on by default here where the policy can recall' if recall_default else ''}")
     g.add_argument("--no-recall", dest="recall", action="store_const", const=False,
                    help="evicted entries are gone for good" + ("" if recall_default else " (the default here)"))
+    g.add_argument("--recall-type", choices=["q8_0"],
+                   help="how host memory keeps what recall spilled: the cache's own rows, bit for bit (default), or "
+                        "q8_0 blocks of them (0.53x the bytes, twice the tokens in 256 MiB, not exact; an F16 cache)")
     g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
     g.add_argument("--seed", type=int, default=0)
 
@@ -156,7 +159,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                     n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
                     chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                     type_v=args.cache_type_v, recall=args.recall if args.recall != "auto" and budget else False,
-                    **extra)
+                    recall_type=args.recall_type, **extra)
         if args.recall == "auto" and budget:  # on where the policy can recall (a question probe, whole cells)
             with contextlib.suppress(ValueError):
                 llm.set_recall(True)

@@ -1,0 +1,46 @@
+// Entries evicted from a sequence and kept in host memory, to be recalled by a later prompt (recall), and the two
+// ways they are kept: the cache's own rows, bit for bit, or a q8_0 copy of F16 rows (about half the bytes, lossy).
+#pragma once
+
+#include "policy.h"
+
+#include "llama.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace h2o {
+
+// Each entry's K and V of every layer as llama_kv_entries_get wrote them (raw_bytes each), or, with q8_0, those F16
+// values as ggml's q8_0 blocks (32 values and one F16 scale a block, the last block padded with zeros); its
+// position, token and scores.
+struct HostStore {
+    size_t entry_bytes = 0;             // bytes of one stored entry
+    bool   q8_0 = false;                // stored as q8_0 blocks of F16 rows
+    std::vector<llama_pos>   positions; // in the order they were spilled
+    std::vector<llama_token> tokens;
+    SeqScores                scores;
+    std::vector<uint8_t>     kv;        // [n][entry_bytes]
+    int64_t n_spilled  = 0;             // entries ever spilled (a recalled entry spilled again counts again)
+    int64_t n_recalled = 0;             // entries brought back that the policy kept
+    int64_t n_dropped  = 0;             // entries dropped for the store's cap (gone for good)
+
+    size_t size() const { return positions.size(); }
+    size_t nbytes() const { return kv.size() + positions.size()*(sizeof(llama_pos) + sizeof(llama_token)); }
+    // keep only the entries at `indices` (ascending)
+    void keep_only(const std::vector<size_t> & indices);
+    // append n entries of raw_bytes each (the cache's rows), encoded as this store keeps them
+    void append_rows(const std::vector<uint8_t> & raw, size_t raw_bytes);
+    // the entries at `indices` as the cache's rows (raw_bytes each)
+    std::vector<uint8_t> raw_rows(const std::vector<size_t> & indices, size_t raw_bytes) const;
+    // keep the entries as q8_0 blocks or as the cache's rows from now on, converting those held
+    void set_encoding(bool q8, size_t raw_bytes);
+};
+
+// bytes of one entry of raw_bytes F16 bytes as q8_0 blocks
+size_t q8_0_entry_bytes(size_t raw_bytes);
+// n entries of F16 values (raw_bytes each) as q8_0 blocks, and back (ggml's own quantizer and dequantizer)
+std::vector<uint8_t> f16_to_q8_0(const std::vector<uint8_t> & f16, size_t raw_bytes);
+std::vector<uint8_t> q8_0_to_f16(const std::vector<uint8_t> & q8, size_t raw_bytes);
+
+} // namespace h2o
