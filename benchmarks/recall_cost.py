@@ -12,7 +12,8 @@ tokens), side by side in one run:
 - `full, new turn`: the full cache holding the history prefills the question alone (what a full cache pays per
   turn; its memory grows with N);
 - decode tokens/s after the history with the same budget, recall on and off (interleaved repeats, medians);
-- host bytes per spilled token.
+- host bytes per spilled token;
+- the same recall step, decode and host bytes with the q8_0 host copy (`recall_type="q8_0"`).
 Writes OUT.json and OUT.md.
 """
 from __future__ import annotations
@@ -46,8 +47,8 @@ def timed(fn) -> float:
 def run(model: str, n: int, budget: int, threads: int, repeats: int, data: Path) -> Dict[str, Any]:
     from h2o_local import Llama
 
-    def bounded(recall):
-        return Llama(model, budget=budget, n_batch=512, n_threads=threads, recall=recall)
+    def bounded(recall, recall_type=None):
+        return Llama(model, budget=budget, n_batch=512, n_threads=threads, recall=recall, recall_type=recall_type)
 
     llm = bounded(True)
     history = history_tokens(llm, n, data)
@@ -59,6 +60,13 @@ def run(model: str, n: int, budget: int, threads: int, repeats: int, data: Path)
     host_per_token = st.host_bytes / max(len(st.host_positions), 1)
     n_recalled = st.n_recalled
 
+    q8 = bounded(True, "q8_0")
+    q8_read_spill = timed(lambda: q8.eval(history))
+    q8_snap = q8.save_state()
+    q8_recall_s = timed(lambda: q8.recall_for(question))
+    q8_st = q8.kv_state()
+    same_kept = q8_st.positions.tolist() == st.positions.tolist()
+
     plain = bounded(False)
     reread = timed(lambda: plain.eval(history + question))
 
@@ -68,11 +76,11 @@ def run(model: str, n: int, budget: int, threads: int, repeats: int, data: Path)
     del full
 
     # decode after the history, recall on and off, interleaved
-    decode = {"recall": [], "plain": []}
+    decode = {"recall": [], "plain": [], "q8": []}
     plain.eval(history)
     plain_snap = plain.save_state()
     for _ in range(repeats):
-        for name, l, s in (("recall", llm, snap), ("plain", plain, plain_snap)):
+        for name, l, s in (("recall", llm, snap), ("plain", plain, plain_snap), ("q8", q8, q8_snap)):
             l.load_state(s)
             t0 = time.perf_counter()
             out = l.generate_events([], max_tokens=64, temperature=0, ignore_eos=True, reset=False)
@@ -84,8 +92,13 @@ def run(model: str, n: int, budget: int, threads: int, repeats: int, data: Path)
            "recall_vs_full_new_turn": round(recall_s / full_turn, 2), "recalled": n_recalled,
            "host_entries": int(len(st.host_positions)), "host_bytes_per_token": int(host_per_token),
            "decode_recall_tok_s": round(statistics.median(decode["recall"]), 1),
-           "decode_plain_tok_s": round(statistics.median(decode["plain"]), 1)}
+           "decode_plain_tok_s": round(statistics.median(decode["plain"]), 1),
+           "q8_bounded_read_with_spill_s": round(q8_read_spill, 3), "q8_recall_step_s": round(q8_recall_s, 3),
+           "q8_host_bytes_per_token": int(q8_st.host_bytes / max(len(q8_st.host_positions), 1)),
+           "q8_recalls_the_same_entries": same_kept,
+           "decode_q8_tok_s": round(statistics.median(decode["q8"]), 1)}
     row["decode_ratio"] = round(row["decode_recall_tok_s"] / row["decode_plain_tok_s"], 3)
+    row["decode_q8_ratio"] = round(row["decode_q8_tok_s"] / row["decode_plain_tok_s"], 3)
     print(json.dumps(row), flush=True)
     return row
 
@@ -113,6 +126,13 @@ def main() -> None:
     lines += [f"| {r['history']:,} | {r['recall_step_s']} | {r['reread_s']} | {r['recall_vs_reread']} | "
               f"{r['full_new_turn_s']} | {r['recalled']} | {r['host_entries']:,} | {r['host_bytes_per_token']:,} | "
               f"{r['decode_recall_tok_s']} / {r['decode_plain_tok_s']} ({r['decode_ratio']}) |" for r in rows]
+    lines += ["", "With the q8_0 host copy (`recall_type=\"q8_0\"`):", "",
+              "| history tokens | read with spill s, rows / q8_0 | recall step s, rows / q8_0 | host bytes / token, "
+              "rows / q8_0 | same entries recalled | decode tok/s q8_0 / plain |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['history']:,} | {r['bounded_read_with_spill_s']} / {r['q8_bounded_read_with_spill_s']} | "
+              f"{r['recall_step_s']} / {r['q8_recall_step_s']} | {r['host_bytes_per_token']:,} / "
+              f"{r['q8_host_bytes_per_token']:,} | {'yes' if r['q8_recalls_the_same_entries'] else 'no'} | "
+              f"{r['decode_q8_tok_s']} / {r['decode_plain_tok_s']} ({r['decode_q8_ratio']}) |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
