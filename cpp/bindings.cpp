@@ -38,12 +38,13 @@ py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
 
 PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
                            int32_t query_window, const std::string & probe = "", int32_t question = -1, int32_t pool = -1,
-                           int32_t follow = -1, int32_t probe_share = -1, bool per_head = false) {
+                           int32_t follow = -1, int32_t probe_share = -1, bool per_head = false, int32_t block = -1) {
     PolicyConfig cfg;
     cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks;
     cfg.query_window = query_window;
     cfg.probe = probe; cfg.question = question; cfg.pool = pool; cfg.follow = follow; cfg.probe_share = probe_share;
     cfg.per_head = per_head;
+    cfg.block = block;
     return cfg;
 }
 
@@ -235,12 +236,14 @@ PYBIND11_MODULE(_engine, m) {
     py::class_<Policy, std::shared_ptr<Policy>>(m, "Policy", "A resolved eviction policy (see h2o_local.policies).")
         .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
                          int32_t query_window, const std::string & probe, int32_t question, int32_t pool,
-                         int32_t follow, int32_t probe_share, bool per_head) {
+                         int32_t follow, int32_t probe_share, bool per_head, int32_t block) {
                  return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, query_window,
-                                                                          probe, question, pool, follow, probe_share, per_head)));
+                                                                          probe, question, pool, follow, probe_share, per_head,
+                                                                          block)));
              }), py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1,
              py::arg("sinks") = -1, py::arg("query_window") = -1, py::arg("probe") = "", py::arg("question") = -1,
-             py::arg("pool") = -1, py::arg("follow") = -1, py::arg("probe_share") = -1, py::arg("per_head") = false)
+             py::arg("pool") = -1, py::arg("follow") = -1, py::arg("probe_share") = -1, py::arg("per_head") = false,
+             py::arg("block") = -1)
         .def_property_readonly("probe", [](const Policy & p) { return probe_source_name(p.probe().source); })
         .def_property_readonly("question", [](const Policy & p) { return p.probe().question; })
         .def_property_readonly("pool", [](const Policy & p) {
@@ -250,6 +253,10 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("follow", [](const Policy & p) {
             const auto * r = dynamic_cast<const RankedPolicy *>(&p);
             return r != nullptr ? r->follow() : 0;
+        })
+        .def_property_readonly("block", [](const Policy & p) {
+            const auto * r = dynamic_cast<const RankedPolicy *>(&p);
+            return r != nullptr ? r->block() : 1;
         })
         .def_property_readonly("probe_share", [](const Policy & p) {
             const auto * r = dynamic_cast<const RankedPolicy *>(&p);

@@ -55,6 +55,12 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
         check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no follow");
         ranked->set_follow(cfg.follow);
     }
+    if (cfg.block >= 0) {
+        check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no block");
+        check_policy(cfg.block >= 1, "block must be >= 1 (positions), got " + std::to_string(cfg.block));
+        check_policy(!cfg.per_head, "per_head chooses entries per layer and head: it takes no block");
+        ranked->set_block(cfg.block);
+    }
     if (cfg.probe_share >= 0) {
         check_policy(source != ProbeSource::none, "probe_share is the share of the heavy entries a probe ranks: it "
                      "needs a probe");
@@ -197,6 +203,19 @@ std::vector<float> max_pool(const std::vector<float> & v, int32_t width, int32_t
     return out;
 }
 
+std::vector<float> block_max(const std::vector<float> & v, const std::vector<llama_pos> & positions, int32_t block) {
+    std::vector<float> out(v.size());
+    for (size_t a = 0, b = 0; a < v.size(); a = b) {
+        b = a;
+        float best = v[a];
+        while (b < v.size() && positions[b]/block == positions[a]/block) {
+            best = std::max(best, v[b++]);
+        }
+        std::fill(out.begin() + a, out.begin() + b, best);
+    }
+    return out;
+}
+
 BudgetSplit BudgetSplit::after_prefix(int32_t n_keep) const {
     check_policy(n_keep >= 0 && n_keep < total(), "a protected prefix of " + std::to_string(n_keep) +
                  " tokens does not fit in a budget of " + std::to_string(total()) + " (it must leave room for the newest token)");
@@ -224,13 +243,17 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     std::vector<float> first; // the probe's scores come before rank() when there is a probe
     if (probe_.source != ProbeSource::none) {
         first = pool_ > 1 || follow_ > 0 ? max_pool(scores.probe, pool_, follow_) : scores.probe;
+        if (block_ > 1) {
+            first = block_max(first, positions, block_);
+        }
         for (size_t i = 0; i < n; ++i) {
             if (scores.probe[i] == 0.0f) { // not judged by a probe yet (generated tokens): kept before the judged
                 first[i] = std::numeric_limits<float>::infinity();
             }
         }
-    } else if (pool_ > 1 || follow_ > 0) {
+    } else if (pool_ > 1 || follow_ > 0 || block_ > 1) {
         s = max_pool(s, pool_, follow_);
+        s = block_ > 1 ? block_max(s, positions, block_) : s;
     }
     const auto by_rank = [&](size_t a, size_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
     if (first.empty() && cand.size() == n_heavy + 1) {

@@ -32,6 +32,8 @@ struct PolicyConfig {
                               // (what the newest query looks at, for tova); < 0: 100
     bool per_head = false; // every scored layer and KV head keeps its own entries (H2O's published rule), inside the
                            // same budget of cells (see HeadParts)
+    int32_t block = -1;  // and by the best entry of its block of `block` positions (p / block), so that what is
+                         // kept (and recalled) comes in whole blocks, as pages do; < 0: 1 (no blocks)
 };
 
 // A probe: tokens decoded after what a sequence holds, whose attention to it ranks it, and which are then removed
@@ -227,19 +229,21 @@ public:
     ProbeSpec probe() const override { return probe_; }
     int32_t pool() const { return pool_; }
     int32_t follow() const { return follow_; }
+    int32_t block() const { return block_; }
     int32_t probe_share() const { return probe_share_; }
     bool per_head() const override { return per_head_; }
     // by make_policy, before the policy is shared
     void set_probe(ProbeSpec probe) { probe_ = probe; }
     void set_pool(int32_t pool) { pool_ = pool; }
     void set_follow(int32_t follow) { follow_ = follow; }
+    void set_block(int32_t block) { block_ = block; }
     void set_probe_share(int32_t percent) { probe_share_ = percent; }
     void set_per_head(bool per_head) { per_head_ = per_head; }
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
     // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties, entries no probe
     // has judged yet first of all), each entry taking the best of the pool() entries centred on it and of the
-    // follow() entries before it; ties go to the older position. With a probe_share() below 100, that share of the
+    // follow() entries before it, then the best entry of its block() of positions; ties go to the older position. With a probe_share() below 100, that share of the
     // heavy entries is chosen so and the rest by rank() alone among the others
     std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                              const BudgetSplit & split) const override;
@@ -254,6 +258,7 @@ private:
     ProbeSpec   probe_;
     int32_t     pool_ = 1;
     int32_t     follow_ = 0; // entries before an entry whose score it takes (at least pool_/2)
+    int32_t     block_ = 1;  // positions per block whose entries take their best score
     int32_t     probe_share_ = 100; // percent of the heavy entries ranked by the probe first
     bool        per_head_ = false;
 };
@@ -294,6 +299,8 @@ void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_querie
 // out[i] = the largest of v over [i - width/2, i + width/2]
 // out[i] = the largest of v[i - max(width/2, follow) .. i + width/2]
 std::vector<float> max_pool(const std::vector<float> & v, int32_t width, int32_t follow = 0);
+// out[i] = the largest v[j] with positions[j] / block == positions[i] / block (positions ascending)
+std::vector<float> block_max(const std::vector<float> & v, const std::vector<llama_pos> & positions, int32_t block);
 
 using PolicyFactory = std::unique_ptr<Policy> (*)(const PolicyConfig & cfg);
 

@@ -225,6 +225,29 @@ def test_follow_keeps_what_comes_after_a_found_entry():
     assert _engine.Policy("h2o", 6, heavy=5, recent=1, pool=3).select(*args) == [0, 1, 2, 6, 7, 9]
 
 
+def test_block_keeps_whole_blocks_of_positions():
+    """block=B: every entry ranks by the best (pooled) score of its block of B positions (position // B), so the
+    heavy entries come in whole blocks; against a NumPy reference over random scores and positions with gaps."""
+    rng = np.random.default_rng(1)
+    for block, pool, follow in ((4, 1, 0), (4, 3, 2), (8, 1, 0), (3, 5, 0)):
+        for _ in range(20):
+            n, heavy = 30, 10
+            positions = np.sort(rng.choice(80, size=n, replace=False)).tolist()
+            total = rng.random(n).astype(np.float32)
+            back, ahead = max(pool // 2, follow), pool // 2
+            pooled = [max(total[max(0, i - back): i + ahead + 1]) for i in range(n)]
+            blocked = [max(pooled[j] for j in range(n) if positions[j] // block == positions[i] // block)
+                       for i in range(n)]
+            expected = sorted(sorted(range(n - 1), key=lambda i: (-blocked[i], i))[:heavy]) + [n - 1]
+            cpp = _engine.Policy("h2o", heavy + 1, heavy=heavy, recent=1, pool=pool, follow=follow, block=block)
+            assert cpp.select(positions, total, np.zeros((n, 1), np.float32), [1] * n) == expected
+    # a key found at 5 whose value runs to 11: follow 2 keeps 5-7, blocks of 4 keep 4-7 and 8-11 with it
+    total = [0.0] * 16
+    total[5], total[14] = 9.0, 1.0
+    args = (list(range(16)), total, np.zeros((16, 1), np.float32), [1] * 16)
+    assert _engine.Policy("h2o", 9, heavy=8, recent=1, follow=4, block=4).select(*args) == list(range(4, 12)) + [15]
+
+
 def test_a_probe_share_leaves_the_rest_of_the_heavy_entries_to_the_scorer():
     """probe_share=P: round(P% of heavy) entries by the probe's ranking (the scorer's breaking ties), then the rest by
     the scorer's own ranking among the others; against a NumPy reference over random scores."""
@@ -273,7 +296,7 @@ def test_labels_and_refusals():
     class Mean(PythonRanked):
         name = "mean"
 
-    with pytest.raises(ValueError, match="no probe, pool, follow or per_head"):
+    with pytest.raises(ValueError, match="no probe, pool, follow, block or per_head"):
         Mean(budget=64, probe="catalyst")
 
 

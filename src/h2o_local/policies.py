@@ -27,9 +27,9 @@ from . import _engine
 REGISTRY: Dict[str, Type["Policy"]] = {}
 # the fields a policy value passes to its C++ factory (PolicyConfig), in order
 ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow",
-                 "probe_share", "per_head")
+                 "probe_share", "per_head", "block")
 # the optional fields beside the split; a name with none of them and no budget is the full cache
-OPTION_FIELDS = ("query_window", "probe", "question", "pool", "follow", "probe_share", "per_head")
+OPTION_FIELDS = ("query_window", "probe", "question", "pool", "follow", "probe_share", "per_head", "block")
 # what a probe decodes after a piece of a prompt to rank it before eviction (cpp/policy.h ProbeSource)
 PROBES = ("question", "repeat", "catalyst")
 
@@ -105,6 +105,7 @@ class Policy:
             object.__setattr__(self, "question", cpp.question or None)
             object.__setattr__(self, "pool", cpp.pool if cpp.pool > 1 else None)
             object.__setattr__(self, "follow", cpp.follow or None)
+            object.__setattr__(self, "block", cpp.block if cpp.block > 1 else None)
             object.__setattr__(self, "probe_share", cpp.probe_share if cpp.probe_share < 100 else None)
         if "per_head" in self._field_names():
             object.__setattr__(self, "per_head", True if cpp.per_head else None)
@@ -158,7 +159,7 @@ class Policy:
     def label(self) -> str:
         """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4", "tova-256+s4+r192" (a recent
         window other than the policy's default split), "tova-256+q32" / "+repeat" / "+catalyst" (a probe), "+p7" (a
-        pool), "+f12" (a follow), "+m50" (the probe's share of the heavy entries), "+ph" (per-head choice); `parse`
+        pool), "+f12" (a follow), "+b16" (blocks), "+m50" (the probe's share of the heavy entries), "+ph" (per-head choice); `parse`
         reads it back."""
         if not self.bounded:
             return self.name
@@ -176,6 +177,8 @@ class Policy:
             extra += f"+p{self.pool}"  # type: ignore[attr-defined]
         if getattr(self, "follow", None):
             extra += f"+f{self.follow}"  # type: ignore[attr-defined]
+        if getattr(self, "block", None):
+            extra += f"+b{self.block}"  # type: ignore[attr-defined]
         if getattr(self, "probe_share", None) is not None:
             extra += f"+m{self.probe_share}"  # type: ignore[attr-defined]
         recent = getattr(self, "recent", None)
@@ -237,6 +240,9 @@ class Scored(Policy):
     # and by the best of the `follow` entries before it: what follows an entry a probe found (a value after its
     # key) is kept with it
     follow: Optional[int] = None
+    # and by the best entry of its block of `block` positions: what is kept (and recalled) comes in whole blocks,
+    # as the pages of paged caches do
+    block: Optional[int] = None
     # with a probe: the percent of the heavy entries the probe's ranking chooses (default 100); the rest are chosen
     # by the scorer's own rank (tova: what the newest query looks at), so that a chat's continuation keeps what it
     # reads besides what the question found
@@ -348,8 +354,9 @@ class PythonRanked(Scored):
             if self.heavy is None or self.recent is None:
                 raise ValueError(f"policy {self.name!r} needs a budget (KV entries kept per sequence), or heavy and recent")
             object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
-        if any(getattr(self, k) is not None for k in ("probe", "question", "pool", "follow", "probe_share", "per_head")):
-            raise ValueError("a PythonRanked policy takes no probe, pool, follow or per_head (yet)")
+        if any(getattr(self, k) is not None for k in ("probe", "question", "pool", "follow", "probe_share", "per_head",
+                                                       "block")):
+            raise ValueError("a PythonRanked policy takes no probe, pool, follow, block or per_head (yet)")
         # resolved once, in C++ (the split), as a RankedPolicy whose rank() is this value's
         self._adopt(_PythonRank(self, self.name, *map(_engine_int, (self.budget, self.heavy, self.recent, self.sinks))))
 
@@ -394,7 +401,8 @@ def default_sinks(budget: int) -> int:
 def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = None, *, heavy: Optional[int] = None,
             recent: Optional[int] = None, sinks: Optional[int] = None, query_window: Optional[int] = None,
             probe: Optional[str] = None, question: Optional[int] = None, pool: Optional[int] = None,
-            follow: Optional[int] = None, probe_share: Optional[int] = None, per_head: Optional[bool] = None) -> Policy:
+            follow: Optional[int] = None, probe_share: Optional[int] = None, per_head: Optional[bool] = None,
+            block: Optional[int] = None) -> Policy:
     """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split
     (and, for snapkv, a `query_window` in tokens; for a scorer, a `probe` (one of PROBES; `question` tokens for
     the question probe), a `pool` width and a `follow` reach in entries, and the `probe_share` of the heavy entries
@@ -407,7 +415,8 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
     "h2o" with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
     given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "query_window": query_window, "probe": probe,
-             "question": question, "pool": pool, "follow": follow, "probe_share": probe_share, "per_head": per_head}
+             "question": question, "pool": pool, "follow": follow, "probe_share": probe_share, "per_head": per_head,
+             "block": block}
     if policy is None:
         if budget is None and heavy is None and recent is None and not sinks and \
                 all(given[k] is None for k in OPTION_FIELDS):
@@ -455,12 +464,12 @@ _DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True
 
 
 _SUFFIX_FIELDS = {"s": "sinks", "w": "query_window", "r": "recent", "q": "question", "p": "pool", "f": "follow",
-                  "m": "probe_share"}
+                  "m": "probe_share", "b": "block"}
 
 
 def suffix_fields(suffix: str) -> Optional[Dict[str, Any]]:
     """The policy fields one label suffix stands for ("s4" -> sinks=4, "q32" -> the question probe of 32 tokens,
-    "repeat" -> the repeat probe, "p7" -> pool=7, "f12" -> follow=12, "m50" -> probe_share=50); None when it is not a
+    "repeat" -> the repeat probe, "p7" -> pool=7, "f12" -> follow=12, "b16" -> block=16, "m50" -> probe_share=50); None when it is not a
     policy suffix."""
     if suffix in PROBES:
         return {"probe": suffix}

@@ -38,6 +38,8 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    "chooses, the rest by the scorer's own (default: 100)")
     g.add_argument("--follow", type=int, help="scorers: and by the best of the N entries before it (a value after "
                    "the key a probe found)")
+    g.add_argument("--block", type=int, help="scorers: and by the best entry of its block of N positions, so that "
+                   "what is kept and recalled comes in whole blocks")
     g.add_argument("--per-head", action="store_true", default=None, help="attention scorers: every layer and KV head "
                    "keeps its own heavy hitters (H2O's published rule) inside the same budget of cells; no probe, no "
                    "--position-rolling")
@@ -104,7 +106,7 @@ def _policy_value(text: str) -> str:
 
 
 _POLICY_OPTIONS = ("heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow", "probe_share",
-                   "per_head")
+                   "per_head", "block")
 
 
 def _recall_value(text: str) -> Any:
@@ -153,6 +155,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                                                            sinks=args.sinks, query_window=args.query_window,
                                                            probe=args.probe, question=args.question, pool=args.pool,
                                                            follow=args.follow, probe_share=args.probe_share,
+                                                           block=args.block,
                                                            per_head=args.per_head)
         llm = Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                     position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
