@@ -27,7 +27,7 @@ def main(argv=None) -> int:
         kind = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
         shown = "" if "default" in field.description else f" (default: {field.default})"
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=field.description + shown)
-    add_model_args(ap, budget=512, keep_default="system")
+    add_model_args(ap, budget=512, keep_default="system", recall_default=True)
     ap.add_argument("--export-scores", action="store_true", help="export attention scores even when the policy does "
                     "not rank by them: conversations may then choose a scoring policy (kv_cache.policy), and the web "
                     "page shades what a policy that keeps no scores kept (a few percent of speed)")
