@@ -367,7 +367,8 @@ def test_a_long_prompt_is_read_between_the_running_requests_tokens(chat_model):
     log = []
     job = recorded_jobs(log)
     try:
-        running = job("running", [1, 5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        # it runs until the scheduler closes, however fast the machine: every wait below needs it running
+        running = job("running", [1, 5, 6, 7], SamplingParams(max_tokens=1_000_000, temperature=0, ignore_eos=True))
         scheduler.submit(running)
         wait_for(lambda: any(n == "running" and getattr(e, "token", None) is not None for n, e in log))
         long = job("long", list(range(10, 10 + 16 * 12)), SamplingParams(max_tokens=1, temperature=0))
