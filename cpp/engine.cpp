@@ -200,19 +200,12 @@ HostStore Engine::host(llama_seq_id seq, bool with_kv) const {
         return HostStore();
     }
     const HostStore & h = it->second.host();
-    HostStore out;
+    HostStore out = h.without_kv();
     if (with_kv) { // as a recall puts them back
         std::vector<size_t> all(h.size());
         std::iota(all.begin(), all.end(), 0);
         out.kv = h.raw_rows(all, entry_size());
     }
-    out.entry_bytes = h.entry_bytes;
-    out.q8_0 = h.q8_0;
-    out.positions = h.positions;
-    out.tokens = h.tokens;
-    out.n_spilled = h.n_spilled;
-    out.n_recalled = h.n_recalled;
-    out.n_dropped = h.n_dropped;
     return out;
 }
 

@@ -23,6 +23,19 @@ void HostStore::keep_only(const std::vector<size_t> & indices) {
     keep_rows(kv, entry_bytes, indices);
 }
 
+HostStore HostStore::without_kv() const {
+    HostStore out;
+    out.entry_bytes = entry_bytes;
+    out.q8_0        = q8_0;
+    out.positions   = positions;
+    out.tokens      = tokens;
+    out.scores      = scores;
+    out.n_spilled   = n_spilled;
+    out.n_recalled  = n_recalled;
+    out.n_dropped   = n_dropped;
+    return out;
+}
+
 void HostStore::append_rows(const std::vector<uint8_t> & raw, size_t raw_bytes) {
     const std::vector<uint8_t> rows = q8_0 ? f16_to_q8_0(raw, raw_bytes) : raw;
     kv.insert(kv.end(), rows.begin(), rows.end());

@@ -27,6 +27,8 @@ struct HostStore {
 
     size_t size() const { return positions.size(); }
     size_t nbytes() const { return kv.size() + positions.size()*(sizeof(llama_pos) + sizeof(llama_token)); }
+    // the same store without its K and V bytes (positions, tokens, scores and counters)
+    HostStore without_kv() const;
     // keep only the entries at `indices` (ascending)
     void keep_only(const std::vector<size_t> & indices);
     // append n entries of raw_bytes each (the cache's rows), encoded as this store keeps them

@@ -232,15 +232,7 @@ void SeqCache::spill(const std::vector<size_t> & indices) {
 void SeqCache::set_host(const HostStore & host) {
     // a saved store says how it kept its entries by their size: the cache's own rows, or their q8_0 blocks
     const size_t raw_bytes = llama_kv_entry_size(ctx_);
-    HostStore h;
-    h.entry_bytes = host.entry_bytes;
-    h.q8_0        = host.q8_0;
-    h.positions   = host.positions;
-    h.tokens      = host.tokens;
-    h.scores      = host.scores;
-    h.n_spilled   = host.n_spilled;
-    h.n_recalled  = host.n_recalled;
-    h.n_dropped   = host.n_dropped;
+    HostStore h = host.without_kv();
     // with room to grow: the next spills append without first copying the whole store (one entry per decode step)
     h.kv.reserve(host.kv.size() + host.kv.size()/2);
     h.kv.assign(host.kv.begin(), host.kv.end());
