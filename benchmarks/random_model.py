@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
 
@@ -19,14 +19,17 @@ SHAPES = {
 }
 
 
-def byte_vocab(n_vocab: int = 0):
-    """An SPM byte vocabulary: <unk>, <s>, </s>, the 256 byte tokens and the word marker, padded with unused tokens
-    to `n_vocab` (a real vocabulary's size: the output matmul's cost)."""
+def byte_vocab(n_vocab: int = 0, special_tokens: Sequence[str] = ()):
+    """An SPM byte vocabulary: <unk>, <s>, </s>, the 256 byte tokens and the word marker, then `special_tokens`
+    (control tokens: "<|im_start|>", ...), padded with unused tokens to `n_vocab` (a real vocabulary's size: the
+    output matmul's cost)."""
     import gguf
 
     tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)] + ["\u2581".encode()]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256 \
         + [gguf.TokenType.NORMAL]
+    tokens += [t.encode() for t in special_tokens]
+    types += [gguf.TokenType.CONTROL] * len(special_tokens)
     tokens += [f"<pad{i}>".encode() for i in range(max(n_vocab - len(tokens), 0))]
     types += [gguf.TokenType.UNUSED] * (len(tokens) - len(types))
     return tokens, types
@@ -34,14 +37,15 @@ def byte_vocab(n_vocab: int = 0):
 
 def write_llama(path: Path, *, name: str, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
                 n_ctx_train: int, tensor: Callable[[Tuple[int, ...], float], np.ndarray], scales: Dict[str, float],
-                f16: bool, n_vocab: int = 0, rms_eps: float = 1e-5, add_bos: bool = True, chat_template: str = "") -> Path:
+                f16: bool, n_vocab: int = 0, rms_eps: float = 1e-5, add_bos: bool = True, chat_template: str = "",
+                special_tokens: Sequence[str] = ()) -> Path:
     """The one GGUF writer of a llama-architecture model with random weights (tests and benchmarks): `tensor(shape,
     scale)` draws each weight, in the order token_embd, output, then per layer q, k, v, output, gate, up, down;
     `scales` maps those names ("token_embd", "output", "attn_q", ...) to their scale; norms are ones."""
     import gguf
 
     head_dim = n_embd // n_head
-    tokens, types = byte_vocab(n_vocab)
+    tokens, types = byte_vocab(n_vocab, special_tokens)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(name)
     w.add_context_length(n_ctx_train)

@@ -117,7 +117,8 @@ void def_vocab(C & cls) {
     using T = typename C::type;
     cls.def("tokenize", [](const T & o, const std::string & text, bool add_special, bool parse_special) {
             return model_of(o).tokenize(text, add_special, parse_special);
-        }, py::arg("text"), py::arg("add_special"), py::arg("parse_special"))
+        }, py::arg("text"), py::arg("add_special"), py::arg("parse_special"),
+           py::call_guard<py::gil_scoped_release>()) // a long text takes long: other threads go on
         .def("token_to_piece", [](const T & o, llama_token t, bool special) {
             return py::bytes(model_of(o).token_to_piece(t, special));
         }, py::arg("token"), py::arg("special") = false)
@@ -162,6 +163,11 @@ protected:
 
 PYBIND11_MODULE(_engine, m) {
     m.doc() = "h2o_local engine: a patched llama.cpp context with per-sequence KV eviction";
+
+    // a grammar that cannot be followed fails its request (ValueError: the request's input is at fault); the
+    // subclass is registered last, so that its translator is tried first
+    const auto & grammar_error = py::register_exception<GrammarError>(m, "GrammarError", PyExc_ValueError);
+    py::register_exception<GrammarWorkExceeded>(m, "GrammarWorkExceeded", grammar_error.ptr());
 
     m.def("policy_names", &policy_names, "The registered eviction policies, sorted.");
     m.def("backend_devices", [] {
@@ -481,7 +487,8 @@ PYBIND11_MODULE(_engine, m) {
         .def(py::init([](int32_t n_vocab, float temperature, float top_p, int32_t top_k, float min_p, uint32_t seed,
                          std::vector<llama_token> banned, const std::map<llama_token, float> & logit_bias,
                          int32_t penalty_last_n, float repeat_penalty, float frequency_penalty, float presence_penalty,
-                         std::vector<llama_token> history, const std::string & grammar, const Engine * engine) {
+                         std::vector<llama_token> history, const std::string & grammar, uint64_t grammar_max_work,
+                         const Engine * engine) {
                  SamplerParams p;
                  p.temperature = temperature; p.top_p = top_p; p.top_k = top_k; p.min_p = min_p; p.seed = seed;
                  p.banned = std::move(banned);
@@ -492,13 +499,15 @@ PYBIND11_MODULE(_engine, m) {
                  p.frequency_penalty = frequency_penalty; p.presence_penalty = presence_penalty;
                  p.history = std::move(history);
                  p.grammar = grammar;
+                 p.grammar_max_work = grammar_max_work;
+                 py::gil_scoped_release release; // parsing a grammar and checking its start can take long
                  return new Sampler(p, n_vocab, engine != nullptr ? engine->model().vocab() : nullptr);
              }), py::arg("n_vocab"), py::kw_only(), py::arg("temperature"), py::arg("top_p"), py::arg("top_k"),
              py::arg("min_p"), py::arg("seed"), py::arg("banned") = std::vector<llama_token>(),
              py::arg("logit_bias") = std::map<llama_token, float>(), py::arg("penalty_last_n") = 64,
              py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
              py::arg("history") = std::vector<llama_token>(), py::arg("grammar") = "",
-             py::arg("engine") = nullptr, py::keep_alive<1, 16>())
+             py::arg("grammar_max_work") = 0, py::arg("engine") = nullptr, py::keep_alive<1, 17>())
         .def("sample", [](Sampler & s, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
             if (logits.size() != s.n_vocab()) {
                 throw std::invalid_argument("expected " + std::to_string(s.n_vocab()) + " logits, got " + std::to_string(logits.size()));

@@ -15,6 +15,28 @@ void check_token(llama_token t, int32_t n_vocab, const char * what) {
     }
 }
 
+// llama.cpp's grammar throws std::runtime_error when a call is over its work limit (our patch 0010) or finds no
+// parse left; either fails the generation that uses the grammar, as a GrammarError
+template <typename F> void grammar_call(F f) {
+    try {
+        f();
+    } catch (const GrammarError &) {
+        throw;
+    } catch (const std::runtime_error & e) {
+        const std::string what = e.what();
+        if (what.find("more work than its limit") != std::string::npos) {
+            throw GrammarWorkExceeded("the grammar needs more work than its limit allows (too many parse stacks "
+                                      "open at once): " + what);
+        }
+        throw GrammarError("the grammar cannot go on: " + what);
+    }
+}
+
+llama_token end_of_generation(const llama_vocab * vocab) {
+    const llama_token eos = llama_vocab_eos(vocab);
+    return eos != LLAMA_TOKEN_NULL ? eos : llama_vocab_eot(vocab);
+}
+
 } // namespace
 
 Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_vocab * vocab) : n_vocab_(n_vocab) {
@@ -44,10 +66,28 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_voca
         if (vocab == nullptr) {
             throw std::invalid_argument("a grammar needs the model's vocabulary");
         }
-        grammar = llama_sampler_init_grammar(vocab, params.grammar.c_str(), "root");
+        grammar_call([&] {
+            grammar = llama_sampler_init_grammar_bounded(vocab, params.grammar.c_str(), "root", params.grammar_max_work);
+        });
         if (grammar == nullptr) {
             throw std::invalid_argument("the grammar does not parse as GBNF with a rule 'root' (llama.cpp's grammar "
                                         "parser; its log says where)");
+        }
+        grammar_ = grammar;
+        grammar_eog_ = end_of_generation(vocab);
+        bool any = false;
+        try {
+            any = grammar_allows_any();
+        } catch (...) {
+            llama_sampler_free(grammar);
+            grammar_ = nullptr;
+            throw;
+        }
+        if (!any) {
+            llama_sampler_free(grammar);
+            grammar_ = nullptr;
+            throw GrammarError("the grammar allows no token at its start: no text this model's tokens spell can "
+                               "begin to match it");
         }
     }
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
@@ -63,7 +103,6 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_voca
         llama_sampler_chain_add(chain_, penalties);
     }
     if (grammar != nullptr) { // kept beside the chain: sample() asks it about the chosen token first
-        grammar_ = grammar;
         grammar_end_ = params.banned.empty() ? llama_vocab_eos(vocab) : params.banned.front();
     }
     if (params.temperature <= 0.0f) {
@@ -101,13 +140,29 @@ llama_token_data_array Sampler::candidates(const float * logits) {
 bool Sampler::grammar_allows(llama_token tok) const {
     llama_token_data one = {tok, 1.0f, 0.0f};
     llama_token_data_array arr = {&one, 1, -1, false};
-    llama_sampler_apply(grammar_, &arr);
+    grammar_call([&] { llama_sampler_apply(grammar_, &arr); });
     return arr.data[0].logit != -INFINITY;
+}
+
+bool Sampler::grammar_complete() const {
+    return grammar_eog_ >= 0 && grammar_allows(grammar_eog_);
+}
+
+bool Sampler::grammar_allows_any() {
+    std::vector<float> zeros(n_vocab_, 0.0f);
+    llama_token_data_array arr = candidates(zeros.data());
+    grammar_call([&] { llama_sampler_apply(grammar_, &arr); });
+    for (size_t i = 0; i < arr.size; ++i) {
+        if (arr.data[i].logit != -INFINITY) {
+            return true;
+        }
+    }
+    return false;
 }
 
 void Sampler::accept(llama_token tok) {
     if (grammar_ != nullptr) {
-        llama_sampler_accept(grammar_, tok);
+        grammar_call([&] { llama_sampler_accept(grammar_, tok); });
     }
     llama_sampler_accept(chain_, tok);
 }
@@ -123,7 +178,7 @@ llama_token Sampler::sample(const float * logits) {
     }
     if (grammar_ != nullptr && !(arr.data[arr.selected].logit != -INFINITY && grammar_allows(arr.data[arr.selected].id))) {
         arr = candidates(logits);
-        llama_sampler_apply(grammar_, &arr);
+        grammar_call([&] { llama_sampler_apply(grammar_, &arr); });
         llama_sampler_apply(chain_, &arr);
         if (arr.selected < 0 || (size_t) arr.selected >= arr.size) {
             throw std::runtime_error("the sampler selected no token");
@@ -132,11 +187,15 @@ llama_token Sampler::sample(const float * logits) {
     if (arr.data[arr.selected].logit == -INFINITY) {
         // every token is ruled out: a finished grammar allows only the end, which ignore_eos (or a logit_bias of
         // -inf) bans; the text is complete, so it ends there
-        if (grammar_end_ >= 0) {
+        if (grammar_ != nullptr && grammar_end_ >= 0 && grammar_complete()) {
             accept(grammar_end_);
             return grammar_end_;
         }
-        throw std::runtime_error("no token is allowed: logit_bias (and the grammar, if any) rule out every token");
+        if (grammar_ != nullptr) {
+            throw GrammarError("the grammar allows no token here: what it needs next is no text this model's "
+                               "tokens spell, or logit_bias rules it out");
+        }
+        throw std::runtime_error("no token is allowed: logit_bias rules out every token");
     }
     const llama_token tok = arr.data[arr.selected].id;
     accept(tok);

@@ -7,6 +7,7 @@
 #include "llama.h"
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,10 +28,24 @@ struct SamplerParams {
     float   presence_penalty  = 0.0f; // minus this once if the token occurred
     std::vector<llama_token> history; // the prompt's last tokens, seen by the penalties before the first draw
     std::string grammar; // GBNF (llama.cpp's grammar sampler, rule "root"); empty: none
+    // the most work one grammar call (its parse, a check of the candidates, a token accepted) may take: a
+    // parse-stack element visited or a candidate's character matched is one step; 0: no limit
+    uint64_t grammar_max_work = 0;
 
     bool penalizes() const {
         return penalty_last_n != 0 && (repeat_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f);
     }
+};
+
+// A grammar that cannot be followed: over its work limit, or allowing no token where generation must go on.
+// The request that gave it fails; the model, the context and every other sampler are unaffected.
+struct GrammarError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// what needed more work than GrammarLimits allow (a subclass: the server answers it with its setting's name)
+struct GrammarWorkExceeded : GrammarError {
+    using GrammarError::GrammarError;
 };
 
 class Sampler {
@@ -48,6 +63,8 @@ public:
 private:
     llama_token_data_array candidates(const float * logits);
     bool grammar_allows(llama_token tok) const;
+    bool grammar_complete() const;
+    bool grammar_allows_any();
     void accept(llama_token tok);
 
     llama_sampler * chain_ = nullptr;
@@ -55,6 +72,8 @@ private:
     int32_t n_vocab_ = 0;
     // the end token a finished grammar gives when the bans and biases rule out every token; -1: none
     llama_token grammar_end_ = -1;
+    // an end-of-generation token: the grammar allows it exactly when it is complete; -1: the vocabulary has none
+    llama_token grammar_eog_ = -1;
     std::vector<llama_token_data> cand_;
 };
 

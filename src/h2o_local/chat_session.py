@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 from .backends import where_layers_run
 from .chat_template import Message, normalize_messages
-from .llama import Llama, Snapshot
+from .llama import RECALL_DEFAULT_BYTES, Llama, Snapshot
 from .sampling import CHAT
 from .sessions import Session, continues
 from .text import check_text
@@ -212,17 +212,26 @@ class ChatSession:
         self._prompt = meta["prompt"]
         self._turn += 1
 
+    def _snapshot_limit(self) -> int:
+        """The most bytes a snapshot of this chat can take: its cells, scores and logits are never more than the
+        whole allocated cache's, and what recall keeps in host memory never more than a store's cap (this chat's
+        recall setting, or the default one: a chat saved with recall loads into one without), its entries counted
+        at the cache's own width (the widest a saved store can have) with their scores."""
+        llm = self.llm
+        st = llm.kv_state()
+        n_head = llm.info.n_head
+        device = 2 * st.kv_bytes + 16 * st.kv_cells * (n_head + 4) + 8 * llm.n_vocab()
+        entries = max(llm.recall, llm.info.n_ctx_train)
+        host = max(llm.recall * llm.kv_bytes_per_cell, RECALL_DEFAULT_BYTES) + entries * (8 * n_head + 32)
+        return device + host + 2**20
+
     def _read_session(self, path: Path):
         """The checked parts of a session file: (meta, snapshot). Raises ValueError for anything else."""
         def bad(why: str) -> ValueError:
             return ValueError(f"{path}: not a session file of this chat ({why})")
 
-        st = self.llm.kv_state()
-        limits = {"session.json": MAX_SESSION_JSON_BYTES,
-                  # a sequence's cells, scores and logits can never be larger than the whole allocated cache's
-                  "kv.bin": 2 * st.kv_bytes + 16 * st.kv_cells * (self.llm.info.n_head + 4) + 8 * self.llm.n_vocab()
-                            + 2**20}
-        limits["prompt.bin"] = limits["kv.bin"]
+        limits = {"session.json": MAX_SESSION_JSON_BYTES, "kv.bin": self._snapshot_limit(),
+                  "prompt.bin": self._snapshot_limit()}
         try:
             with zipfile.ZipFile(path) as z:
                 parts = {}

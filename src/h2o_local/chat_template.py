@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import jinja2
 import jinja2.sandbox
@@ -33,6 +33,30 @@ def normalize_messages(messages: Sequence[Message]) -> List[Message]:
             raise ValueError(f"message {i} needs a 'content' (a string, a list of text parts, or None)")
         out.append({**m, "content": _content_text(m.get("content"), i)})
     return out
+
+
+def content_pieces(text: str, contents: Sequence[str], plain: Sequence[str]) -> List[Tuple[str, bool]]:
+    """`text` (a rendered chat) cut into (piece, parse special tokens?) pieces: the messages' `contents` are found
+    in it in order, and those in `plain` (contents that spell special tokens) are pieces of their own, read as
+    text; the rest is the template's markup. ValueError when a content in `plain` is not in the text as it was
+    given (a template that rewrites its messages): its special tokens could then not be told from the markup's."""
+    pieces: List[Tuple[str, bool]] = []
+    cursor = markup_from = 0
+    wanted = set(plain)
+    for i, content in enumerate(contents):
+        at = text.find(content, cursor) if content else -1
+        if at < 0:
+            if content in wanted:
+                raise ValueError(f"message {i}'s content holds the text of a special token, and this chat template "
+                                 f"does not write it out as given, so it cannot be kept as text: remove it (or ask "
+                                 f"for special tokens in content)")
+            continue
+        if content in wanted:
+            pieces += [(text[markup_from:at], True), (content, False)]
+            markup_from = at + len(content)
+        cursor = at + len(content)
+    pieces.append((text[markup_from:], True))
+    return [(piece, special) for piece, special in pieces if piece]
 
 
 def _content_text(content: Any, i: int) -> str:

@@ -142,6 +142,7 @@ class Completions:
                                sampling: Optional[SamplingParams] = None,
                                response_format: Optional[Dict[str, Any]] = None,
                                tools: Optional[List[Dict[str, Any]]] = None, tool_choice: Any = None,
+                               special_in_content: bool = False,
                                **params: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
         as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`). `response_format`: `{"type":
@@ -149,7 +150,8 @@ class Completions:
         a grammar (`h2o_local.grammar`; or give `grammar=` GBNF text yourself). `tools` / `tool_choice`: OpenAI's,
         for templates that write calls as `<tool_call>` blocks (Hermes, Qwen2.5; `h2o_local.tools`): calls come
         back as `message.tool_calls` with `finish_reason` "tool_calls"; "required" or a named tool forces a call
-        with a grammar. A template without that format raises ValueError."""
+        with a grammar. A template without that format raises ValueError. Messages' contents are text: their
+        special-token text stays text unless `special_in_content=True` (`Llama.chat_tokens`)."""
         plan = tools_mod.plan(self.chat_template.source, tools, tool_choice)
         messages = plan.messages(messages)
         for extra in (response_format_grammar(response_format), plan.grammar):
@@ -158,7 +160,7 @@ class Completions:
                     raise ValueError("give one of response_format, a forced tool call or grammar, not several")
                 params = {**params, "grammar": extra}
         p = self._params(_CHAT, sampling, params)
-        tokens, n_keep = self.chat_tokens(messages, tools=plan.tools)
+        tokens, n_keep = self.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content)
         events = self._generate_one(tokens, p, reset=True, n_keep=n_keep)
         meta = responses.chat_meta(self.model_path)
         if stream and not plan.parses:

@@ -6,14 +6,17 @@ an end-of-generation token, a stop string or `max_tokens`, and feeds the others'
 A batch given a `background` executor (a server's slots) draws the tokens of grammar-constrained sequences there,
 from a copy of their logits: a draw that is not done within `draw_wait_s` is left running, its sequence skips the
 step (not fed, no event), and the others go on; it joins a later step once its token is drawn. One conversation's
-grammar then never holds the decode step the others share.
+grammar then never holds the decode step the others share. Such a batch also keeps its sequences apart when a draw
+fails (a grammar that cannot go on, or needs more work than its limits allow): that sequence ends with the error in
+its end event, the others go on; a draw still running when its sequence's deadline passes ends it with "length"
+(the draw itself is bounded by its grammar's work limit, so its worker is soon free again).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -47,6 +50,7 @@ class Event:
     text: str                             # text released by this token (or the rest, at the end)
     finish_reason: Optional[str] = None
     logits: Optional[np.ndarray] = None   # the logits the token was drawn from (only when asked)
+    error: Optional[Exception] = None     # why the sequence ended, when it failed (finish_reason "error")
 
 
 class Batch:
@@ -94,9 +98,9 @@ class Batch:
         if self.drawing:
             concurrent.futures.wait(self.drawing, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def _draws(self) -> Dict[int, int]:
+    def _draws(self) -> Dict[int, Union[int, Exception]]:
         """The tokens drawn this step: grammar-constrained sequences aside (those not done within draw_wait_s go
-        on drawing and skip the step), the others here."""
+        on drawing and skip the step), the others here. With `background`, a failed draw gives its exception."""
         engine, tokens = self.engine, {}
         if self.background is not None:
             for seq_id, r in self.live.items():
@@ -104,7 +108,12 @@ class Batch:
                     r.drawing = self.background.submit(r.sampler.sample, engine.last_logits(seq_id))
         for seq_id, r in self.live.items():
             if r.drawing is None:
-                tokens[seq_id] = engine.sample(seq_id, r.sampler)
+                try:
+                    tokens[seq_id] = engine.sample(seq_id, r.sampler)
+                except ValueError as e:  # the sequence's own input (its grammar, its biases) is at fault
+                    if self.background is None:
+                        raise
+                    tokens[seq_id] = e
         deadline = time.monotonic() + self.draw_wait_s
         for seq_id, r in self.live.items():
             if r.drawing is not None:
@@ -112,21 +121,39 @@ class Batch:
                     tokens[seq_id] = r.drawing.result(timeout=max(deadline - time.monotonic(), 0.0))
                 except concurrent.futures.TimeoutError:
                     continue
+                except Exception as e:  # noqa: BLE001 - a draw's failure is its sequence's alone
+                    tokens[seq_id] = e
                 r.drawing = None
         return tokens
+
+    def _overdue(self) -> List[Event]:
+        """Sequences whose draw is still running past their deadline end with "length" (the draw's token is
+        dropped when it comes)."""
+        out, now = [], time.monotonic()
+        for seq_id, r in list(self.live.items()):
+            if r.drawing is not None and r.deadline is not None and now >= r.deadline:
+                r.drawing = None
+                del self.live[seq_id]
+                out += self._finish(r, "length")
+        return out
 
     def sample(self) -> List[Event]:
         """One token for every live sequence (or its end); with `background`, a sequence whose grammar draw is
         still running skips this step."""
         self.release()
-        engine, out = self.engine, []
+        engine = self.engine
         feed = self._feed
         drawn = self._draws()
+        out = self._overdue()
         for seq_id, r in list(self.live.items()):
             if seq_id not in drawn:
                 continue
-            logits = engine.last_logits(seq_id) if self.want_logits else None
             token = drawn[seq_id]
+            if isinstance(token, Exception):
+                del self.live[seq_id]
+                out += self._finish(r, "error", token)
+                continue
+            logits = engine.last_logits(seq_id) if self.want_logits else None
             finish = None
             if engine.is_eog(token):
                 r.eog_token = token
@@ -188,11 +215,11 @@ class Batch:
             out += self._finish(self.live.pop(seq_id), "length")
         return out
 
-    def _finish(self, r: SeqRun, reason: str) -> List[Event]:
+    def _finish(self, r: SeqRun, reason: str, error: Optional[Exception] = None) -> List[Event]:
         r.finish_reason = reason
         if self.free_finished:
             self._finished.append(r.seq_id)
-        return [Event(r.index, None, r.text.flush(), reason)]
+        return [Event(r.index, None, r.text.flush(), reason, error=error)]
 
     def release(self) -> None:
         """Free the caches of the sequences that finished (with free_finished)."""

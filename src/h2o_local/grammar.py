@@ -33,18 +33,27 @@ class GrammarLimits:
     outputs take at most 1,000 enum values and 5,000 properties per schema, llama.cpp's GBNF parser refuses a
     repetition count over 2,000.
 
+    Size is not work: nullable rules nested k deep open m^k parse stacks at once from a few hundred bytes, so the
+    work itself is bounded too, by llama.cpp's grammar sampler as it runs (our patch 0010):
+
     max_bytes: GBNF text, bytes. max_rules: rules (`name ::= ...`). max_alternatives: `|` in the whole grammar.
     max_repetition: the largest count in `{m,n}` and in a schema's minItems / maxItems / minLength / maxLength /
         minProperties / maxProperties and its patterns' `{m,n}`.
+    max_work: steps one grammar call may take (a candidate token's character matched is one, a parse-stack
+        element visited eight): its parse, a check of the vocabulary, a token accepted. The default is about a second
+        of one core, what max_alternatives (2,048) open alternatives checked against a 151k vocabulary take; a
+        grammar whose start needs more is refused when its sampler is made, one that needs more later ends its
+        generation with GrammarTooLarge (a ValueError).
     """
 
     max_bytes: int = 256 * 1024
     max_rules: int = 10_000
     max_alternatives: int = 2_048
     max_repetition: int = 2_000
+    max_work: int = 400_000_000
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_rules", "max_alternatives", "max_repetition"):
+        for name in ("max_bytes", "max_rules", "max_alternatives", "max_repetition", "max_work"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GrammarLimits.{name} must be an int >= 1, got {value!r}")
@@ -53,18 +62,27 @@ class GrammarLimits:
 DEFAULT_LIMITS = GrammarLimits()
 
 # the server setting that raises each limit (the Python API names the GrammarLimits field)
-_SETTING = {"max_bytes": "grammar_max_bytes", "max_rules": "grammar_max_rules",
-            "max_alternatives": "grammar_max_alternatives", "max_repetition": "grammar_max_repetition"}
+_SETTING = {name: f"grammar_{name}" for name in GrammarLimits.__dataclass_fields__}
 
 
 class GrammarTooLarge(ValueError):
-    """A grammar (or the JSON schema it comes from) over one of `GrammarLimits`; `limit` names the field."""
+    """A grammar (or the JSON schema it comes from) over one of `GrammarLimits`; `limit` names the field. `value`
+    None: the sampler stopped at the limit (max_work) without counting further."""
 
-    def __init__(self, what: str, value: float, limit: str, limits: GrammarLimits):
+    def __init__(self, what: str, value: Optional[float], limit: str, limits: GrammarLimits):
         self.limit = limit
-        shown = f"{value:g}" if isinstance(value, float) else str(value) if value < 10**18 else "over 10^18"
-        super().__init__(f"the grammar is too large: {what} {shown} is over the limit of {getattr(limits, limit)} "
+        if value is None:
+            shown = ""
+        else:
+            shown = " " + (f"{value:g}" if isinstance(value, float) else str(value) if value < 10**18 else "over 10^18")
+        super().__init__(f"the grammar is too large: {what}{shown} is over the limit of {getattr(limits, limit)} "
                          f"(GrammarLimits.{limit}; on the server --{_SETTING[limit].replace('_', '-')})")
+
+
+def work_exceeded(limits: GrammarLimits) -> GrammarTooLarge:
+    """What llama.cpp's grammar sampler stopping at `limits.max_work` is said as."""
+    return GrammarTooLarge("the work of one step of its sampler (too many parse stacks open at once)", None,
+                           "max_work", limits)
 
 
 # what can hold a parenthesis, a bar or a brace without being an operator: a literal, a character class, a comment

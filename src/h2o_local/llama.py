@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List,
 import numpy as np
 
 from . import _engine, generation, rpc, sampling
-from .chat_template import ChatTemplate, Message, normalize_messages
+from .chat_template import ChatTemplate, Message, content_pieces, normalize_messages
 from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .completions import Completions
@@ -728,30 +728,53 @@ class Llama(Completions):
         return self.chat_template.render(messages, add_generation_prompt, time_limit_s, tools)
 
     def chat_tokens(self, messages: Sequence[Message], time_limit_s: Optional[float] = None,
-                    tools: Optional[List[Dict[str, Any]]] = None) -> Tuple[List[int], Optional[int]]:
+                    tools: Optional[List[Dict[str, Any]]] = None, *,
+                    special_in_content: bool = False) -> Tuple[List[int], Optional[int]]:
         """The prompt tokens of a chat, and its protected prefix with `keep="system"` (the tokens of the leading
-        system messages; None with another `keep`, which then applies as set)."""
-        tokens = self._template_tokens(self.apply_chat_template(messages, time_limit_s=time_limit_s, tools=tools))
+        system messages; None with another `keep`, which then applies as set).
+
+        The template's markup is tokenized with its special tokens, each message's content as text: a message that
+        holds `<|im_end|>` cannot close its turn and open a system one (OpenAI's behaviour). A content that holds
+        such text and that the template does not write out as it is raises ValueError. `special_in_content=True`
+        parses the contents' special tokens too (llama-server's and Ollama's behaviour), for a client that writes
+        turns into messages on purpose."""
+        msgs = normalize_messages(messages)
+        contents = None if special_in_content else [m["content"] for m in msgs]
+        tokens = self._template_tokens(self.apply_chat_template(msgs, time_limit_s=time_limit_s, tools=tools),
+                                       contents)
         if self.keep != "system":
             return tokens, None
-        msgs = normalize_messages(messages)
         n_system = 0
         while n_system < len(msgs) and msgs[n_system]["role"] in ("system", "developer"):
             n_system += 1
         if n_system == 0:
             return tokens, 0
         prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False,
-                                                                time_limit_s=time_limit_s, tools=tools))
+                                                                time_limit_s=time_limit_s, tools=tools),
+                                       None if contents is None else contents[:n_system])
         n = 0
         while n < min(len(prefix), len(tokens)) and prefix[n] == tokens[n]:
             n += 1
         return tokens, n
 
-    def _template_tokens(self, text: str) -> List[int]:
+    def _template_tokens(self, text: str, contents: Optional[List[str]] = None) -> List[int]:
+        """The tokens of a rendered chat: special tokens parsed, but inside the spans of `contents` that hold
+        special-token text (None: parsed everywhere)."""
         # a template that writes the BOS itself (llama 3, say) must not get a second one from the tokenizer
         bos = self.chat_template.bos_token
         add_bos = self.info.add_bos and not (bos and text.startswith(bos))
-        return self.tokenize(text, add_bos=add_bos, special=True)
+        plain = [c for c in contents or () if self._holds_special_text(c)]
+        if not plain:  # the common case: one tokenization, as llama-server's
+            return self.tokenize(text, add_bos=add_bos, special=True)
+        tokens: List[int] = []
+        for piece, special in content_pieces(text, contents, plain):
+            tokens += self.tokenize(piece, add_bos=add_bos and not tokens, special=special)
+        return tokens
+
+    def _holds_special_text(self, text: str) -> bool:
+        """Whether `text` spells a special token (it tokenizes otherwise with special tokens parsed)."""
+        return bool(text) and self.tokenize(text, add_bos=False, special=True) != \
+            self.tokenize(text, add_bos=False, special=False)
 
 
 _GENERATE = sampling.GENERATE

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _engine
-from .grammar import DEFAULT_LIMITS, GrammarLimits, check_grammar
+from .grammar import DEFAULT_LIMITS, GrammarLimits, check_grammar, work_exceeded
 from .policies import check_int
 
 
@@ -30,7 +30,8 @@ class SamplingParams:
     grammar: GBNF text (llama.cpp's grammar format, rule `root`) the output must follow; `h2o_local.grammar` has
         JSON and JSON-schema grammars. A grammar that does not parse raises ValueError.
     grammar_limits: how large the grammar may be (`h2o_local.grammar.GrammarLimits`: bytes, rules, alternatives,
-        repetitions); a larger one raises ValueError before any work is done on it.
+        repetitions; a larger one raises ValueError before any work is done on it) and how much work one step of it
+        may take (a generation whose grammar needs more ends with GrammarTooLarge, a ValueError).
     """
 
     max_tokens: Optional[int] = 128
@@ -93,7 +94,16 @@ class SamplingParams:
     def sampler(self, n_vocab: int, seed: int, banned: Sequence[int] = (), history: Sequence[int] = (),
                 engine: Optional["_engine.Engine"] = None) -> "_engine.Sampler":
         """The C++ sampler chain for these parameters, seeded with `seed` (32 bits); `history`: the prompt's tokens,
-        whose last penalty_last_n the penalties count. A token id outside the vocabulary raises ValueError."""
+        whose last penalty_last_n the penalties count. A token id outside the vocabulary raises ValueError, as does a
+        grammar that allows no token at its start (`_engine.GrammarError`) or needs more work than its limits allow
+        to start (`GrammarTooLarge`). The grammar is parsed and checked with the GIL released."""
+        try:
+            return self._sampler(n_vocab, seed, banned, history, engine)
+        except _engine.GrammarWorkExceeded:
+            raise work_exceeded(self.grammar_limits) from None
+
+    def _sampler(self, n_vocab: int, seed: int, banned: Sequence[int], history: Sequence[int],
+                 engine: Optional["_engine.Engine"]) -> "_engine.Sampler":
         return _engine.Sampler(n_vocab, temperature=float(self.temperature), top_p=float(self.top_p),
                                top_k=min(int(self.top_k), n_vocab), min_p=float(self.min_p), seed=int(seed) & 0xFFFFFFFF,
                                banned=list(banned), logit_bias=dict(self.logit_bias or {}),
@@ -101,7 +111,8 @@ class SamplingParams:
                                frequency_penalty=float(self.frequency_penalty),
                                presence_penalty=float(self.presence_penalty),
                                history=list(history[-self.penalty_last_n:]) if self.penalty_last_n else [],
-                               grammar=self.grammar or "", engine=engine)
+                               grammar=self.grammar or "", grammar_max_work=self.grammar_limits.max_work,
+                               engine=engine)
 
 
 def _logit_bias(bias: Any) -> Optional[Dict[int, float]]:

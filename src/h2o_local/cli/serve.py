@@ -40,5 +40,6 @@ def main(argv=None) -> int:
         ap.error(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}")
     llm = load_llama(ap, args, n_seq_max=settings.slots, kv_unified=False, export_scores=args.export_scores)
     app = create_app(llm, settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
+                limit_concurrency=settings.max_connections)
     return 0

@@ -28,6 +28,12 @@ from .scheduler import Scheduler
 from .settings import ServerSettings
 
 
+def _longest_token_bytes(llm: Llama) -> int:
+    """The most bytes one token stands for (special tokens' text included): text longer than n times this cannot
+    be n tokens or fewer."""
+    return max(len(llm.token_to_piece(t, special=True)) for t in range(llm.n_vocab()))
+
+
 def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **overrides: Any) -> FastAPI:
     """The app serving `llm` (which it owns from now on: one thread decodes for all requests). `settings` (or
     keyword overrides of its fields: `max_waiting=4`, `session_mib=0`, `model_id="x"`, ...; see `ServerSettings`)
@@ -35,18 +41,20 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     settings = (settings or ServerSettings()).model_copy(update=overrides) if overrides else (settings or ServerSettings())
     ServerSettings.model_validate(settings.model_dump())  # overrides are checked as the fields are
     scheduler = Scheduler(llm, max_waiting=settings.max_waiting, session_bytes=int(settings.session_mib * 2**20))
+    max_prompt_tokens = settings.max_prompt_tokens or max(llm.n_ctx_train(), scheduler.slots.cells_per_slot)
     state = ServerState(
         llm=llm, scheduler=scheduler, settings=settings, model_id=settings.model_id or os.path.basename(llm.model_path),
-        max_prompt_tokens=settings.max_prompt_tokens or max(llm.n_ctx_train(), scheduler.slots.cells_per_slot),
+        max_prompt_tokens=max_prompt_tokens,
+        max_prompt_bytes=max_prompt_tokens * _longest_token_bytes(llm),
         max_tokens=settings.max_tokens or llm.n_ctx_train(),
         default_keep=llm.keep if isinstance(llm.keep, int) else 0,
-        templates=concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h2o-local-template"))
+        prepare=concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h2o-local-prepare"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         scheduler.close()
-        state.templates.shutdown(wait=False, cancel_futures=True)
+        state.prepare.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache",
                   lifespan=lifespan)

@@ -73,6 +73,9 @@ class _Request(BaseModel):
     # llama-server's: the longest this request may generate, ms (then finish_reason "length"); the server's
     # request_time_limit_s caps it
     t_max_predict_ms: Optional[StrictInt] = Field(default=None, ge=1)
+    # vLLM's: saved conversations (and shared system prompts) are continued only by requests with the same salt, so
+    # that clients that do not trust each other cannot learn what the others sent (`cached_tokens`)
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("logit_bias")
     @classmethod
@@ -116,6 +119,9 @@ class ChatCompletionRequest(_Request):
     tools: Optional[List[Dict[str, Any]]] = Field(default=None, max_length=128)
     tool_choice: Union[str, Dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None  # False: at most the first call is returned
+    # messages' contents are text (OpenAI): special-token text in them stays text, it cannot close a turn or open
+    # another; true parses it (llama-server's and Ollama's behaviour), for a client that writes turns on purpose
+    special_in_content: bool = False
 
 
 class APIError(Exception):

@@ -22,7 +22,7 @@ from ..llama import Llama
 from ..policies import Policy
 from ..sampling import CHAT_SURFACE, COMPLETION, SamplingParams
 from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
-from .scheduler import Busy, Cancelled, Job, Scheduler, Started, Viewed
+from .scheduler import Busy, Cancelled, Job, Mailbox, Scheduler, Started, Viewed
 
 View = Optional[Dict[str, Any]]
 from .settings import ServerSettings
@@ -40,9 +40,12 @@ class ServerState:
     settings: ServerSettings
     model_id: str
     max_prompt_tokens: int
+    max_prompt_bytes: int                             # text longer than this cannot be max_prompt_tokens tokens
     max_tokens: int                                   # an answer's longest length (a bounded cache never fills up)
     default_keep: int                                 # the protected prefix of a completion (tokens)
-    templates: concurrent.futures.ThreadPoolExecutor  # chat templates render here, off the event loop
+    # requests are prepared here, off the event loop and with the GIL released where it is C++: chat templates
+    # rendered, prompts tokenized, grammars parsed and checked
+    prepare: concurrent.futures.ThreadPoolExecutor
 
 
 def server_state(request: Request) -> ServerState:
@@ -87,7 +90,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         prompt = prompt[0]
     try:
         if isinstance(prompt, str):  # special tokens parsed, as llama-cpp-python and llama-server do
-            tokens, text = llm.tokenize(prompt, add_bos=llm.info.add_bos, special=True), prompt
+            _check_prompt_bytes(state, len(prompt.encode("utf-8", errors="surrogatepass")), "prompt")
+            tokens = await _prepared(state, llm.tokenize, prompt, add_bos=llm.info.add_bos, special=True)
+            text = prompt
         else:
             tokens, text = [int(t) for t in prompt], None
             if any(not 0 <= t < llm.n_vocab() for t in tokens):
@@ -95,17 +100,17 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="prompt") from None
     policy, view, recall = _conversation_cache(state, body)
-    job = await _submit(state, Job(tokens, _sampling(state, COMPLETION, body, body.max_tokens),
+    job = await _submit(state, Job(tokens, await _sampling(state, COMPLETION, body, body.max_tokens),
                                    n_keep=state.default_keep, policy=policy, view=view, recall=recall,
-                                   time_limit_s=_time_limit(state, body)), request)
+                                   time_limit_s=_time_limit(state, body), cache_salt=body.cache_salt), request)
     meta = responses.completion_meta(state.model_id)
     if body.echo and text is None:  # token ids: their text, as llama-cpp-python echoes it
         text = llm.detokenize(tokens).decode("utf-8", errors="replace")
     echo = text if body.echo else ""
     if body.stream:
-        return EventSourceResponse(_completion_stream(state, job, meta, echo, _include_usage(body)), ping=15)
-    pieces, n, finish = await _collect(state, job, request)
-    return responses.completion(meta, echo + "".join(pieces), finish, _usage(job, n))
+        return _event_stream(state, _completion_stream(state, job, meta, echo, _include_usage(body)))
+    pieces, finish = await _collect(state, job, request)
+    return responses.completion(meta, echo + "".join(pieces), finish, _usage(job))
 
 
 @router.post("/v1/chat/completions")
@@ -128,14 +133,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         if given:
             raise APIError(400, f"a forced tool call and {given[0]} both constrain the answer: give one", param=given[0])
         body.grammar = plan.grammar
+    _check_prompt_bytes(state, sum(_text_bytes(m.get("content")) for m in messages), "messages")
     limit_s = state.settings.template_timeout_s
     try:  # a template can be slow on some messages: never on the event loop, and never for long
-        rendering = asyncio.get_running_loop().run_in_executor(
-            state.templates, lambda: state.llm.chat_tokens(messages, limit_s, tools=plan.tools))
+        rendering = _prepared(state, state.llm.chat_tokens, messages, limit_s, tools=plan.tools,
+                              special_in_content=body.special_in_content)
         tokens, n_keep = await asyncio.wait_for(rendering, limit_s + 1)
     except asyncio.TimeoutError:
-        raise APIError(400, f"the chat template took more than {limit_s:g} s to render these messages",
-                       param="messages") from None
+        raise APIError(400, f"preparing these messages (the chat template rendering them, then their tokenization) "
+                            f"took more than {limit_s:g} s (--template-timeout-s)", param="messages") from None
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -143,22 +149,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if view and plan.parses:
         raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
                        param="kv_cache.view")
-    job = await _submit(state, Job(tokens, _sampling(state, CHAT_SURFACE, body, limit),
+    job = await _submit(state, Job(tokens, await _sampling(state, CHAT_SURFACE, body, limit),
                                    n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
                                    recall=recall,
-                                   time_limit_s=_time_limit(state, body)),
+                                   time_limit_s=_time_limit(state, body), cache_salt=body.cache_salt),
                         request)
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
-        return EventSourceResponse(_chat_stream(state, job, meta, _include_usage(body)), ping=15)
-    pieces, n, finish = await _collect(state, job, request)
+        return _event_stream(state, _chat_stream(state, job, meta, _include_usage(body)))
+    pieces, finish = await _collect(state, job, request)
     content, calls = plan.parse("".join(pieces))
     if body.parallel_tool_calls is False:
         calls = calls[:1]
-    out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, _usage(job, n),
+    out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, _usage(job),
                                     tool_calls=calls)
     if body.stream:  # with tools the answer is parsed whole, then streamed
-        return EventSourceResponse(_whole_stream(meta, out, _include_usage(body)), ping=15)
+        return _event_stream(state, _whole_stream(meta, out, _include_usage(body)))
     return out
 
 
@@ -232,7 +238,30 @@ def _max_budget(state: ServerState, policy: Optional[Policy] = None) -> int:
     return state.scheduler.slots.cells_per_slot - 1 - state.llm.probe_cells(policy)
 
 
-def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int]) -> SamplingParams:
+def _prepared(state: ServerState, fn, *args: Any, **kwargs: Any) -> "asyncio.Future[Any]":
+    """`fn(*args, **kwargs)` in the server's preparing threads, off the event loop (await it)."""
+    return asyncio.get_running_loop().run_in_executor(state.prepare, lambda: fn(*args, **kwargs))
+
+
+def _text_bytes(content: Any) -> int:
+    """The bytes of a message's text (a string, or a list of text parts)."""
+    if isinstance(content, str):
+        return len(content.encode("utf-8", errors="surrogatepass"))
+    if isinstance(content, list):
+        return sum(_text_bytes(part.get("text") if isinstance(part, dict) else part) for part in content)
+    return 0
+
+
+def _check_prompt_bytes(state: ServerState, n_bytes: int, param: str) -> None:
+    """Text that cannot fit in max_prompt_tokens is refused before anything tokenizes it."""
+    if n_bytes > state.max_prompt_bytes:
+        raise APIError(400, f"the prompt's text has {n_bytes} bytes, more than {state.max_prompt_tokens} tokens "
+                            f"of this model can hold; this server takes at most {state.max_prompt_tokens} tokens",
+                       param=param, code="context_length_exceeded")
+
+
+async def _sampling(state: ServerState, defaults: SamplingParams, body: _Request,
+                    max_tokens: Optional[int]) -> SamplingParams:
     changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
                                                               "presence_penalty", "frequency_penalty", "repeat_penalty")
                                if getattr(body, k) is not None}
@@ -273,8 +302,8 @@ def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_
     changes["max_tokens"] = state.max_tokens if asked is None else min(asked, state.max_tokens)
     try:
         params = defaults.replace(**changes)
-        if params.grammar:
-            state.llm.check_sampling(params)  # a grammar that does not parse is the request's error, here
+        if params.grammar:  # a grammar that does not parse, or allows nothing, is the request's error, here
+            await _prepared(state, state.llm.check_sampling, params)
         return params
     except (TypeError, ValueError) as e:
         named = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
@@ -301,15 +330,14 @@ async def _submit(state: ServerState, job: Job, request: Request) -> Job:
     if not state.llm.policy.bounded and n >= cells:
         raise APIError(400, f"the prompt ({n} tokens) does not fit in the context ({cells} tokens per slot)",
                        param="messages", code="context_length_exceeded")
-    job.loop = asyncio.get_running_loop()
-    job.queue = asyncio.Queue()
+    job.mailbox = Mailbox(asyncio.get_running_loop())
     try:
         state.scheduler.submit(job)
     except Busy as e:
         raise APIError(429, str(e), kind="rate_limit_error", code="slots_busy") from None
     watcher = asyncio.ensure_future(_disconnected(state, request, job))  # a client may leave while it waits
     try:
-        first = await job.queue.get()  # the prompt is in (or it failed): only now does the response start
+        first = await job.mailbox.get()  # the prompt is in (or it failed): only now does the response start
     finally:
         watcher.cancel()
     if isinstance(first, Cancelled):
@@ -325,7 +353,7 @@ async def _events(state: ServerState, job: Job) -> AsyncIterator[Tuple[generatio
     """The job's events, each with the cache's view when the job asked for it (else None)."""
     try:
         while True:
-            item = await job.queue.get()
+            item = await job.mailbox.get()
             if isinstance(item, Cancelled):
                 return
             if isinstance(item, BaseException):
@@ -338,22 +366,45 @@ async def _events(state: ServerState, job: Job) -> AsyncIterator[Tuple[generatio
         state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
 
 
-async def _collect(state: ServerState, job: Job, request: Request) -> Tuple[List[str], int, Optional[str]]:
+async def _collect(state: ServerState, job: Job, request: Request) -> Tuple[List[str], Optional[str]]:
     pieces: List[str] = []
-    n, finish = 0, None
+    finish = None
     events = _events(state, job)
     watcher = asyncio.ensure_future(_disconnected(state, request, job))
     try:
         async for e, _ in events:
             pieces.append(e.text)
-            n += e.token is not None
             finish = e.finish_reason
-    except RuntimeError as e:
-        raise APIError(500, str(e), "server_error") from None
+    except Exception as e:  # noqa: BLE001 - said as the request's error
+        raise _failed(e) from None
     finally:
         watcher.cancel()
         await events.aclose()
-    return pieces, n, finish
+    return pieces, finish
+
+
+def _failed(error: Exception) -> APIError:
+    """A request that failed while it generated: its own input's fault (a grammar that cannot go on: 400) or the
+    server's (500)."""
+    if isinstance(error, ValueError):
+        return APIError(400, str(error), code=_limit_code(error) or "generation_failed")
+    return APIError(500, str(error), "server_error")
+
+
+async def _streamed(state: ServerState, job: Job) -> AsyncIterator[Tuple[generation.Event, View]]:
+    """`_events` for a stream that has started: a failure ends it with an error event (OpenAI's `{"error": ...}`,
+    as llama-server sends it), not a broken connection."""
+    try:
+        async for item in _events(state, job):
+            yield item
+    except Exception as e:  # noqa: BLE001 - said to the client
+        err = _failed(e)
+        raise _StreamFailed(json.dumps({"error": {"message": err.message, "type": err.kind, "param": err.param,
+                                                  "code": err.code}})) from None
+
+
+class _StreamFailed(Exception):
+    """A started stream's failure: its one error event (JSON) is the stream's last."""
 
 
 async def _disconnected(state: ServerState, request: Request, job: Job) -> None:
@@ -363,30 +414,40 @@ async def _disconnected(state: ServerState, request: Request, job: Job) -> None:
 
 
 async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any], echo: str, usage: bool):
-    n = 0
     first = _viewed(responses.completion_chunk(meta, echo), job.started.view)
     if echo or first.get("kv_cache"):
         yield json.dumps(first)
-    async for e, view in _events(state, job):
-        n += e.token is not None
-        yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason), view))
+    try:
+        async for e, view in _streamed(state, job):
+            yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason), view))
+    except _StreamFailed as failed:
+        yield str(failed)
+        return
     if usage:
-        yield json.dumps(responses.usage_chunk(meta, _usage(job, n), chat=False))
+        yield json.dumps(responses.usage_chunk(meta, _usage(job), chat=False))
     yield "[DONE]"
 
 
 async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool):
     yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": ""}), job.started.view))
-    n = 0
-    async for e, view in _events(state, job):
-        n += e.token is not None
-        if e.text or (view is not None and e.token is not None):  # the view goes with every token
-            yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}), view))
-        if e.token is None:
-            yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
+    try:
+        async for e, view in _streamed(state, job):
+            if e.text or (view is not None and e.token is not None):  # the view goes with every token
+                yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}), view))
+            if e.token is None:
+                yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
+    except _StreamFailed as failed:
+        yield str(failed)
+        return
     if usage:
-        yield json.dumps(responses.usage_chunk(meta, _usage(job, n), chat=True))
+        yield json.dumps(responses.usage_chunk(meta, _usage(job), chat=True))
     yield "[DONE]"
+
+
+def _event_stream(state: ServerState, chunks: AsyncIterator[str]) -> EventSourceResponse:
+    """Server-sent events; a client that reads none of them for stream_send_timeout_s is dropped (its request's
+    events wait merged in its mailbox meanwhile)."""
+    return EventSourceResponse(chunks, ping=15, send_timeout=state.settings.stream_send_timeout_s)
 
 
 def _viewed(chunk: Dict[str, Any], view: View) -> Dict[str, Any]:
@@ -408,5 +469,6 @@ def _include_usage(body: _Request) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
 
 
-def _usage(job: Job, n_completion: int):
-    return responses.usage(len(job.prompt_tokens), n_completion, cached=job.reused_tokens, kv_cache=job.kv_cache)
+def _usage(job: Job):
+    """The request's usage, once its end was read (the scheduler counts its tokens as it delivers them)."""
+    return responses.usage(len(job.prompt_tokens), job.n_generated, cached=job.reused_tokens, kv_cache=job.kv_cache)

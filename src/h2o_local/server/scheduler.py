@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +55,53 @@ class Viewed:
     view: Dict[str, Any]
 
 
+class Mailbox:
+    """What the decoding thread hands one request's handler, in order. While the reader is behind, a token's event
+    is merged into the token event waiting before it (its text appended, the newest view kept): a client that does
+    not read its stream holds a few events, never one per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: Deque[Any] = collections.deque()
+        self._lock = threading.Lock()
+        self._ready = asyncio.Event()
+
+    def put(self, item: Any) -> None:
+        """From any thread."""
+        with self._lock:
+            if self._items and _token_event(self._items[-1]) and _token_event(item):
+                item = _merged(self._items.pop(), item)
+            self._items.append(item)
+        self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> Any:
+        """On the loop: the next item (merged tokens count as one)."""
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                self._ready.clear()
+            await self._ready.wait()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+def _token_event(item: Any) -> bool:
+    event = item.event if isinstance(item, Viewed) else item
+    return isinstance(event, generation.Event) and event.token is not None
+
+
+def _merged(first: Any, then: Any) -> Any:
+    """Two token events as one: the texts joined, the later token and view (with both tokens' pieces)."""
+    if isinstance(then, Viewed):
+        event = dataclasses.replace(then.event, text=first.event.text + then.event.text)
+        view = {**then.view, "piece": first.view.get("piece", "") + then.view.get("piece", "")}
+        return Viewed(event, view)
+    return dataclasses.replace(then, text=first.text + then.text)
+
+
 class Cancelled(Exception):
     """The job's last event after `Scheduler.cancel`: its request handler ends (its client went away)."""
 
@@ -76,8 +125,8 @@ class Job:
     view: bool = False                  # deliver the cache's state with every event (Started.view, Viewed)
     time_limit_s: Optional[float] = None  # generation ends with "length" after this long (seconds)
     recall: Optional[bool] = None       # its own recall setting (None: the server's)
-    loop: Optional[asyncio.AbstractEventLoop] = None
-    queue: Optional["asyncio.Queue[Any]"] = None
+    cache_salt: Optional[str] = None    # saved sessions are shared only with requests of the same salt
+    mailbox: Optional[Mailbox] = None         # where its events go (set when it is submitted)
     cancelled: bool = False
     reused_tokens: int = 0              # prompt tokens found in a saved session
     submitted: float = field(default_factory=time.perf_counter)
@@ -86,8 +135,8 @@ class Job:
     started: Optional[Started] = None   # its first event, once delivered
 
     def put(self, item: Any) -> None:
-        if self.loop is not None and self.queue is not None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        if self.mailbox is not None:
+            self.mailbox.put(item)
 
 
 class Scheduler:
@@ -266,6 +315,11 @@ class Scheduler:
             job = self._active.get(e.index)
             if job is None:
                 continue
+            if e.error is not None:  # its draw failed (its grammar): it alone ends, with the error
+                self.metrics.requests.labels("error").inc()
+                job.put(e.error)
+                self._release(e.index, save=False)
+                continue
             if e.token is not None:
                 job.n_generated += 1
                 if job.n_generated == 1:
@@ -316,5 +370,9 @@ class Scheduler:
 
 
 def _label(job: Job) -> str:
-    """Saved sessions are continued only under the policy and recall setting that made them ("": the server's)."""
-    return ("" if job.policy is None else job.policy.label) + ("" if job.recall is None else f"+recall={job.recall}")
+    """Saved sessions are continued only under the policy and recall setting that made them ("": the server's), and
+    only by requests with the same cache_salt (a client's conversations and system prompts stay its own: without
+    a salt, `cached_tokens` would tell one client whether another sent a given prompt)."""
+    salt = "" if job.cache_salt is None else "+salt=" + hashlib.sha256(job.cache_salt.encode()).hexdigest()
+    return ("" if job.policy is None else job.policy.label) + ("" if job.recall is None else f"+recall={job.recall}") \
+        + salt

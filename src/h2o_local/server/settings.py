@@ -48,11 +48,17 @@ class ServerSettings(BaseSettings):
     grammar_max_repetition: int = Field(DEFAULT_LIMITS.max_repetition, ge=1, description="largest repetition count "
                                         "in a grammar ({m,n}) or a schema (minItems, maxLength, ...), as llama.cpp's "
                                         "GBNF parser")
+    grammar_max_work: int = Field(DEFAULT_LIMITS.max_work, ge=1, description="most work one step of a grammar may "
+                                  "take (parse-stack elements visited, candidate characters matched; the default is "
+                                  "about a second of one core): a grammar that needs more at its start gets HTTP 400, "
+                                  "later its request ends with an error")
+    stream_send_timeout_s: float = Field(60.0, gt=0, description="a streaming client that reads nothing for this "
+                                         "long, seconds, is dropped")
+    max_connections: int = Field(512, ge=1, description="open connections the server takes at once; more get HTTP "
+                                 "503")
     template_timeout_s: float = Field(10.0, gt=0, description="longest a chat template may render a request's "
                                                               "messages, seconds (then HTTP 400)")
 
     def grammar_limits(self) -> GrammarLimits:
         """The limits every request's grammar is checked against."""
-        return GrammarLimits(max_bytes=self.grammar_max_bytes, max_rules=self.grammar_max_rules,
-                             max_alternatives=self.grammar_max_alternatives,
-                             max_repetition=self.grammar_max_repetition)
+        return GrammarLimits(**{name: getattr(self, f"grammar_{name}") for name in GrammarLimits.__dataclass_fields__})
