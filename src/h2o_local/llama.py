@@ -608,9 +608,16 @@ class Llama(Completions):
     def check_sampling(self, params: SamplingParams) -> None:
         """Raise ValueError when `params` cannot sample on this model (a token id outside the vocabulary, a grammar
         that does not parse), before anything runs; nothing changes."""
+        self.sampler(params, seed=0)
+
+    def sampler(self, params: SamplingParams, *, seed: Optional[int] = None, history: Sequence[int] = ()):
+        """The sampler a generation with `params` draws with (`seed` None: params.seed, else the next one of this
+        Llama's generator; `history`: the prompt, for the penalties). Raises ValueError as `check_sampling`. Safe
+        from any thread (it reads the vocabulary only): a server builds a grammar's sampler (its parse and its
+        check of the vocabulary) beside the decoding thread, with the GIL released."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {params!r}")
-        self._sampler(params, seed=0)
+        return self._sampler(params, seed=seed, history=history)
 
     def probe_cells(self, policy: Union[str, Policy, None] = None) -> int:
         """KV cells a policy's probe takes beside its budget while it ranks (0 without a probe; default: this

@@ -51,7 +51,7 @@ class Slots:
               save_prefix: Optional[Callable[[Any], None]] = None,
               policy: Optional[Policy] = None,
               time_limit_s: Optional[float] = None,
-              recall: Optional[bool] = None) -> List[generation.Event]:
+              recall: Optional[bool] = None, sampler: Optional[Any] = None) -> List[generation.Event]:
         """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
         `policy`: the slot's own (a resolved value that fits the slot's cells), None: the `Llama`'s.
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
@@ -61,8 +61,11 @@ class Slots:
         `ride()`'s tokens, which are decoded with the next chunk, so that the running slots go on while it is read.
         `time_limit_s`: generation ends with "length" once it has run this long (seconds, from its first token).
         `recall`: the slot's own recall setting (None: the `Llama`'s).
+        `sampler`: made beforehand (`Llama.sampler(params, history=tokens)`: a grammar's parse kept out of the step
+        the slots share), None: made here.
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
-        sampler = self.llm._sampler(params, history=tokens)  # bad sampling input raises before the slot changes
+        if sampler is None:  # bad sampling input raises before the slot changes
+            sampler = self.llm.sampler(params, history=tokens)
         self._engine.reset_seq(slot)
         self.llm.set_recall(False, seq_id=slot)  # the last conversation's setting goes before its policy does
         self.llm._set_seq_policy(slot, policy)

@@ -100,7 +100,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="prompt") from None
     policy, view, recall = _conversation_cache(state, body)
-    job = await _submit(state, Job(tokens, await _sampling(state, COMPLETION, body, body.max_tokens),
+    params, sampler = await _sampling(state, COMPLETION, body, body.max_tokens, tokens)
+    job = await _submit(state, Job(tokens, params, sampler=sampler,
                                    n_keep=state.default_keep, policy=policy, view=view, recall=recall,
                                    time_limit_s=_time_limit(state, body), cache_salt=body.cache_salt), request)
     meta = responses.completion_meta(state.model_id)
@@ -149,7 +150,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if view and plan.parses:
         raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
                        param="kv_cache.view")
-    job = await _submit(state, Job(tokens, await _sampling(state, CHAT_SURFACE, body, limit),
+    params, sampler = await _sampling(state, CHAT_SURFACE, body, limit, tokens)
+    job = await _submit(state, Job(tokens, params, sampler=sampler,
                                    n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
                                    recall=recall,
                                    time_limit_s=_time_limit(state, body), cache_salt=body.cache_salt),
@@ -260,8 +262,11 @@ def _check_prompt_bytes(state: ServerState, n_bytes: int, param: str) -> None:
                        param=param, code="context_length_exceeded")
 
 
-async def _sampling(state: ServerState, defaults: SamplingParams, body: _Request,
-                    max_tokens: Optional[int]) -> SamplingParams:
+async def _sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int],
+                    tokens: List[int]) -> Tuple[SamplingParams, Any]:
+    """The request's sampling parameters, and with a grammar its sampler, made (the grammar parsed and checked
+    against the vocabulary) in the preparing threads: a grammar that does not parse, allows nothing or needs more
+    work than allowed is the request's 400, here."""
     changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
                                                               "presence_penalty", "frequency_penalty", "repeat_penalty")
                                if getattr(body, k) is not None}
@@ -302,9 +307,9 @@ async def _sampling(state: ServerState, defaults: SamplingParams, body: _Request
     changes["max_tokens"] = state.max_tokens if asked is None else min(asked, state.max_tokens)
     try:
         params = defaults.replace(**changes)
-        if params.grammar:  # a grammar that does not parse, or allows nothing, is the request's error, here
-            await _prepared(state, state.llm.check_sampling, params)
-        return params
+        if not params.grammar:
+            return params, None
+        return params, await _prepared(state, state.llm.sampler, params, history=tokens)
     except (TypeError, ValueError) as e:
         named = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
         param = given[0] if given and "grammar" in str(e) else named if named in type(body).model_fields else None

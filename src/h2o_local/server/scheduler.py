@@ -2,7 +2,7 @@
 
 One thread owns the `Llama`. Each step it admits waiting requests into free slots (restoring a saved session when
 a request continues one, then feeding the new prompt tokens), draws one token for every live slot, hands the
-events to the requests' asyncio queues, and feeds the new tokens in one batch. Requests join and leave between
+events to the requests' mailboxes, and feeds the new tokens in one batch. Requests join and leave between
 steps; a request whose client went away is cancelled and its slot freed at the next step. A long prompt is fed in
 chunks of n_batch tokens with a decode step of the running requests between two chunks (slots with streams of
 their own), so it does not stall them, and a prompt whose client left stops at the next chunk.
@@ -126,6 +126,7 @@ class Job:
     time_limit_s: Optional[float] = None  # generation ends with "length" after this long (seconds)
     recall: Optional[bool] = None       # its own recall setting (None: the server's)
     cache_salt: Optional[str] = None    # saved sessions are shared only with requests of the same salt
+    sampler: Optional[Any] = None       # made beforehand, off the decoding thread (a grammar's), None: at its start
     mailbox: Optional[Mailbox] = None         # where its events go (set when it is submitted)
     cancelled: bool = False
     reused_tokens: int = 0              # prompt tokens found in a saved session
@@ -278,7 +279,8 @@ class Scheduler:
             events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
                                       between_chunks=lambda: self._between_prompt_chunks(job),
                                       save_prefix=self._prefix_saver(job) if session is None else None,
-                                      policy=job.policy, time_limit_s=job.time_limit_s, recall=job.recall)
+                                      policy=job.policy, time_limit_s=job.time_limit_s, recall=job.recall,
+                                      sampler=job.sampler)
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
             job.put(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)
