@@ -43,7 +43,7 @@ class GrammarLimits:
         element visited eight): its parse, a check of the vocabulary, a token accepted. The default is about a second
         of one core, what max_alternatives (2,048) open alternatives checked against a 151k vocabulary take; a
         grammar whose start needs more is refused when its sampler is made, one that needs more later ends its
-        generation with GrammarTooLarge (a ValueError).
+        generation with `_engine.GrammarWorkExceeded` (a GrammarError, a ValueError).
     """
 
     max_bytes: int = 256 * 1024

@@ -31,7 +31,8 @@ class SamplingParams:
         JSON and JSON-schema grammars. A grammar that does not parse raises ValueError.
     grammar_limits: how large the grammar may be (`h2o_local.grammar.GrammarLimits`: bytes, rules, alternatives,
         repetitions; a larger one raises ValueError before any work is done on it) and how much work one step of it
-        may take (a generation whose grammar needs more ends with GrammarTooLarge, a ValueError).
+        may take (GrammarTooLarge when the sampler is made; a generation whose grammar needs more later ends with
+        `_engine.GrammarWorkExceeded`, a ValueError).
     """
 
     max_tokens: Optional[int] = 128
