@@ -215,6 +215,13 @@ PYBIND11_MODULE(_engine, m) {
     }, py::arg("params"), py::arg("key_head"), py::arg("offloaded_to") = "", py::arg("rotation_disabled") = false,
        "The (K, V) cache types a context gets from params on a model with key heads of key_head values whose layers "
        "are on offloaded_to (empty: the CPU); raises ValueError for what llama.cpp cannot do with them.");
+    m.def("flash_attn_type", [](const EngineParams & params, const std::string & offloaded_to) {
+        KvTypeFacts facts;
+        facts.offloaded_to = offloaded_to;
+        return std::string(llama_flash_attn_type_name(flash_attn_type(params, facts)));
+    }, py::arg("params"), py::arg("offloaded_to") = "",
+       "What a context with params asks llama.cpp for (\"enabled\", \"disabled\" or \"auto\") when its layers are "
+       "on offloaded_to (empty: the CPU).");
     m.def("plan_prefill", [](const std::map<llama_seq_id, size_t> & sizes, const std::map<llama_seq_id, int32_t> & cells,
                              int32_t capacity, bool kv_unified, bool defer_eviction, bool bounded, int32_t budget,
                              size_t n_batch, size_t query_window) {
@@ -353,7 +360,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_readwrite("kv_f32", &EngineParams::kv_f32)
         .def_readwrite("type_k", &EngineParams::type_k)
         .def_readwrite("type_v", &EngineParams::type_v)
-        .def_readwrite("flash_attn", &EngineParams::flash_attn)
+        .def_readwrite("flash_attn", &EngineParams::flash_attn, "-1: auto (on where the layers run on a GPU), 0: off, 1: on")
         .def_readwrite("op_offload", &EngineParams::op_offload)
         .def_readwrite("rpc_servers", &EngineParams::rpc_servers)
         .def_readwrite("compact_cells", &EngineParams::compact_cells)
@@ -466,6 +473,7 @@ PYBIND11_MODULE(_engine, m) {
              "KV cells the policy's probe needs beside a sequence's entries.")
         .def_property_readonly("cells_used", [](const Engine & e) { return without_gil([&] { return e.cells_used(); }); })
         .def_property_readonly("scores_sum_rows", &Engine::scores_sum_rows)
+        .def_property_readonly("flash_attn", &Engine::flash_attn, "Whether the context runs flash attention.")
         .def_property_readonly("params", [](const Engine & e) {
             EngineParams p = e.params();
             p.check_interrupt = nullptr;

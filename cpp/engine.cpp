@@ -91,7 +91,6 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.n_outputs_max   = size.n_outputs_max;
     cp.n_seq_max       = params.n_seq_max;
     cp.kv_unified      = params.kv_unified;
-    cp.flash_attn_type = params.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.no_perf         = true;
     cp.op_offload      = params.op_offload;
     KvTypeFacts type_facts;
@@ -100,6 +99,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     const char * rot_disable = std::getenv("LLAMA_ATTN_ROT_DISABLE");
     type_facts.rotation_disabled = rot_disable && std::atoi(rot_disable);
     const KvTypes types = choose_kv_types(params, type_facts);
+    cp.flash_attn_type = flash_attn_type(params, type_facts);
     cp.type_k = types.k;
     cp.type_v = types.v;
     if (params.n_threads > 0) {
@@ -191,6 +191,10 @@ void Engine::recall_for(llama_seq_id seq, const std::vector<llama_token> & quest
         evict(seq); // never more than the budget on the device
         throw;
     }
+}
+
+bool Engine::flash_attn() const {
+    return llama_flash_attn_enabled(ctx_);
 }
 
 HostStore Engine::host(llama_seq_id seq, bool with_kv) const {

@@ -42,8 +42,10 @@ struct EngineParams {
     bool     export_scores = false;   // export scores even when the policy does not use them
     bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
     std::string type_k;               // K cells' type by ggml name ("q8_0", "q4_0", ...); empty: as V (F16 or F32)
-    std::string type_v;               // V cells' type; a quantized one needs flash_attn (llama.cpp)
-    bool     flash_attn = false;      // llama.cpp's flash attention (scores from the CPU kernel, or a KQ softmax pass on a GPU)
+    std::string type_v;               // V cells' type; a quantized one needs flash attention (llama.cpp)
+    // llama.cpp's flash attention (scores from the CPU kernel, or a KQ softmax pass on a GPU): FLASH_ATTN_AUTO (on
+    // where the layers run on a GPU device, off on the CPU: flash_attn_type), FLASH_ATTN_OFF or FLASH_ATTN_ON
+    int32_t  flash_attn = -1;
     bool     op_offload = true;       // llama.cpp's: large batches' products of CPU-held weights run on the GPU
     std::vector<std::string> rpc_servers; // "host:port" of ggml RPC servers that take the offloaded layers
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
@@ -138,6 +140,7 @@ public:
     bool     kv_unified() const { return params_.kv_unified; }
     int32_t  n_head()   const { return n_head_; }
     bool     scores_sum_rows() const { return scores_path_ == 1; }
+    bool     flash_attn() const; // whether the context runs flash attention, as llama.cpp resolved it
     size_t   kv_bytes() const;    // bytes allocated for the KV cache
     // cells a policy's probe needs beside a sequence's entries (the repeat probe: its instruction + one batch)
     int32_t  probe_cells(const Policy & policy) const;

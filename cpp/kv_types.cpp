@@ -65,9 +65,9 @@ KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts) 
     }
     if (!params.type_v.empty()) {
         out.v = kv_cache_type("type_v", params.type_v);
-        if (ggml_is_quantized(out.v) && !params.flash_attn) {
-            throw std::invalid_argument("a quantized type_v needs flash_attn=True (llama.cpp keeps V unquantized "
-                                        "without flash attention)");
+        if (ggml_is_quantized(out.v) && params.flash_attn == FLASH_ATTN_OFF) {
+            throw std::invalid_argument("a quantized type_v needs flash attention, and flash_attn=False was asked for "
+                                        "(llama.cpp keeps V unquantized without it)");
         }
         if (facts.key_head % ggml_blck_size(out.v) != 0) {
             throw std::invalid_argument("type_v '" + params.type_v + "' stores blocks of " +
@@ -81,6 +81,23 @@ KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts) 
                                     "its own rows)");
     }
     return out;
+}
+
+llama_flash_attn_type flash_attn_type(const EngineParams & params, const KvTypeFacts & facts) {
+    if (params.flash_attn == FLASH_ATTN_ON) {
+        return LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    }
+    if (params.flash_attn == FLASH_ATTN_OFF) {
+        return LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    }
+    if (params.flash_attn != FLASH_ATTN_AUTO) {
+        throw std::invalid_argument("flash_attn must be -1 (auto), 0 (off) or 1 (on), got " +
+                                    std::to_string(params.flash_attn));
+    }
+    if (!params.type_v.empty() && ggml_is_quantized(kv_cache_type("type_v", params.type_v))) {
+        return LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    }
+    return facts.offloaded_to.empty() ? LLAMA_FLASH_ATTN_TYPE_DISABLED : LLAMA_FLASH_ATTN_TYPE_AUTO;
 }
 
 } // namespace h2o

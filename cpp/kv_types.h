@@ -5,6 +5,7 @@
 #include "engine.h"
 
 #include "ggml.h"
+#include "llama.h"
 
 #include <cstdint>
 #include <string>
@@ -17,6 +18,8 @@ struct KvTypeFacts {
     bool        rotation_disabled = false; // LLAMA_ATTN_ROT_DISABLE: llama.cpp's Hadamard rotation of quantized K/V off
 };
 
+enum : int32_t { FLASH_ATTN_AUTO = -1, FLASH_ATTN_OFF = 0, FLASH_ATTN_ON = 1 }; // EngineParams::flash_attn
+
 struct KvTypes {
     ggml_type k = GGML_TYPE_F16;
     ggml_type v = GGML_TYPE_F16;
@@ -27,5 +30,11 @@ ggml_type kv_cache_type(const char * what, const std::string & name);
 
 // params.kv_f32, type_k, type_v, flash_attn, position_rolling and host_q8_0; throws std::invalid_argument with the reason
 KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts);
+
+// What a context asks llama.cpp for: params.flash_attn as given, and FLASH_ATTN_AUTO resolved as llama.cpp's own
+// `-fa auto` where the layers run on a GPU device (on where the device supports it), on for a quantized V cache
+// (which needs it), and off on the CPU, where the kernel gains nothing for these models and the scoring policies
+// pay a pass beside it (docs/performance-log.md, runs 9 and 14).
+llama_flash_attn_type flash_attn_type(const EngineParams & params, const KvTypeFacts & facts);
 
 } // namespace h2o

@@ -61,6 +61,13 @@ def test_every_layer_and_its_cache_go_where_n_gpu_layers_says(tiny_model, gpu):
     assert Llama(tiny_model, n_gpu_layers=n_layer).layer_devices == ("CPU",) + (gpu.name,) * (n_layer - 1)
 
 
+def test_a_llama_on_the_device_runs_flash_attention_without_asking(tiny_model, gpu):
+    """llama.cpp's `-fa auto` where the layers are on a GPU device; the CPU keeps it off unless asked."""
+    assert Llama(tiny_model).flash_attn and Llama(tiny_model, policy="h2o", budget=24).flash_attn
+    assert not Llama(tiny_model, **CPU).flash_attn and Llama(tiny_model, flash_attn=True, **CPU).flash_attn
+    assert not Llama(tiny_model, flash_attn=False).flash_attn
+
+
 @pytest.mark.parametrize("sum_rows", [False, True], ids=["out_prod-or-chosen", "sum_rows"])
 def test_exported_scores_match_the_cpu_backend_and_the_numpy_reference(tiny_model, gpu, sum_rows):
     """Both reductions (OUT_PROD where the device has it, the transpose + sum_rows path otherwise or when forced)."""
@@ -85,7 +92,7 @@ def test_exported_scores_match_the_cpu_backend_and_the_numpy_reference(tiny_mode
 
 def test_flash_attentions_separate_pass_on_the_device_gives_the_non_flash_scores(one_layer, gpu):
     """A cache on a device gets the scores from a KQ softmax pass beside the flash kernel (patch 0004)."""
-    plain = Llama(one_layer, n_ctx=256, export_scores=True)
+    plain = Llama(one_layer, n_ctx=256, export_scores=True, flash_attn=False)
     flash = Llama(one_layer, n_ctx=256, export_scores=True, flash_attn=True)
     tokens = plain.tokenize(TEXT)
     for step in (tokens[:30], tokens[30:31]):

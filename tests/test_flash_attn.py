@@ -18,6 +18,19 @@ def tiny_hd64(tmp_path_factory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("fa") / "tiny-hd64.gguf", n_embd=256))
 
 
+def test_flash_attention_is_auto_and_says_what_it_became(tiny_hd64):
+    """"auto" (the default) is off with every layer on the CPU (a GPU device turns it on: tests/test_device.py);
+    "on" / True and "off" / False are kept; anything else is refused before a model is loaded."""
+    assert Llama(tiny_hd64, n_ctx=256, n_gpu_layers=0).flash_attn is False
+    for on in ("on", True):
+        assert Llama(tiny_hd64, n_ctx=256, flash_attn=on).flash_attn is True
+    for off in ("off", False):
+        assert Llama(tiny_hd64, n_ctx=256, flash_attn=off).flash_attn is False
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="flash_attn must be 'auto', 'on', 'off'"):
+            Llama(tiny_hd64, n_ctx=256, flash_attn=bad)
+
+
 def test_the_full_cache_with_flash_attention_computes_the_same_logits_to_rounding(tiny_hd64):
     """Flash attention (its F16 products on the CPU) moves the logits less than storing the cache in F16 does
     (measured 0.22 against 0.39 on a scale of 15)."""
@@ -159,8 +172,9 @@ def test_quantized_v_takes_the_bytes_its_type_says(tiny_hd64):
 
 
 def test_a_quantized_v_cache_without_flash_attention_is_refused(tiny_hd64):
-    with pytest.raises(ValueError, match="needs flash_attn=True"):
-        Llama(tiny_hd64, policy="h2o", budget=16, type_v="q8_0")
+    with pytest.raises(ValueError, match="needs flash attention, and flash_attn=False was asked for"):
+        Llama(tiny_hd64, policy="h2o", budget=16, type_v="q8_0", flash_attn=False)
+    assert Llama(tiny_hd64, policy="h2o", budget=16, type_v="q8_0").flash_attn  # "auto" turns it on for V
     llm = Llama(tiny_hd64, policy="keydiff", budget=16, flash_attn=True)
     with pytest.raises(ValueError, match="needs attention scores"):
         llm.set_policy("h2o", 16)  # keydiff exports no scores: h2o would rank by nothing

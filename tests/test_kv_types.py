@@ -1,15 +1,20 @@
-"""The K and V cache types a context gets, and what is refused before any model is loaded (cpp/kv_types.cpp): a
-function of the settings, the model's key head size and where its layers are, so each rule is checked here alone."""
+"""The K and V cache types a context gets, whether it asks for flash attention, and what is refused before any model
+is loaded (cpp/kv_types.cpp): a function of the settings, the model's key head size and where its layers are, so
+each rule is checked here alone."""
 import pytest
 
 from h2o_local import _engine
 
 
-def types(key_head=64, offloaded_to="", rotation_disabled=False, **settings):
+def engine_params(**settings):
     params = _engine.EngineParams()
     for name, value in settings.items():
         setattr(params, name, value)
-    return _engine.choose_kv_types(params, key_head, offloaded_to, rotation_disabled)
+    return params
+
+
+def types(key_head=64, offloaded_to="", rotation_disabled=False, **settings):
+    return _engine.choose_kv_types(engine_params(**settings), key_head, offloaded_to, rotation_disabled)
 
 
 def test_f16_unless_asked_and_f32_with_kv_f32():
@@ -25,8 +30,25 @@ def test_an_unknown_type_names_the_ones_llama_cpp_takes():
 
 
 def test_a_quantized_v_needs_flash_attention():
-    with pytest.raises(ValueError, match="needs flash_attn=True"):
-        types(type_v="q8_0")
+    with pytest.raises(ValueError, match="needs flash attention, and flash_attn=False was asked for"):
+        types(type_v="q8_0", flash_attn=0)
+    assert types(type_v="q8_0") == ("f16", "q8_0")  # auto: flash_attn_type turns it on
+
+
+def flash(offloaded_to="", **settings):
+    return _engine.flash_attn_type(engine_params(**settings), offloaded_to)
+
+
+def test_flash_attention_is_auto_on_a_gpu_and_off_on_the_cpu_unless_asked():
+    assert flash() == "disabled"  # the default, on the CPU: the kernel gains nothing there
+    for device in ("CUDA0", "Metal", "Vulkan0", "RPC[127.0.0.1:50052]"):
+        assert flash(device) == "auto"  # llama.cpp's own rule decides there: on where the device supports it
+    assert flash(type_v="q8_0") == flash("CUDA0", type_v="q4_0") == "enabled"  # a quantized V needs it
+    assert flash(type_v="f16") == "disabled"
+    for where in ("", "CUDA0"):
+        assert flash(where, flash_attn=1) == "enabled" and flash(where, flash_attn=0) == "disabled"
+    with pytest.raises(ValueError, match="flash_attn must be -1"):
+        flash(flash_attn=2)
 
 
 def test_a_head_must_hold_whole_quantization_blocks():

@@ -297,5 +297,6 @@ class ChatSession:
                 "prompt_tokens": self.last.prompt_tokens, "reused_tokens": self.last.reused_tokens,
                 "completion_tokens": self.last.completion_tokens,
                 "tokens_per_second": round(self.last.tokens_per_second, 1),
-                "device": where_layers_run(self.llm.layer_devices)}
+                "device": where_layers_run(self.llm.layer_devices),
+                "flash_attn": "on" if self.llm.flash_attn else "off"}
 

@@ -71,12 +71,15 @@ class Llama(Completions):
             (0.28, a cell at 0.64), "q4_1", "q5_0", "q5_1", "iq4_nl", "bf16", "f16", "f32"; None: as V. Works with
             eviction, rolling (the K shift dequantizes and requantizes) and snapshots (restored only into the same
             types).
-        type_v: the V cache's type; a quantized one ("q8_0": K and V at 0.53 of F16's bytes) needs flash_attn=True
-            (llama.cpp quantizes V only with flash attention).
+        type_v: the V cache's type; a quantized one ("q8_0": K and V at 0.53 of F16's bytes) needs flash attention
+            (llama.cpp quantizes V only with it: "auto" turns it on, False refuses).
         rpc_servers: "host:port" of `h2o-local rpc-server` processes (llama.cpp's RPC backend); the offloaded
             layers (`n_gpu_layers`) run there, split by their free memory. Scores and eviction work as locally.
-        flash_attn: llama.cpp's flash attention (faster and leaner on GPUs and many CPUs), with every policy. It
-            forms no softmax: for the scoring policies the CPU kernel writes the softmax's column sums itself (a
+        flash_attn: llama.cpp's flash attention, with every policy: "auto" (the default) as llama.cpp's `-fa auto`
+            where the layers run on a GPU device (on where the device supports it: an 8k prompt on an H200 is read
+            4.4x faster), on for a quantized V cache, and off on the CPU, where it gains nothing for these models
+            and costs the scoring policies a pass; True or "on", False or "off". `Llama.flash_attn` says what the
+            context runs. It forms no softmax: for the scoring policies the CPU kernel writes the softmax's column sums itself (a
             cache in CPU memory costs what `local` costs); a cache on a GPU gets them from a KQ softmax pass beside
             the flash kernel (no V product), at the cost of that pass. Either way the same scores as without it.
         op_offload: llama.cpp's (and llama-cpp-python's) setting: with a GPU backend, a large batch's products of
@@ -130,7 +133,7 @@ class Llama(Completions):
         kv_f32: bool = False,
         type_k: Optional[str] = None,
         type_v: Optional[str] = None,
-        flash_attn: bool = False,
+        flash_attn: Union[bool, str] = "auto",
         op_offload: bool = True,
         rpc_servers: Optional[Sequence[str]] = None,
         compact_cells: bool = True,
@@ -151,7 +154,7 @@ class Llama(Completions):
             check_int(name, value, minimum)
         check_int("seed", seed, maximum=None)  # seeds Python's generator: any int
         for name, value in (("position_rolling", position_rolling), ("kv_unified", kv_unified), ("kv_f32", kv_f32),
-                            ("compact_cells", compact_cells), ("flash_attn", flash_attn), ("op_offload", op_offload), ("export_scores", export_scores),
+                            ("compact_cells", compact_cells), ("op_offload", op_offload), ("export_scores", export_scores),
                             ("verbose", verbose)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -185,7 +188,7 @@ class Llama(Completions):
         params.kv_f32 = bool(kv_f32)
         params.type_k = "" if type_k is None else type_k
         params.type_v = "" if type_v is None else type_v
-        params.flash_attn = bool(flash_attn)
+        params.flash_attn = _flash_attn_setting(flash_attn)
         params.op_offload = bool(op_offload)
         params.rpc_servers = rpc.parse_endpoints(rpc_servers)
         params.compact_cells = bool(compact_cells)
@@ -196,6 +199,7 @@ class Llama(Completions):
         self.info = ModelInfo.from_facts(self.model_path, facts)
         # per layer, the ggml device holding its weights and KV cache: "CPU", "Vulkan0", "CUDA0", "Metal", "RPC[...]"
         self.layer_devices: Tuple[str, ...] = tuple(facts["layer_devices"])
+        self.flash_attn: bool = bool(self._engine.flash_attn)  # what the context runs ("auto" resolved)
         self.position_rolling = bool(position_rolling)
         self.export_scores = bool(export_scores)
         self.roll_interval = int(roll_interval)
@@ -785,6 +789,17 @@ class Llama(Completions):
 
 
 _GENERATE = sampling.GENERATE
+
+_FLASH_ATTN = {"auto": -1, "off": 0, "on": 1, False: 0, True: 1}
+
+
+def _flash_attn_setting(value: Any) -> int:
+    """`flash_attn=` as EngineParams takes it: -1 auto, 0 off, 1 on."""
+    if isinstance(value, (bool, np.bool_)):
+        return _FLASH_ATTN[bool(value)]
+    if isinstance(value, str) and value in _FLASH_ATTN:
+        return _FLASH_ATTN[value]
+    raise ValueError(f"flash_attn must be 'auto', 'on', 'off', True or False, got {value!r}")
 
 
 def _feed_progress(progress: Optional[Callable[[int, int], None]], total: int,

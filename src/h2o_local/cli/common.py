@@ -55,10 +55,11 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    help="layers offloaded to the GPU or RPC servers (default -1: all; 0: none; a CPU build runs all on the CPU)")
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
-    g.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention (every policy; on the CPU the "
-                   "kernel itself writes the scoring policies' scores, on a GPU a softmax pass beside it)")
+    g.add_argument("--flash-attn", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="llama.cpp's flash attention, with every policy (default auto: on where the layers run on a GPU "
+                   "that supports it, off on the CPU; --flash-attn alone: on)")
     g.add_argument("--cache-type-k", help="K cache type: f16 (default), q8_0, q4_0, ... (llama.cpp's -ctk)")
-    g.add_argument("--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs --flash-attn")
+    g.add_argument("--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs flash attention")
     g.add_argument("--recall", nargs="?", const=True, default="auto" if recall_default else False, type=_recall_value,
                    metavar="TOKENS",
                    help="keep what the policy evicts in host memory (up to TOKENS per conversation; default: the "

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     print(f"\n\n[h2o_local] policy={llm.policy.name} budget={llm.budget} (sinks={llm.sinks} heavy={llm.heavy} "
           f"recent={llm.recent}{_probe_text(llm.policy)}) prompt={len(tokens)} tokens, seen={st.n_seen}, kept={st.n_cells}, "
           f"evicted={st.n_evicted}, peak={st.peak_cells} entries, KV allocated={st.kv_bytes / 2**20:.2f} MiB "
-          f"({st.kv_cells} cells) on {where_layers_run(llm.layer_devices)}, {dt:.1f} s", file=sys.stderr)
+          f"({st.kv_cells} cells) on {where_layers_run(llm.layer_devices)}, flash attention {'on' if llm.flash_attn else 'off'}, "
+          f"{dt:.1f} s", file=sys.stderr)
     return 0
 
 

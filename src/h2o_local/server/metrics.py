@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 class ServerMetrics:
     """Counters the scheduler updates as requests end, and gauges read from `stats()` at each scrape."""
 
-    def __init__(self, stats: Callable[[], Dict[str, Any]]):
+    def __init__(self, stats: Callable[[], Dict[str, Any]], flash_attn: bool = False):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("h2o_local_requests", "Requests by outcome (ok, cancelled, error, rejected: 429)",
@@ -29,3 +29,5 @@ class ServerMetrics:
                   "sessions_saved": "Saved sessions"}
         for key, text in gauges.items():
             Gauge(f"h2o_local_{key}", text, registry=r).set_function(lambda key=key: stats()[key])
+        Gauge("h2o_local_flash_attn", "1 where the context runs llama.cpp's flash attention", registry=r).set(
+            int(flash_attn))

@@ -160,7 +160,7 @@ class Scheduler:
         self._stop = False
         self.served = 0
         self.peak_batch = 0   # most requests decoded in one step
-        self.metrics = ServerMetrics(self.stats)
+        self.metrics = ServerMetrics(self.stats, flash_attn=llm.flash_attn)
         self._thread = threading.Thread(target=self._run, name="h2o-local-scheduler", daemon=True)
         self._thread.start()
 
