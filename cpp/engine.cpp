@@ -136,7 +136,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
 
 Engine::~Engine() {
     llama_batch_free(batch_);
-    if (ctx_) {
+    if (ctx_ && model_->rpc_servers_reachable()) { // else its buffers stay: freeing them would abort (Model::~Model)
         llama_free(ctx_);
     }
 }

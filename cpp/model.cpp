@@ -8,9 +8,18 @@
 #include "ggml-rpc.h"
 #endif
 
+#include <cerrno>
 #include <cstdio>
 #include <mutex>
 #include <stdexcept>
+
+#ifndef _WIN32
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#endif
 
 namespace h2o {
 
@@ -61,6 +70,44 @@ std::string llama_error_suffix() {
     return g_last_error.empty() ? "" : " (llama.cpp: " + g_last_error + ")";
 }
 
+// whether a TCP connection to "host:port" opens within timeout_ms (true where this cannot be checked)
+bool endpoint_reachable(const std::string & endpoint, int timeout_ms) {
+#ifdef _WIN32
+    (void) endpoint; (void) timeout_ms;
+    return true;
+#else
+    const size_t colon = endpoint.rfind(':');
+    if (colon == std::string::npos) {
+        return false;
+    }
+    addrinfo hints = {};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo * found = nullptr;
+    if (getaddrinfo(endpoint.substr(0, colon).c_str(), endpoint.substr(colon + 1).c_str(), &hints, &found) != 0) {
+        return false;
+    }
+    bool reachable = false;
+    for (addrinfo * a = found; a != nullptr && !reachable; a = a->ai_next) {
+        const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd < 0) {
+            continue;
+        }
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) | O_NONBLOCK);
+        if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+            reachable = true;
+        } else if (errno == EINPROGRESS) {
+            pollfd p = {fd, POLLOUT, 0};
+            int err = 0;
+            socklen_t len = sizeof(err);
+            reachable = poll(&p, 1, timeout_ms) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+        }
+        close(fd);
+    }
+    freeaddrinfo(found);
+    return reachable;
+#endif
+}
+
 // the devices of ggml RPC servers, for this model only (never registered globally: a later model without
 // rpc_servers must not offload to them); nullptr-terminated
 static std::vector<ggml_backend_dev_t> rpc_devices(const std::vector<std::string> & servers) {
@@ -86,7 +133,7 @@ static std::vector<ggml_backend_dev_t> rpc_devices(const std::vector<std::string
 }
 
 Model::Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only, bool verbose,
-             const std::vector<std::string> & rpc_servers) {
+             const std::vector<std::string> & rpc_servers) : rpc_servers_(rpc_servers) {
     init_backend(verbose);
     clear_llama_error();
 
@@ -108,7 +155,22 @@ Model::Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only,
 }
 
 Model::~Model() {
+    if (!rpc_servers_reachable()) {
+        // llama.cpp aborts on a command it cannot send: what the model holds stays allocated instead
+        std::fprintf(stderr, "h2o_local: an RPC server of this model no longer answers; its memory here is left "
+                             "allocated (freeing it would abort the process)\n");
+        return;
+    }
     llama_model_free(model_);
+}
+
+bool Model::rpc_servers_reachable() const {
+    for (const std::string & endpoint : rpc_servers_) {
+        if (!endpoint_reachable(endpoint, 1000)) {
+            return false;
+        }
+    }
+    return true;
 }
 
 ModelFacts Model::facts() const {

@@ -40,6 +40,9 @@ public:
     Model & operator=(const Model &) = delete;
 
     llama_model       * get()   const { return model_; }
+    // false when an RPC server this model's layers live on no longer answers: llama.cpp aborts the process on the
+    // first command it cannot send there, freeing included, so a model (and its contexts) must then not be freed
+    bool rpc_servers_reachable() const;
     const llama_vocab * vocab() const { return llama_model_get_vocab(model_); }
     ModelFacts facts() const;
 
@@ -56,6 +59,7 @@ private:
     void check_token(llama_token token) const;
 
     llama_model * model_ = nullptr;
+    std::vector<std::string> rpc_servers_;
 };
 
 // llama.cpp's log goes through here once the backend is initialised: errors are kept for our exception messages

@@ -105,3 +105,36 @@ def test_the_handshake_accepts_the_real_server(rpc_server):
     from h2o_local.rpc import check_server
 
     check_server(rpc_server)  # raises if the pinned protocol's hello changed
+
+
+def test_a_llama_whose_rpc_server_died_is_freed_without_aborting(tiny_model, tmp_path):
+    """llama.cpp aborts on any command it cannot send to an RPC server, freeing a buffer included: a Llama whose
+    server went away, freed later by the garbage collector (after another Llama was made), killed the process
+    (SIGABRT in ggml-rpc.cpp, seen on CUDA after tests/test_rpc.py, then reproduced on the CPU build). In a child
+    process, so that an abort cannot take the test run with it."""
+    script = tmp_path / "dead_server.py"
+    script.write_text(f"""
+import gc, socket, subprocess, sys, time
+from h2o_local import Llama
+port = {free_port()}
+server = subprocess.Popen([sys.executable, "-m", "h2o_local", "rpc-server", "--port", str(port), "--threads", "1"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+for _ in range(300):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.2)
+remote = Llama({tiny_model!r}, policy="h2o", budget=24, rpc_servers=[f"127.0.0.1:{{port}}"])
+assert set(remote.layer_devices) == {{"RPC0"}}, remote.layer_devices
+remote.generate("before", max_tokens=4, temperature=0)
+server.terminate()
+server.wait()
+local = Llama({tiny_model!r}, policy="h2o", budget=24)
+del remote
+gc.collect()
+print("survived:", local.generate("after", max_tokens=4, temperature=0) is not None)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "survived: True" in done.stdout, done.stderr[-2000:]
+    assert "no longer answers" in done.stderr
