@@ -461,9 +461,10 @@ std::string Engine::kv_types() const {
 std::string Engine::origin() const {
     const ModelFacts f = model_->facts();
     char buf[256];
-    snprintf(buf, sizeof(buf), "%s, %d layers, %d/%d heads, n_embd %d, vocabulary %d, %llu parameters, %s KV",
+    // flash attention keeps V untransposed: its cells cannot be restored into a context without it
+    snprintf(buf, sizeof(buf), "%s, %d layers, %d/%d heads, n_embd %d, vocabulary %d, %llu parameters, %s KV%s",
              f.arch.c_str(), f.n_layer, f.n_head, f.n_head_kv, f.n_embd, f.n_vocab, (unsigned long long) f.n_params,
-             kv_types().c_str());
+             kv_types().c_str(), flash_attn() ? " (flash attention)" : "");
     return buf;
 }
 

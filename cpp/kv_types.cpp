@@ -97,7 +97,11 @@ llama_flash_attn_type flash_attn_type(const EngineParams & params, const KvTypeF
     if (!params.type_v.empty() && ggml_is_quantized(kv_cache_type("type_v", params.type_v))) {
         return LLAMA_FLASH_ATTN_TYPE_ENABLED;
     }
-    return facts.offloaded_to.empty() ? LLAMA_FLASH_ATTN_TYPE_DISABLED : LLAMA_FLASH_ATTN_TYPE_AUTO;
+    // CUDA and Metal (ggml's "MTL") only: llama.cpp's Vulkan flash-attention shader crashed lavapipe's worker threads
+    // under the server's concurrent streams (docs/gpu.md), and the other backends are untested here
+    const std::string & dev = facts.offloaded_to;
+    const bool home_gpu = dev.rfind("CUDA", 0) == 0 || dev.rfind("MTL", 0) == 0;
+    return home_gpu ? LLAMA_FLASH_ATTN_TYPE_AUTO : LLAMA_FLASH_ATTN_TYPE_DISABLED;
 }
 
 } // namespace h2o

@@ -41,8 +41,10 @@ def flash(offloaded_to="", **settings):
 
 def test_flash_attention_is_auto_on_a_gpu_and_off_on_the_cpu_unless_asked():
     assert flash() == "disabled"  # the default, on the CPU: the kernel gains nothing there
-    for device in ("CUDA0", "Metal", "Vulkan0", "RPC[127.0.0.1:50052]"):
+    for device in ("CUDA0", "CUDA1", "MTL0"):
         assert flash(device) == "auto"  # llama.cpp's own rule decides there: on where the device supports it
+    for device in ("Vulkan0", "RPC0"):  # Vulkan's shader crashed lavapipe under concurrent streams; RPC untested
+        assert flash(device) == "disabled" and flash(device, flash_attn=1) == "enabled"
     assert flash(type_v="q8_0") == flash("CUDA0", type_v="q4_0") == "enabled"  # a quantized V needs it
     assert flash(type_v="f16") == "disabled"
     for where in ("", "CUDA0"):

@@ -76,10 +76,11 @@ class Llama(Completions):
         rpc_servers: "host:port" of `h2o-local rpc-server` processes (llama.cpp's RPC backend); the offloaded
             layers (`n_gpu_layers`) run there, split by their free memory. Scores and eviction work as locally.
         flash_attn: llama.cpp's flash attention, with every policy: "auto" (the default) as llama.cpp's `-fa auto`
-            where the layers run on a GPU device (on where the device supports it: an 8k prompt on an H200 is read
-            4.4x faster), on for a quantized V cache, and off on the CPU, where it gains nothing for these models
-            and costs the scoring policies a pass; True or "on", False or "off". `Llama.flash_attn` says what the
-            context runs. It forms no softmax: for the scoring policies the CPU kernel writes the softmax's column sums itself (a
+            where the layers run on a CUDA or Metal GPU (on where the device supports it: an 8k prompt on an H200 is
+            read 4.4x faster), on for a quantized V cache, and off on the CPU, where it gains nothing for these
+            models and costs the scoring policies a pass, and on Vulkan (docs/gpu.md); True or "on", False or "off".
+            `Llama.flash_attn` says what the context runs; a snapshot taken with it restores only into a context
+            with it (V is kept untransposed). It forms no softmax: for the scoring policies the CPU kernel writes the softmax's column sums itself (a
             cache in CPU memory costs what `local` costs); a cache on a GPU gets them from a KQ softmax pass beside
             the flash kernel (no V product), at the cost of that pass. Either way the same scores as without it.
         op_offload: llama.cpp's (and llama-cpp-python's) setting: with a GPU backend, a large batch's products of
