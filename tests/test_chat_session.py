@@ -193,3 +193,21 @@ def test_bad_sampling_values_are_refused_when_the_session_is_made(chat_model):
         with pytest.raises(error):
             ChatSession(llm, **kwargs)
     assert talk(ChatSession(llm, max_tokens=4, temperature=0), "hi") is not None
+
+
+def test_a_session_recalls_by_default_where_its_policy_can(chat_model):
+    """As `h2o-local chat`: a script's chat keeps what its cache evicts in host memory for its next questions."""
+    llm = Llama(chat_model, budget=48, n_threads=1, keep="system")  # the library's own default: recall off
+    s = ChatSession(llm, max_tokens=4, temperature=0)
+    talk(s, "a message long enough to evict part of the conversation " * 3)
+    assert s.recall and s.stats()["host_entries"] == s.stats()["evicted"] > 0
+    off = ChatSession(Llama(chat_model, budget=48, n_threads=1), recall=False, max_tokens=4, temperature=0)
+    talk(off, "a message long enough to evict part of the conversation " * 3)
+    assert not off.recall and "host_entries" not in off.stats() and off.llm.kv_state().host_bytes == 0
+    per_head = ChatSession(Llama(chat_model, policy="h2o-48+ph", n_threads=1), max_tokens=4)
+    assert not per_head.recall  # a policy that cannot recall: "auto" leaves it off
+    with pytest.raises(ValueError):
+        ChatSession(Llama(chat_model, policy="h2o-48+ph", n_threads=1), recall=True)
+    with pytest.raises(ValueError, match="recall must be 'auto'"):
+        ChatSession(llm, recall="yes")
+    assert not ChatSession(Llama(chat_model, n_ctx=256, n_threads=1)).recall  # the full cache evicts nothing

@@ -49,16 +49,24 @@ class ChatSession:
     """A chat with one `Llama` (its sequence 0), whose cache is reused from turn to turn.
 
     system: the system prompt (None: the template's default, if any).
+    recall: what the conversation's cache evicts is kept in host memory and each new message brings back what it
+        asks about (`Llama(recall=...)`, docs/recall.md), on the conversation's sequence: "auto" (the default, as
+        `h2o-local chat`) where the Llama's policy can recall and the Llama keeps no recall setting of its own, True
+        (ValueError where the policy cannot), an int (that many tokens), False (evicted entries are gone). Host
+        memory: up to `Llama.kv_bytes_per_cell` bytes per evicted token, at most 256 MiB (RECALL_DEFAULT_BYTES)
+        with "auto" or True (SmolLM2-135M: 22.5 KiB a token, about 11,600 tokens).
     Sampling keywords (`temperature`, `max_tokens`, ...) given here apply to every turn.
     """
 
-    def __init__(self, llm: Llama, *, system: Optional[str] = None, **sampling: Any):
+    def __init__(self, llm: Llama, *, system: Optional[str] = None, recall: Union[bool, int, str] = "auto",
+                 **sampling: Any):
         if system is not None:
             if not isinstance(system, str):
                 raise TypeError(f"system must be a string or None, got {type(system).__name__}")
             check_text("the system prompt", system)
         CHAT.replace(**sampling)  # a bad value or name raises here, not at every answer
         self.llm = llm
+        self.recall: bool = self._set_recall(recall)  # whether the conversation recalls
         self.system = system
         self.sampling = dict(sampling)
         self.messages: List[Message] = []
@@ -68,6 +76,22 @@ class ChatSession:
         self._turn = 0  # bumped by every send / reset / load: an older answer stream may not rewrite the history
         self._stream: Optional[Iterator[str]] = None  # the last answer stream `send` returned
         self.reset()
+
+    def _set_recall(self, recall: Union[bool, int, str]) -> bool:
+        if recall == "auto":
+            if self.llm.recall:
+                return True
+            if not self.llm.policy.bounded:
+                return False
+            try:
+                self.llm.set_recall(True, seq_id=0)
+            except ValueError:  # a policy that cannot recall (no question probe, per-head cells, rolling)
+                return False
+            return True
+        if isinstance(recall, str):
+            raise ValueError(f"recall must be 'auto', True, False or a number of tokens, got {recall!r}")
+        self.llm.set_recall(recall, seq_id=0)
+        return bool(recall)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
@@ -289,7 +313,7 @@ class ChatSession:
     def stats(self) -> Dict[str, Any]:
         """The cache and the last turn: entries held / budget, evicted, tokens seen, KV bytes, speed."""
         st = self.llm.kv_state()
-        recall = {} if not self.llm.recall else {"host_entries": int(len(st.host_positions)),
+        recall = {} if not self.recall else {"host_entries": int(len(st.host_positions)),
                                                     "host_bytes": st.host_bytes, "recalled": st.n_recalled}
         return {"kv_entries": st.n_cells, "budget": self.llm.budget, "n_keep": st.n_keep, "evicted": st.n_evicted,
                 **recall,

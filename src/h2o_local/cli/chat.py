@@ -43,8 +43,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     llm = load_llama(ap, args)
     try:
-        session = ChatSession(llm, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, ignore_eos=args.ignore_eos, **penalty_kwargs(args))
+        # the recall setting is the command line's, which load_llama applied ("auto" keeps it, whatever its cap)
+        session = ChatSession(llm, system=args.system, recall="auto" if llm.recall else False,
+                              max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              ignore_eos=args.ignore_eos, **penalty_kwargs(args))
         llm.chat_template.render([{"role": "user", "content": "hi"}])  # a model without a template: say so now
     except (ValueError, TypeError) as e:
         ap.error(str(e))
