@@ -62,8 +62,10 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
     if cfg["runner"] == "llama_cpp":
         import llama_cpp
 
+        # the same layers on the same device as ours (llama-cpp-python's own default is 0: the CPU)
         llm = llama_cpp.Llama(cfg["model"], n_ctx=depth + n_dec + 16, n_batch=n_batch, n_ubatch=n_batch,
-                              n_threads=threads, n_threads_batch=threads, flash_attn=False, verbose=False)
+                              n_threads=threads, n_threads_batch=threads, flash_attn=cfg.get("flash_attn", False),
+                              n_gpu_layers=cfg.get("n_gpu_layers", 0), verbose=False)
         prompt = _prompt(lambda t: llm.tokenize(t.encode(), add_bos=False), depth)
         n_vocab = llm.n_vocab()
         t0 = time.perf_counter()
@@ -155,9 +157,10 @@ def settings(budgets: List[int], peer: bool, labels: Optional[List[str]] = None)
         s = parse_setting(label)
         out.append({"name": label, "policy": s.policy, "budget": s.budget, "rolling": s.rolling,
                     "export_scores": s.export_scores})
-    if peer:
-        out.append({"name": "llama-cpp-python", "runner": "llama_cpp", "policy": "full", "budget": None,
-                    "rolling": False, "export_scores": False})
+    if peer:  # with flash attention too where a setting asks for it (llama.cpp's default on a GPU)
+        for fa in (False, True) if any(label.endswith("+fa") for label in labels) else (False,):
+            out.append({"name": "llama-cpp-python" + ("+fa" if fa else ""), "runner": "llama_cpp", "policy": "full",
+                        "budget": None, "rolling": False, "export_scores": False, "flash_attn": fa})
     return out
 
 
@@ -232,6 +235,8 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
         pairs = [("decode h2o-256 / full", "h2o-256", "full", "decode_tok_s"),
                  ("decode full / llama-cpp-python", "full", "llama-cpp-python", "decode_tok_s"),
                  ("prefill full / llama-cpp-python", "full", "llama-cpp-python", "prefill_tok_s"),
+                 ("decode full+fa / llama-cpp-python+fa", "full+fa", "llama-cpp-python+fa", "decode_tok_s"),
+                 ("prefill full+fa / llama-cpp-python+fa", "full+fa", "llama-cpp-python+fa", "prefill_tok_s"),
                  ("decode full+scores / full", "full+scores", "full", "decode_tok_s"),
                  ("prefill full+scores / full", "full+scores", "full", "prefill_tok_s")]
         for b in meta["budgets"]:
@@ -241,11 +246,16 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
                       (f"decode (mean) h2o-{b}+roll64 / h2o-{b}", f"h2o-{b}+roll64", f"h2o-{b}",
                        "decode_mean_tok_s")]
         for name in names:  # every other policy against h2o at its budget (the scorers' and probes' cost)
-            if name != "llama-cpp-python":
+            if not name.startswith("llama-cpp-python"):
                 st = parse_setting(name)
                 if st.budget and st.policy not in ("h2o", "full", "local") and st.policy_label == name:
                     pairs += [(f"decode {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "decode_tok_s"),
                               (f"prefill {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "prefill_tok_s")]
+        for name in names:  # a bounded cache against the full one, both with flash attention or both without
+            if not name.startswith("llama-cpp-python") and parse_setting(name).budget:
+                full = "full+fa" if name.endswith("+fa") else "full"
+                pairs += [(f"prefill {name} / {full}", name, full, "prefill_tok_s"),
+                          (f"decode {name} / {full}", name, full, "decode_tok_s")]
         for name in names:  # a suffix against the same setting without it (+nocompact, +fa, +kq8_0, ...)
             base = name.rsplit("+", 1)[0]
             if "+" in name and base in names:
@@ -259,7 +269,7 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
         if d != depths[0] and short:  # a bounded cache deep in a text against the full cache at the shortest depth
             for name in names:
                 s = summary.get((name, d))
-                if s and name not in ("full", "llama-cpp-python") and parse_setting(name).budget:
+                if s and not name.startswith(("full", "llama-cpp-python")) and parse_setting(name).budget:
                     lines.append(f"| {d} | decode {name} / full at {depths[0]} tokens | "
                                  f"{s['decode_tok_s'] / short['decode_tok_s']:.3f} |")
     lines += ["", "## Decode roofline", "",

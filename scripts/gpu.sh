@@ -3,12 +3,19 @@
 # here, then carry vendor/llama.cpp): build the CUDA extension, run the suite with every layer offloaded, write a
 # random-weight Qwen2.5-1.5B-shaped GGUF and benchmark the given settings on it. Results go to $OUT (or results/gpu).
 #
-# Build requirements the machine lacks come as wheels in .devicepkgs (pip download here, carry it; step deps).
+# Build requirements the machine lacks come as wheels in .devicepkgs (pip download here, carry it; step deps), and so
+# does the peer: llama-cpp-python 0.3.36's sdist (the same llama.cpp commit, unpatched; step peer builds it for CUDA).
+# SHAPE picks the random model (benchmarks/random_model.py: qwen2.5-1.5b by default, llama-3.1-8b the laptop case).
 #
-#   bash scripts/gpu.sh deps build tests bench -- --depths 8192 32768 --settings full h2o-256 snapkv-256
+#   bash scripts/gpu.sh deps build tests peer bench                 # the default settings and depths below
+#   bash scripts/gpu.sh bench -- --depths 8192 32768 --settings full h2o-256 snapkv-256
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
+SHAPE=${SHAPE:-qwen2.5-1.5b}
+# full and the default policy at 256, each with and without flash attention (the library's default on CUDA), h2o
+DEFAULT_BENCH=(--depths 8192 32768 65536 131072 --settings full full+fa h2o-256 tova-256+s4+q32+p9+f12+r32
+               tova-256+s4+q32+p9+f12+r32+fa)
 mkdir -p "$OUT"
 steps=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
@@ -30,11 +37,21 @@ for step in "${steps[@]}"; do
             --ignore=tests/test_experiments.py > "$OUT/tests.log" 2>&1
         tail -15 "$OUT/tests.log"
         ;;
-    bench)
-        model=/tmp/qwen15b-random.gguf
-        [ -f "$model" ] || python benchmarks/random_model.py --shape qwen2.5-1.5b --out "$model"
-        python -m benchmarks.bench --model "$model" --n-gpu-layers -1 --no-peer --out "$OUT/bench" "$@" 2>&1 | tail -60
+    peer)
+        start=$(date +%s)
+        CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" python -m pip install --no-deps --no-build-isolation \
+            --no-index --find-links .devicepkgs "llama-cpp-python==0.3.36" > "$OUT/peer-build.log" 2>&1 \
+            || { tail -20 "$OUT/peer-build.log"; echo "peer: not built (bench runs without it)"; }
+        echo "peer build: $(( $(date +%s) - start )) s"
         ;;
-    *) echo "unknown step $step (deps, build, tests, bench)"; exit 2 ;;
+    bench)
+        model=/tmp/$SHAPE-random.gguf
+        [ -f "$model" ] || python benchmarks/random_model.py --shape "$SHAPE" --out "$model"
+        [ $# -gt 0 ] || set -- "${DEFAULT_BENCH[@]}"
+        # the peer (llama-cpp-python, plain llama.cpp) runs beside when step peer installed it
+        python -m benchmarks.bench --model "$model" --n-gpu-layers -1 --repeats 1 --out "$OUT/bench-$SHAPE" "$@" 2>&1 \
+            | tail -60
+        ;;
+    *) echo "unknown step $step (deps, build, tests, peer, bench)"; exit 2 ;;
     esac
 done
