@@ -268,5 +268,6 @@ def test_an_unread_stream_holds_a_few_merged_events_not_one_per_token(viewed):
     assert held == 3 and items[0] == "started" and items[-1].finish_reason == "length"
     merged = items[1].event if viewed else items[1]
     assert merged.text == "".join(f"t{i} " for i in range(1_000)) and merged.token == 999
-    if viewed:
+    if viewed:  # one piece per token, so that the page still maps pieces to positions
+        assert items[1].view["pieces"] == [f"t{i} " for i in range(1_000)]
         assert items[1].view["piece"] == merged.text and items[1].view["positions"] == list(range(100))

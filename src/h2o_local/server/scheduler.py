@@ -94,10 +94,12 @@ def _token_event(item: Any) -> bool:
 
 
 def _merged(first: Any, then: Any) -> Any:
-    """Two token events as one: the texts joined, the later token and view (with both tokens' pieces)."""
+    """Two token events as one: the texts joined, the later token and view, with both tokens' pieces (`pieces`, one
+    per token, so that a view still maps pieces to positions; `piece` their text)."""
     if isinstance(then, Viewed):
         event = dataclasses.replace(then.event, text=first.event.text + then.event.text)
-        view = {**then.view, "piece": first.view.get("piece", "") + then.view.get("piece", "")}
+        pieces = first.view.get("pieces", [first.view.get("piece", "")]) + [then.view.get("piece", "")]
+        view = {**then.view, "piece": "".join(pieces), "pieces": pieces}
         return Viewed(event, view)
     return dataclasses.replace(then, text=first.text + then.text)
 

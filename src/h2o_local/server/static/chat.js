@@ -102,7 +102,9 @@ function takeView(view) {
     cache.protected = view.protected || 0;
     if (!view.recalled) cache.back = new Set();  // a conversation that recalled nothing yet (a new one)
   }
-  if (view.piece !== undefined) cache.pieces.push(view.piece);
+  // a reader that fell behind gets several tokens in one chunk: their pieces, one per token
+  if (view.pieces) cache.pieces.push(...view.pieces);
+  else if (view.piece !== undefined) cache.pieces.push(view.piece);
   cache.positions = view.positions;
   cache.scores = view.scores;
   cache.seen = view.seen;
