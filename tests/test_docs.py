@@ -21,3 +21,26 @@ def test_the_worked_example_in_docs_policies_compiles_against_policy_h(tmp_path)
                           f"-I{ROOT / 'vendor' / 'llama.cpp' / 'ggml' / 'include'}", str(src)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_readme_keyword_table_names_every_llama_keyword_with_its_default():
+    """README's "Keyword arguments of `Llama(model_path, ...)`" table: each public keyword once, with the default the
+    signature has (a keyword added without its row, or a default changed without the docs, fails here)."""
+    import ast
+    import inspect
+
+    from h2o_local import Llama
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text.split("Keyword arguments of `Llama(model_path, ...)`:", 1)[1].split("\n\n", 2)[1]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        names, defaults = (re.findall(r"`([^`]*)`", cell) for cell in row.split("|")[1:3])
+        assert len(names) == len(defaults), row
+        for name, default in zip(names, defaults):
+            assert name not in documented, f"{name} has two rows"
+            documented[name] = ast.literal_eval(default)
+    params = {name: p.default for name, p in inspect.signature(Llama.__init__).parameters.items()
+              if name not in ("self", "model_path") and not name.startswith("_")}
+    assert sorted(documented) == sorted(params)
+    assert documented == params
