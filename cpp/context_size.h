@@ -2,7 +2,7 @@
 // Functions of plain numbers, so that each rule can be tested without a model.
 #pragma once
 
-#include "engine.h"
+#include "engine_params.h"
 
 #include <cstdint>
 

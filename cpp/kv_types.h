@@ -2,7 +2,7 @@
 // on the model (and the device) at hand. A function of plain facts, so that it can be tested without a model.
 #pragma once
 
-#include "engine.h"
+#include "engine_params.h"
 
 #include "ggml.h"
 #include "llama.h"
@@ -27,6 +27,9 @@ struct KvTypes {
 
 // a KV cache type by its ggml name, one of those llama.cpp takes (its --cache-type-k list); `what` names the setting
 ggml_type kv_cache_type(const char * what, const std::string & name);
+
+// bytes per element of a KV cache type by ggml name ("f16", "q8_0", ...): the type's block bytes over its values
+double kv_type_bytes(const std::string & name);
 
 // params.kv_f32, type_k, type_v, flash_attn, position_rolling and host_q8_0; throws std::invalid_argument with the reason
 KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts);

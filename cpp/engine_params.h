@@ -1,0 +1,47 @@
+// The settings of an Engine, in a header of their own: the units that choose from them (kv_types, context_size) need
+// them without the engine. FLASH_ATTN_* (kv_types.h) are flash_attn's values.
+#pragma once
+
+#include "policy.h"
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace h2o {
+
+struct EngineParams {
+    PolicyPtr policy;                // required: make_policy(...), resolved once
+    bool     position_rolling = false;
+    int32_t  roll_interval = 1;      // with rolling: renumber once the kept positions span this many gaps or more
+    uint32_t n_ctx     = 0;          // KV cells; 0: budget + n_batch per sequence (bounded) or the trained context (full)
+    uint32_t n_batch   = 512;        // tokens per llama_decode
+    uint32_t n_seq_max = 1;
+    int32_t  n_keep    = 0;          // every sequence starts with its first n_keep tokens protected (see set_keep)
+    bool     kv_unified = true;      // one cell space for all sequences; false: a stream of n_ctx / n_seq_max cells each
+    int32_t  n_threads = 0;          // 0: llama.cpp's default
+    int32_t  n_gpu_layers = 0;
+    bool     scores_sum_rows = false; // force the portable score paths on any backend: the sum_rows reduction
+                                      // (Metal's) and, with flash attention, the separate KQ softmax pass (a GPU's)
+    bool     export_scores = false;   // export scores even when the policy does not use them
+    bool     kv_f32 = false;          // F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
+    std::string type_k;               // K cells' type by ggml name ("q8_0", "q4_0", ...); empty: as V (F16 or F32)
+    std::string type_v;               // V cells' type; a quantized one needs flash attention (llama.cpp)
+    // llama.cpp's flash attention (scores from the CPU kernel, or a KQ softmax pass on a GPU): FLASH_ATTN_AUTO (on
+    // where the layers run on a GPU device, off on the CPU: flash_attn_type), FLASH_ATTN_OFF or FLASH_ATTN_ON
+    int32_t  flash_attn = -1;
+    bool     op_offload = true;       // llama.cpp's: large batches' products of CPU-held weights run on the GPU
+    std::vector<std::string> rpc_servers; // "host:port" of ggml RPC servers that take the offloaded layers
+    bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
+    // recall: each sequence keeps up to this many evicted entries in host memory (K and V of every layer) and, before
+    // each new prompt, brings back those the prompt's question ranks above the kept ones (0: evicted entries are gone)
+    int64_t  host_entries = 0;
+    bool     host_q8_0 = false;       // recall keeps q8_0 blocks of the F16 rows (about half the bytes, not exact)
+    bool     verbose = false;
+    // asked between the chunks of a long prompt; it may throw to stop the feed there (Ctrl-C), leaving the
+    // sequences with what was fed so far
+    std::function<void()> check_interrupt;
+};
+
+} // namespace h2o
