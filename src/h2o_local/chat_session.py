@@ -254,8 +254,8 @@ class ChatSession:
         def bad(why: str) -> ValueError:
             return ValueError(f"{path}: not a session file of this chat ({why})")
 
-        limits = {"session.json": MAX_SESSION_JSON_BYTES, "kv.bin": self._snapshot_limit(),
-                  "prompt.bin": self._snapshot_limit()}
+        snapshot_limit = self._snapshot_limit()
+        limits = {"session.json": MAX_SESSION_JSON_BYTES, "kv.bin": snapshot_limit, "prompt.bin": snapshot_limit}
         try:
             with zipfile.ZipFile(path) as z:
                 parts = {}

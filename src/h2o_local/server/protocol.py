@@ -130,8 +130,16 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
+    def body(self) -> Dict[str, Any]:
+        """OpenAI's error object: as a response's body, or as a started stream's last event."""
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> Dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
            code: Optional[str] = None, headers: Optional[Dict[str, str]] = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status,
-                        headers=headers)
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)

@@ -396,22 +396,6 @@ def _failed(error: Exception) -> APIError:
     return APIError(500, str(error), "server_error")
 
 
-async def _streamed(state: ServerState, job: Job) -> AsyncIterator[Tuple[generation.Event, View]]:
-    """`_events` for a stream that has started: a failure ends it with an error event (OpenAI's `{"error": ...}`,
-    as llama-server sends it), not a broken connection."""
-    try:
-        async for item in _events(state, job):
-            yield item
-    except Exception as e:  # noqa: BLE001 - said to the client
-        err = _failed(e)
-        raise _StreamFailed(json.dumps({"error": {"message": err.message, "type": err.kind, "param": err.param,
-                                                  "code": err.code}})) from None
-
-
-class _StreamFailed(Exception):
-    """A started stream's failure: its one error event (JSON) is the stream's last."""
-
-
 async def _disconnected(state: ServerState, request: Request, job: Job) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.5)
@@ -423,10 +407,10 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
     if echo or first.get("kv_cache"):
         yield json.dumps(first)
     try:
-        async for e, view in _streamed(state, job):
+        async for e, view in _events(state, job):
             yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason), view))
-    except _StreamFailed as failed:
-        yield str(failed)
+    except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
+        yield json.dumps(_failed(e).body())
         return
     if usage:
         yield json.dumps(responses.usage_chunk(meta, _usage(job), chat=False))
@@ -436,13 +420,13 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
 async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool):
     yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": ""}), job.started.view))
     try:
-        async for e, view in _streamed(state, job):
+        async for e, view in _events(state, job):
             if e.text or (view is not None and e.token is not None):  # the view goes with every token
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}), view))
             if e.token is None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
-    except _StreamFailed as failed:
-        yield str(failed)
+    except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
+        yield json.dumps(_failed(e).body())
         return
     if usage:
         yield json.dumps(responses.usage_chunk(meta, _usage(job), chat=True))
