@@ -8,8 +8,10 @@
 #include "ggml-rpc.h"
 #endif
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 
@@ -109,11 +111,13 @@ bool endpoint_reachable(const std::string & endpoint, int timeout_ms) {
 }
 
 // the devices of ggml RPC servers, for this model only (never registered globally: a later model without
-// rpc_servers must not offload to them); nullptr-terminated
+// rpc_servers must not offload to them)
 static std::vector<ggml_backend_dev_t> rpc_devices(const std::vector<std::string> & servers) {
     std::vector<ggml_backend_dev_t> devices;
 #ifndef GGML_USE_RPC
-    throw std::invalid_argument("this build has no RPC backend (built with -DH2O_LOCAL_RPC=OFF)");
+    if (!servers.empty()) {
+        throw std::invalid_argument("this build has no RPC backend (built with -DH2O_LOCAL_RPC=OFF)");
+    }
 #endif
     for (const std::string & endpoint : servers) {
 #ifdef GGML_USE_RPC
@@ -128,6 +132,44 @@ static std::vector<ggml_backend_dev_t> rpc_devices(const std::vector<std::string
             devices.push_back(ggml_backend_reg_dev_get(reg, i));
         }
     }
+    return devices;
+}
+
+static bool same_device_id(ggml_backend_dev_t a, ggml_backend_dev_t b) {
+    ggml_backend_dev_props pa;
+    ggml_backend_dev_props pb;
+    ggml_backend_dev_get_props(a, &pa);
+    ggml_backend_dev_get_props(b, &pb);
+    return pa.device_id && pb.device_id && std::strcmp(pa.device_id, pb.device_id) == 0;
+}
+
+// The devices a model may use, as llama.cpp's default selection orders them (RPC servers first, then this machine's
+// GPUs, one per device id, or its integrated GPUs where it has no discrete one), but with only this model's own RPC
+// servers: a registered RPC device, or one another model reached, is never on the list, so a server that died under
+// an earlier model cannot abort a later one. nullptr-terminated, for llama_model_params::devices.
+static std::vector<ggml_backend_dev_t> model_devices(const std::vector<std::string> & rpc_servers) {
+    std::vector<ggml_backend_dev_t> gpus;
+    std::vector<ggml_backend_dev_t> igpus;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const bool rpc = std::strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") == 0;
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
+        if (rpc) {
+            continue;
+        }
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU &&
+            std::none_of(gpus.begin(), gpus.end(), [dev](ggml_backend_dev_t g) { return same_device_id(g, dev); })) {
+            gpus.push_back(dev);
+        }
+        // several backends may show one integrated GPU: the first backend's devices only
+        if (type == GGML_BACKEND_DEVICE_TYPE_IGPU &&
+            (igpus.empty() || ggml_backend_dev_backend_reg(dev) == ggml_backend_dev_backend_reg(igpus.back()))) {
+            igpus.push_back(dev);
+        }
+    }
+    std::vector<ggml_backend_dev_t> devices = rpc_devices(rpc_servers);
+    const std::vector<ggml_backend_dev_t> & local = gpus.empty() ? igpus : gpus;
+    devices.insert(devices.end(), local.begin(), local.end());
     devices.push_back(nullptr);
     return devices;
 }
@@ -139,11 +181,8 @@ Model::Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only,
 
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = n_gpu_layers;
-    std::vector<ggml_backend_dev_t> devices;
-    if (!rpc_servers.empty()) {
-        devices = rpc_devices(rpc_servers);
-        mp.devices = devices.data();
-    }
+    std::vector<ggml_backend_dev_t> devices = model_devices(rpc_servers);
+    mp.devices = devices.data();
     mp.no_alloc     = metadata_only;
     if (metadata_only) {
         mp.load_mode = LLAMA_LOAD_MODE_NONE; // llama.cpp's memory-fit pass: no weights read, nothing mapped

@@ -32,7 +32,8 @@ struct ModelFacts {
 class Model {
 public:
     // metadata_only: hyperparameters, vocabulary and tensor table, no weights (for facts and tokenizing)
-    // rpc_servers: "host:port" of ggml RPC servers; the offloaded layers (n_gpu_layers) then go to their devices
+    // rpc_servers: "host:port" of ggml RPC servers; the offloaded layers (n_gpu_layers) go to their devices and this
+    // machine's GPUs, and to no other RPC server (model_devices in model.cpp)
     Model(const std::string & path, int32_t n_gpu_layers, bool metadata_only, bool verbose,
           const std::vector<std::string> & rpc_servers = {});
     ~Model();

@@ -22,9 +22,9 @@ def test_generation_runs_well_past_the_trained_context(tiny_model):
     llm = Llama(tiny_model, policy="h2o", budget=32, position_rolling=True, n_batch=32)
     n_train = llm.n_ctx_train()
     assert n_train == 128
-    out = llm.generate(PROMPT, max_tokens=5 * n_train, temperature=0.8, seed=1)
+    out = llm.generate(PROMPT, max_tokens=5 * n_train, temperature=0.8, seed=1, ignore_eos=True)
     st = llm.kv_state()
-    assert st.n_seen > 4 * n_train, "generation stopped early (end-of-text token): pick another seed"
+    assert st.n_seen > 5 * n_train
     assert st.positions.max() < 32 and st.n_cells == 32
     assert len(out) > 0
 
@@ -42,10 +42,12 @@ def test_rolling_a_contiguous_window_keeps_the_logits(tiny_model):
     """`local` keeps a contiguous window, so rolling moves every kept key by the same delta: with RoPE only
     relative positions matter, and the logits must equal (to rounding of the K shift) those without rolling.
     A missing or wrong shift would change relative positions and the logits. F32 cells: F16 keys are re-rounded
-    by every shift, and this random model's peaked attention amplifies that rounding."""
+    by every shift, and this random model's peaked attention amplifies that rounding. Flash attention off: a
+    device's flash kernel multiplies in F16 whatever the cells hold (lavapipe: logits 0.08 apart with it)."""
     runs = {}
     for rolling in (False, True):
-        llm = Llama(tiny_model, policy="local", budget=12, position_rolling=rolling, n_batch=64, kv_f32=True)
+        llm = Llama(tiny_model, policy="local", budget=12, position_rolling=rolling, n_batch=64, kv_f32=True,
+                    flash_attn=False)
         llm.eval(llm.tokenize(PROMPT * 2))
         logits = []
         for i in range(20):

@@ -126,11 +126,12 @@ for _ in range(300):
     except OSError:
         time.sleep(0.2)
 remote = Llama({tiny_model!r}, policy="h2o", budget=24, rpc_servers=[f"127.0.0.1:{{port}}"])
-assert set(remote.layer_devices) == {{"RPC0"}}, remote.layer_devices
+assert "RPC0" in remote.layer_devices, remote.layer_devices  # beside this machine's GPUs, where it has any
 remote.generate("before", max_tokens=4, temperature=0)
 server.terminate()
 server.wait()
 local = Llama({tiny_model!r}, policy="h2o", budget=24)
+assert not any(d.startswith("RPC") for d in local.layer_devices), local.layer_devices  # only its own devices
 del remote
 gc.collect()
 print("survived:", local.generate("after", max_tokens=4, temperature=0) is not None)
