@@ -206,6 +206,13 @@ PYBIND11_MODULE(_engine, m) {
         check_host_memory(c, kv_bytes_per_cell, n_vocab, kv_on_host, have);
     }, py::arg("n_ctx"), py::arg("n_outputs_max"), py::arg("kv_bytes_per_cell"), py::arg("n_vocab"),
        py::arg("kv_on_host"), py::arg("have"), "Raises ValueError when the context needs more than `have` bytes.");
+    m.def("check_device_memory", [](uint32_t n_ctx, uint64_t device_kv_bytes_per_cell, const std::string & devices,
+                                    uint64_t have) {
+        ContextSize c;
+        c.n_ctx = n_ctx;
+        check_device_memory(c, device_kv_bytes_per_cell, devices, have);
+    }, py::arg("n_ctx"), py::arg("device_kv_bytes_per_cell"), py::arg("devices"), py::arg("have"),
+       "Raises ValueError when the KV cells on `devices` need more than their `have` bytes.");
     m.def("choose_kv_types", [](const EngineParams & params, int32_t key_head, const std::string & offloaded_to,
                                 bool rotation_disabled) {
         KvTypeFacts facts;

@@ -56,6 +56,17 @@ void check_host_memory(const ContextSize & size, uint64_t kv_bytes_per_cell, int
     }
 }
 
+void check_device_memory(const ContextSize & size, uint64_t device_kv_bytes_per_cell, const std::string & devices,
+                         uint64_t have) {
+    const uint64_t need = (uint64_t) size.n_ctx*device_kv_bytes_per_cell;
+    if (have != 0 && need > have) {
+        throw std::invalid_argument("n_ctx=" + std::to_string(size.n_ctx) + " cells need about " +
+                                    std::to_string(need >> 30) + " GiB of KV cache on " + devices + ", more than this "
+                                    "machine's " + devices + " hold (" + std::to_string(have >> 30) + " GiB): use a "
+                                    "smaller budget or n_ctx, or fewer n_gpu_layers");
+    }
+}
+
 uint64_t physical_memory_bytes() {
 #if defined(_SC_PHYS_PAGES) && defined(_SC_PAGE_SIZE)
     const long pages = sysconf(_SC_PHYS_PAGES);

@@ -5,6 +5,7 @@
 #include "engine_params.h"
 
 #include <cstdint>
+#include <string>
 
 namespace h2o {
 
@@ -30,6 +31,12 @@ ContextSize context_size(const EngineParams & params, const Policy & policy, int
 // are touched
 void check_host_memory(const ContextSize & size, uint64_t kv_bytes_per_cell, int32_t n_vocab, bool kv_on_host,
                        uint64_t have);
+
+// The KV cache of the layers on devices (device_kv_bytes_per_cell: their share of a cell) against those devices'
+// memory (have: their total in bytes, 0: unknown, as for an RPC server): throws std::invalid_argument before
+// llama.cpp would try to allocate it there
+void check_device_memory(const ContextSize & size, uint64_t device_kv_bytes_per_cell, const std::string & devices,
+                         uint64_t have);
 
 // this machine's memory in bytes (0: unknown)
 uint64_t physical_memory_bytes();

@@ -111,6 +111,9 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     const uint64_t cell_bytes = (uint64_t) llama_model_n_layer(model)*2*llama_model_n_head_kv(model)*
                                 (uint64_t) type_facts.key_head*(params.kv_f32 ? 4 : 2);
     check_host_memory(size, cell_bytes, model_->n_vocab(), offloaded_to.empty(), physical_memory_bytes());
+    const Model::Offload offload = model_->offload();
+    check_device_memory(size, cell_bytes*offload.n_layer/std::max(llama_model_n_layer(model), 1), offload.devices,
+                        offload.memory_bytes);
     clear_llama_error();
     ctx_ = llama_init_from_model(model_->get(), cp);
     if (ctx_ == nullptr) {

@@ -97,18 +97,12 @@ llama_flash_attn_type flash_attn_type(const EngineParams & params, const KvTypeF
     if (!params.type_v.empty() && ggml_is_quantized(kv_cache_type("type_v", params.type_v))) {
         return LLAMA_FLASH_ATTN_TYPE_ENABLED;
     }
+    // CUDA and Metal (ggml's "MTL") only: on Vulkan, llama.cpp's flash-attention shader crashed Mesa's lavapipe
+    // (its queue thread) under the server's concurrent streams and in a recall test with one stream, with the full
+    // cache as with the policies (docs/gpu.md); the other backends (RPC, ...) are untested here
     const std::string & dev = facts.offloaded_to;
-    if (dev.rfind("CUDA", 0) == 0 || dev.rfind("MTL", 0) == 0) {
-        return LLAMA_FLASH_ATTN_TYPE_AUTO;
-    }
-    // Vulkan with one KV stream: with a stream per sequence (kv_unified off, several sequences: the server's slots)
-    // its flash-attention shader crashed Mesa's lavapipe queue thread, with the full cache as with every policy
-    // (docs/gpu.md); the other backends (RPC, ...) are untested here
-    const bool one_stream = params.kv_unified || params.n_seq_max <= 1;
-    if (dev.rfind("Vulkan", 0) == 0 && one_stream) {
-        return LLAMA_FLASH_ATTN_TYPE_AUTO;
-    }
-    return LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    const bool home_gpu = dev.rfind("CUDA", 0) == 0 || dev.rfind("MTL", 0) == 0;
+    return home_gpu ? LLAMA_FLASH_ATTN_TYPE_AUTO : LLAMA_FLASH_ATTN_TYPE_DISABLED;
 }
 
 } // namespace h2o

@@ -35,10 +35,10 @@ double kv_type_bytes(const std::string & name);
 KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts);
 
 // What a context asks llama.cpp for: params.flash_attn as given, and FLASH_ATTN_AUTO resolved as llama.cpp's own
-// `-fa auto` where the layers run on a CUDA or Metal GPU, or on Vulkan with one KV stream (on where the device
-// supports it), on for a quantized V cache (which needs it), and off on the CPU, where the kernel gains nothing for
-// these models and the scoring policies pay a pass beside it (docs/performance-log.md, runs 9 and 14), and elsewhere
-// (Vulkan with a stream per sequence, RPC: see flash_attn_type in kv_types.cpp).
+// `-fa auto` where the layers run on a CUDA or Metal GPU (on where the device supports it), on for a quantized V
+// cache (which needs it), and off on the CPU, where the kernel gains nothing for these models and the scoring
+// policies pay a pass beside it (docs/performance-log.md, runs 9 and 14), and on other devices (Vulkan, RPC: see
+// flash_attn_type in kv_types.cpp).
 llama_flash_attn_type flash_attn_type(const EngineParams & params, const KvTypeFacts & facts);
 
 } // namespace h2o

@@ -244,6 +244,33 @@ ModelFacts Model::facts() const {
     return f;
 }
 
+Model::Offload Model::offload() const {
+    Offload out;
+    std::vector<ggml_backend_dev_t> seen;
+    bool memory_known = true;
+    for (uint32_t il = 0; il < model_->hparams.n_layer(); ++il) {
+        ggml_backend_dev_t dev = model_->dev_layer((int) il);
+        if (dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            continue;
+        }
+        ++out.n_layer;
+        if (std::find(seen.begin(), seen.end(), dev) != seen.end()) {
+            continue;
+        }
+        seen.push_back(dev);
+        out.devices += std::string(out.devices.empty() ? "" : ", ") + ggml_backend_dev_name(dev);
+        size_t free = 0;
+        size_t total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        memory_known = memory_known && total > 0;
+        out.memory_bytes += total;
+    }
+    if (!memory_known) {
+        out.memory_bytes = 0;
+    }
+    return out;
+}
+
 void Model::check_token(llama_token token) const {
     if (token < 0 || token >= n_vocab()) {
         throw std::invalid_argument("token id " + std::to_string(token) + " out of range [0, " + std::to_string(n_vocab()) + ")");

@@ -45,3 +45,13 @@ def test_a_context_the_machine_cannot_hold_is_refused_before_it_is_made():
         _engine.check_host_memory(1000, 512, 2**20, 32000, True, gib)
     _engine.check_host_memory(1000, 512, 2**20, 32000, False, gib)  # the cells are on a device: only the logits count
     _engine.check_host_memory(10**9, 10**6, 2**20, 32000, True, 0)  # memory unknown: nothing refused
+
+
+def test_a_cache_its_devices_cannot_hold_is_refused_before_llama_cpp_allocates_it():
+    """On a GPU the KV cells of the offloaded layers are checked against the devices' memory (llama.cpp's failed
+    allocation there was a RuntimeError without the reason, seen on CUDA)."""
+    gib = 2**30
+    _engine.check_device_memory(1000, 2**20, "CUDA0", 2 * gib)  # 1000 MiB of cells
+    with pytest.raises(ValueError, match=r"on CUDA0, more than this machine's CUDA0 hold \(1 GiB\)"):
+        _engine.check_device_memory(2000, 2**20, "CUDA0", gib)
+    _engine.check_device_memory(10**9, 2**20, "RPC0", 0)  # memory unknown: nothing refused
