@@ -42,8 +42,10 @@ def rpc_server():
 
 @pytest.mark.parametrize("policy", ["h2o", "keydiff"])
 def test_offloading_layers_over_rpc_changes_nothing(tiny_model, rpc_server, policy):
-    local = Llama(tiny_model, policy=policy, budget=24, n_batch=32)
-    remote = Llama(tiny_model, policy=policy, budget=24, n_batch=32, rpc_servers=[rpc_server], n_gpu_layers=1)
+    # the CPU backend here against the one the RPC server runs there; no batch sent to this machine's GPU, if any
+    local = Llama(tiny_model, policy=policy, budget=24, n_batch=32, n_gpu_layers=0, op_offload=False)
+    remote = Llama(tiny_model, policy=policy, budget=24, n_batch=32, rpc_servers=[rpc_server], n_gpu_layers=1,
+                   op_offload=False)
     prompt = local.tokenize(TEXT)
     out_local = local.generate(prompt, max_tokens=16, temperature=0)
     out_remote = remote.generate(prompt, max_tokens=16, temperature=0)
