@@ -43,49 +43,38 @@ int32_t key_head_size(const llama_model * model) {
     return llama_model_n_embd(model) / std::max(llama_model_n_head(model), 1);
 }
 
-} // namespace
-
-Engine::Engine(const std::string & model_path, const EngineParams & params) : params_(params) {
+void check_params(const EngineParams & params) {
     if (params.policy == nullptr) {
         throw std::invalid_argument("EngineParams.policy is required");
     }
-    policy_ = params.policy;
     if (params.n_seq_max < 1 || params.n_seq_max > 256) {
         throw std::invalid_argument("n_seq_max must be in [1, 256]");
     }
     if (params.n_batch < 1) {
         throw std::invalid_argument("n_batch must be >= 1");
     }
-    check_per_head(*policy_);
     if (params.roll_interval < 1) {
         throw std::invalid_argument("roll_interval must be >= 1 (tokens), got " + std::to_string(params.roll_interval));
     }
+}
 
-    model_ = std::make_unique<Model>(model_path, params.n_gpu_layers, false, params.verbose, params.rpc_servers);
-    catalyst_      = model_->tokenize(probe_text(ProbeSource::catalyst), false, false);
-    repeat_prefix_ = model_->tokenize(probe_text(ProbeSource::repeat), false, false);
-
-    const ContextSize size = context_size(params, *policy_, llama_model_n_ctx_train(model_->get()),
-                                          probe_cells(*policy_));
-    const uint32_t n_ctx = size.n_ctx;
-    capacity_ = n_ctx;
-    check_room(*policy_);
-    if (policy_->bounded()) {
-        policy_->split().after_prefix(params.n_keep);
-    } else if (params.n_keep < 0) {
-        throw std::invalid_argument("keep must be >= 0 tokens");
-    }
-
+KvTypeFacts kv_type_facts(const Model & model) {
+    KvTypeFacts facts;
+    facts.key_head = key_head_size(model.get());
     // the first device other than the CPU that holds a layer (and its KV cache); empty: everything on the CPU
-    std::string offloaded_to;
-    for (const std::string & d : model_->facts().layer_devices) {
-        if (d != "CPU" && offloaded_to.empty()) {
-            offloaded_to = d;
+    for (const std::string & d : model.facts().layer_devices) {
+        if (d != "CPU" && facts.offloaded_to.empty()) {
+            facts.offloaded_to = d;
         }
     }
+    const char * rot_disable = std::getenv("LLAMA_ATTN_ROT_DISABLE");
+    facts.rotation_disabled = rot_disable && std::atoi(rot_disable);
+    return facts;
+}
 
+llama_context_params context_params(const EngineParams & params, const ContextSize & size, const KvTypeFacts & facts) {
     llama_context_params cp = llama_context_default_params();
-    cp.n_ctx           = n_ctx;
+    cp.n_ctx           = size.n_ctx;
     cp.n_batch         = size.n_batch;
     cp.n_ubatch        = size.n_batch;
     cp.n_outputs_max   = size.n_outputs_max;
@@ -93,27 +82,51 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     cp.kv_unified      = params.kv_unified;
     cp.no_perf         = true;
     cp.op_offload      = params.op_offload;
-    KvTypeFacts type_facts;
-    type_facts.key_head     = key_head_size(model_->get());
-    type_facts.offloaded_to = offloaded_to;
-    const char * rot_disable = std::getenv("LLAMA_ATTN_ROT_DISABLE");
-    type_facts.rotation_disabled = rot_disable && std::atoi(rot_disable);
-    const KvTypes types = choose_kv_types(params, type_facts);
-    cp.flash_attn_type = flash_attn_type(params, type_facts);
+    const KvTypes types = choose_kv_types(params, facts);
+    cp.flash_attn_type = flash_attn_type(params, facts);
     cp.type_k = types.k;
     cp.type_v = types.v;
     if (params.n_threads > 0) {
         cp.n_threads       = params.n_threads;
         cp.n_threads_batch = params.n_threads;
     }
+    return cp;
+}
 
-    const llama_model * model = model_->get();
-    const uint64_t cell_bytes = (uint64_t) llama_model_n_layer(model)*2*llama_model_n_head_kv(model)*
-                                (uint64_t) type_facts.key_head*(params.kv_f32 ? 4 : 2);
-    check_host_memory(size, cell_bytes, model_->n_vocab(), offloaded_to.empty(), physical_memory_bytes());
-    const Model::Offload offload = model_->offload();
-    check_device_memory(size, cell_bytes*offload.n_layer/std::max(llama_model_n_layer(model), 1), offload.devices,
-                        offload.memory_bytes);
+// the KV cells and logits a context needs against the memory of the machine and of the devices holding its layers
+void check_memory(const Model & model, const EngineParams & params, const ContextSize & size, const KvTypeFacts & facts) {
+    const int32_t n_layer = std::max(llama_model_n_layer(model.get()), 1);
+    const uint64_t cell_bytes = (uint64_t) n_layer*2*llama_model_n_head_kv(model.get())*
+                                (uint64_t) facts.key_head*(params.kv_f32 ? 4 : 2);
+    check_host_memory(size, cell_bytes, model.n_vocab(), facts.offloaded_to.empty(), physical_memory_bytes());
+    const Model::Offload offload = model.offload();
+    check_device_memory(size, cell_bytes*offload.n_layer/n_layer, offload.devices, offload.memory_bytes);
+}
+
+} // namespace
+
+Engine::Engine(const std::string & model_path, const EngineParams & params) : params_(params) {
+    check_params(params);
+    policy_ = params.policy;
+    check_per_head(*policy_);
+
+    model_ = std::make_unique<Model>(model_path, params.n_gpu_layers, false, params.verbose, params.rpc_servers);
+    catalyst_      = model_->tokenize(probe_text(ProbeSource::catalyst), false, false);
+    repeat_prefix_ = model_->tokenize(probe_text(ProbeSource::repeat), false, false);
+
+    const ContextSize size = context_size(params, *policy_, llama_model_n_ctx_train(model_->get()),
+                                          probe_cells(*policy_));
+    capacity_ = size.n_ctx;
+    check_room(*policy_);
+    if (policy_->bounded()) {
+        policy_->split().after_prefix(params.n_keep);
+    } else if (params.n_keep < 0) {
+        throw std::invalid_argument("keep must be >= 0 tokens");
+    }
+
+    const KvTypeFacts facts = kv_type_facts(*model_);
+    const llama_context_params cp = context_params(params, size, facts);
+    check_memory(*model_, params, size, facts);
     clear_llama_error();
     ctx_ = llama_init_from_model(model_->get(), cp);
     if (ctx_ == nullptr) {
@@ -157,63 +170,8 @@ SeqCache & Engine::seq_cache(llama_seq_id seq) {
     return it->second;
 }
 
-void Engine::set_recall(int64_t cap) {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    check_policy(cap >= 0, "recall's host store cap must be >= 0 entries, got " + std::to_string(cap));
-    const int64_t before = params_.host_entries;
-    params_.host_entries = cap;
-    try {
-        check_recall(*policy_, cap);
-        for (const auto & kv : seq_policies_) {
-            check_recall(*kv.second, recall_of(kv.first));
-        }
-    } catch (...) {
-        params_.host_entries = before;
-        throw;
-    }
-    for (auto & kv : seqs_) {
-        kv.second.set_spill(recall_of(kv.first), params_.host_q8_0);
-    }
-}
-
-void Engine::recall_for(llama_seq_id seq, const std::vector<llama_token> & question) {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    seq_cache(seq);
-    for (const llama_token t : question) {
-        if (t < 0 || t >= model_->n_vocab()) {
-            throw std::invalid_argument("token id " + std::to_string(t) + " out of range [0, " +
-                                        std::to_string(model_->n_vocab()) + ")");
-        }
-    }
-    if (question.empty()) {
-        throw std::invalid_argument("recall needs a question: at least one token");
-    }
-    try {
-        recall(seq, question);
-    } catch (...) {
-        evict(seq); // never more than the budget on the device
-        throw;
-    }
-}
-
 bool Engine::flash_attn() const {
     return llama_flash_attn_enabled(ctx_);
-}
-
-HostStore Engine::host(llama_seq_id seq, bool with_kv) const {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    const auto it = seqs_.find(seq);
-    if (it == seqs_.end()) {
-        return HostStore();
-    }
-    const HostStore & h = it->second.host();
-    HostStore out = h.without_kv();
-    if (with_kv) { // as a recall puts them back
-        std::vector<size_t> all(h.size());
-        std::iota(all.begin(), all.end(), 0);
-        out.kv = h.raw_rows(all, entry_size());
-    }
-    return out;
 }
 
 size_t Engine::entry_size() const {
@@ -541,103 +499,41 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
     }
 }
 
-void Engine::check_host(const SeqSnapshot & snap) const {
-    const HostStore & h = snap.host;
-    if (h.size() == 0) {
-        return;
-    }
-    const std::set<llama_pos> kept(snap.state.positions.begin(), snap.state.positions.end());
-    std::set<llama_pos> seen;
-    for (const llama_pos p : h.positions) {
-        if (p < 0 || p >= snap.state.next_pos || kept.count(p) > 0 || !seen.insert(p).second) {
-            throw std::invalid_argument("the snapshot's host entries do not match its positions");
-        }
-    }
-    const size_t raw_bytes = llama_kv_entry_size(ctx_);
-    if ((h.entry_bytes != raw_bytes && h.entry_bytes != q8_0_entry_bytes(raw_bytes)) || h.kv.size() != h.size()*h.entry_bytes ||
-        h.tokens.size() != h.size() || h.scores.size() != h.size() || h.scores.n_head != n_head_) {
-        throw std::invalid_argument("the snapshot's host entries do not match this model's cache");
-    }
-    for (const llama_token t : h.tokens) {
-        if (t < 0 || t >= model_->n_vocab()) {
-            throw std::invalid_argument("the snapshot's host entries hold a token outside the vocabulary");
-        }
-    }
-}
-
-int64_t Engine::recall_of(llama_seq_id seq) const {
-    const auto it = seq_recall_.find(seq);
-    return it == seq_recall_.end() ? params_.host_entries : it->second;
-}
-
-void Engine::set_seq_recall(llama_seq_id seq, int64_t cap) {
+void Engine::eval(const TokenMap & tokens, bool logits_all, const std::function<Riders()> & between_chunks) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    SeqCache & sc = seq_cache(seq);
-    const int64_t value = cap < 0 ? params_.host_entries : cap;
-    check_recall(policy_of(seq), value);
-    if (cap < 0) {
-        seq_recall_.erase(seq);
-    } else {
-        seq_recall_[seq] = cap;
-    }
-    sc.set_spill(value, params_.host_q8_0);
-}
-
-void Engine::check_recall(const Policy & policy, int64_t cap) const {
-    if (cap <= 0 || !policy.bounded()) {
+    const size_t n_total = check_tokens(tokens, logits_all);
+    if (n_total == 0) {
         return;
     }
-    check_policy(policy.probe().source == ProbeSource::question,
-                 "recall ranks what was evicted by the next prompt's question: policy '" + policy.name() + "' needs "
-                 "the question probe (probe='question'; the default policy has it)");
-    check_policy(!policy.per_head(), "recall keeps whole entries: per-head cells cannot be recalled");
-    check_policy(!params_.position_rolling, "recall puts entries back at their own positions: position rolling "
-                                            "renumbers them, so the two cannot be combined");
-    check_policy(llama_kv_entry_size(ctx_) > 0, "this model's KV cache cannot keep evicted entries apart (SWA "
-                                                "layers, or no KV cache): recall is not available");
-}
-
-void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt) {
-    SeqCache & sc = seqs_.at(seq);
-    const Policy & policy = policy_of(seq);
-    if (sc.host().size() == 0 || !policy.bounded() || policy.probe().source != ProbeSource::question) {
-        return;
+    const PrefillPlan plan = plan_for(tokens, (bool) between_chunks);
+    if (!plan.fits && !plan_bounded(tokens)) {
+        throw std::invalid_argument("cannot feed " + std::to_string(n_total) + " tokens: " + std::to_string(cells_used()) +
+                                    " of the context's " + std::to_string(capacity_) + " KV cells are in use and policy "
+                                    "'full' never evicts (use a larger n_ctx or a bounded policy)");
     }
-    const size_t n_question = std::min(prompt.size(), (size_t) policy.probe().question);
-    const std::vector<llama_token> question(prompt.end() - n_question, prompt.end());
-    const int32_t page = std::min<int32_t>((int32_t) n_batch(), room(seq) - probe_cells(policy));
-    if (page < 1) {
-        return; // no cells beside the kept entries (a unified cache shared by full sequences): nothing comes back
+    std::map<llama_seq_id, int64_t> n_evicted;
+    CleanState clean;
+    for (const auto & kv : tokens) {
+        n_evicted[kv.first] = seqs_.at(kv.first).state().n_evicted;
+        mark_clean(clean, kv.first);
     }
-    // the spilled entries in position order, a page at a time; what loses goes back to the store (after them)
-    const HostStore & host = sc.host();
-    std::vector<llama_pos> waiting = host.positions;
-    std::sort(waiting.begin(), waiting.end());
-    std::set<llama_pos> readmitted;
-    for (size_t a = 0; a < waiting.size(); a += (size_t) page) {
-        const std::set<llama_pos> want(waiting.begin() + a, waiting.begin() + std::min(waiting.size(), a + page));
-        std::vector<size_t> indices;
-        for (size_t i = 0; i < host.positions.size(); ++i) {
-            if (want.count(host.positions[i]) > 0) {
-                indices.push_back(i);
-            }
+    recall_prompts(clean, tokens); // a new prompt first brings back what it asks about of what its sequence spilled
+    feed_steps(clean, plan, tokens, logits_all, between_chunks);
+    if (plan.fits) {
+        for (const auto & kv : tokens) {
+            evict_or_roll_back(clean, kv.first, &kv.second);
         }
-        sc.readmit(indices);
-        readmitted.insert(want.begin(), want.end());
-        probe(seq, question);
-        evict(seq);
     }
-    int64_t kept = 0;
-    for (const llama_pos p : sc.state().positions) {
-        kept += readmitted.count(p);
+    // a prompt that evicted leaves its kept cells scattered over every cell it went through (single tokens reuse the
+    // lowest free cell, so generation keeps a compact cache compact)
+    for (const auto & kv : tokens) {
+        if (kv.second.size() > 1 && seqs_.at(kv.first).state().n_evicted > n_evicted[kv.first]) {
+            compact(kv.first);
+        }
     }
-    sc.count_recalled(kept);
-    compact(seq);
 }
 
-void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool logits_all,
-                  const std::function<Riders()> & between_chunks) {
-    std::lock_guard<std::recursive_mutex> lock(mu_);
+size_t Engine::check_tokens(const TokenMap & tokens, bool logits_all) {
     const int32_t n_vocab = model_->n_vocab();
     size_t n_total = 0;
     for (const auto & [seq, toks] : tokens) {
@@ -652,10 +548,19 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             logits_all_[seq].clear();
         }
     }
-    if (n_total == 0) {
-        return;
-    }
+    return n_total;
+}
 
+bool Engine::plan_bounded(const TokenMap & tokens) const {
+    for (const auto & kv : tokens) {
+        if (!policy_of(kv.first).bounded()) {
+            return false;
+        }
+    }
+    return true;
+}
+
+PrefillPlan Engine::plan_for(const TokenMap & tokens, bool with_riders) const {
     // the capacity, not llama.cpp's padded n_ctx, decides: the same prompt is fed the same way whatever the padding
     PrefillInput in;
     for (const auto & [seq, toks] : tokens) {
@@ -670,10 +575,8 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     int32_t n_probe = 0;
     int32_t budget = 0;
     int32_t window = 0;
-    bool bounded = true;
     for (const auto & kv : tokens) {
         const Policy & policy = policy_of(kv.first);
-        bounded = bounded && policy.bounded();
         const ProbeSpec probe = policy.probe();
         n_probe = std::max(n_probe, policy.bounded() ? probe_cells(policy) : 0);
         budget  = std::max(budget, policy.bounded() ? policy.split().total() : 0);
@@ -684,65 +587,55 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
     in.capacity       = (int32_t) stream_capacity() - n_probe;
     in.kv_unified     = params_.kv_unified;
     in.defer_eviction = !params_.kv_unified || params_.n_seq_max == 1;
-    in.bounded        = bounded;
+    in.bounded        = plan_bounded(tokens);
     in.budget         = budget;
     // with riders, each chunk leaves room for one token of every other sequence
-    const size_t n_riders_max = between_chunks ? (size_t) params_.n_seq_max - 1 : 0;
+    const size_t n_riders_max = with_riders ? (size_t) params_.n_seq_max - 1 : 0;
     in.n_batch        = n_batch() > 2*n_riders_max ? n_batch() - n_riders_max : n_batch();
     in.query_window   = (size_t) window;
-    const PrefillPlan plan = plan_prefill(in);
-    if (!plan.fits && !bounded) {
-        throw std::invalid_argument("cannot feed " + std::to_string(n_total) + " tokens: " + std::to_string(cells_used()) +
-                                    " of the context's " + std::to_string(capacity_) + " KV cells are in use and policy "
-                                    "'full' never evicts (use a larger n_ctx or a bounded policy)");
-    }
+    return plan_prefill(in);
+}
 
-    std::map<llama_seq_id, int64_t> n_evicted;
-    for (const auto & kv : tokens) {
-        n_evicted[kv.first] = seqs_.at(kv.first).state().n_evicted;
-    }
-    // each fed sequence as it was after its last eviction: an eviction that fails (a policy written in Python that
-    // raises) drops what was fed since, so every sequence stays within its budget and usable, as after a failed decode
-    std::map<llama_seq_id, SeqState> clean;
-    std::map<llama_seq_id, std::optional<std::vector<float>>> clean_logits;
-    auto mark_clean = [&](llama_seq_id seq) {
-        clean[seq] = seqs_.at(seq).state();
-        const auto it = last_logits_.find(seq);
-        clean_logits[seq] = it == last_logits_.end() ? std::nullopt : std::make_optional(it->second);
-    };
-    for (const auto & kv : tokens) {
-        mark_clean(kv.first);
-    }
-    auto evict_or_roll_back = [&](llama_seq_id seq, const std::vector<llama_token> * prompt) {
-        try {
-            probe_and_evict(seq, prompt);
-        } catch (...) {
-            for (const auto & [s, state] : clean) {
-                seqs_.at(s).roll_back(state);
-                if (clean_logits[s]) {
-                    last_logits_[s] = *clean_logits[s];
-                } else {
-                    last_logits_.erase(s);
-                }
-                logits_all_.erase(s);
+void Engine::mark_clean(CleanState & clean, llama_seq_id seq) const {
+    clean.states[seq] = seqs_.at(seq).state();
+    const auto it = last_logits_.find(seq);
+    clean.logits[seq] = it == last_logits_.end() ? std::nullopt : std::make_optional(it->second);
+}
+
+void Engine::evict_or_roll_back(CleanState & clean, llama_seq_id seq, const std::vector<llama_token> * prompt) {
+    try {
+        probe_and_evict(seq, prompt);
+    } catch (...) {
+        for (const auto & [s, state] : clean.states) {
+            seqs_.at(s).roll_back(state);
+            if (clean.logits[s]) {
+                last_logits_[s] = *clean.logits[s];
+            } else {
+                last_logits_.erase(s);
             }
-            throw;
+            logits_all_.erase(s);
         }
-        mark_clean(seq);
-    };
-    // a new prompt first brings back what it asks about of what its sequence spilled (recall)
+        throw;
+    }
+    mark_clean(clean, seq);
+}
+
+void Engine::recall_prompts(CleanState & clean, const TokenMap & tokens) {
     for (const auto & [seq, toks] : tokens) {
         if (toks.size() > 1 && seqs_.at(seq).spill_cap() > 0 && seqs_.at(seq).host().size() > 0) {
             try {
                 recall(seq, toks);
             } catch (...) {
-                evict_or_roll_back(seq, nullptr); // never more than the budget on the device
+                evict_or_roll_back(clean, seq, nullptr); // never more than the budget on the device
                 throw;
             }
-            mark_clean(seq);
+            mark_clean(clean, seq);
         }
     }
-    std::map<llama_seq_id, size_t> fed;
+}
+
+void Engine::feed_steps(CleanState & clean, const PrefillPlan & plan, const TokenMap & tokens, bool logits_all,
+                        const std::function<Riders()> & between_chunks) {
     for (size_t i = 0; i < plan.steps.size(); ++i) {
         if (i > 0 && params_.check_interrupt) {
             params_.check_interrupt();
@@ -753,7 +646,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             check_riders(riders, tokens);
         }
         const PrefillStep & step = plan.steps[i];
-        std::map<llama_seq_id, std::vector<llama_token>> chunk;
+        TokenMap chunk;
         size_t n_chunk = 0;
         for (const auto & [seq, part] : step.chunk) {
             const auto & toks = tokens.at(seq);
@@ -763,9 +656,7 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
         size_t n_riding = 0;
         for (const auto & kv : riders) {
             n_riding += kv.second.size();
-        }
-        for (const auto & kv : riders) {
-            mark_clean(kv.first);
+            mark_clean(clean, kv.first);
         }
         if (n_riding > 0 && (logits_all || n_chunk + n_riding > (size_t) n_batch())) {
             decode(riders, false, {}); // no room beside this chunk (or its every row is wanted): before it
@@ -773,31 +664,16 @@ void Engine::eval(const std::map<llama_seq_id, std::vector<llama_token>> & token
             chunk.insert(riders.begin(), riders.end());
         }
         decode(chunk, logits_all, step.query_windows);
-        for (const auto & [seq, part] : step.chunk) {
-            fed[seq] = part.first + part.second;
-        }
         for (const auto & kv : riders) {
-            evict_or_roll_back(kv.first, &kv.second);
+            evict_or_roll_back(clean, kv.first, &kv.second);
         }
         for (const llama_seq_id seq : step.evict_after) {
-            evict_or_roll_back(seq, &tokens.at(seq));
-        }
-    }
-    if (plan.fits) {
-        for (const auto & kv : tokens) {
-            evict_or_roll_back(kv.first, &kv.second);
-        }
-    }
-    // a prompt that evicted leaves its kept cells scattered over every cell it went through (single tokens reuse the
-    // lowest free cell, so generation keeps a compact cache compact)
-    for (const auto & kv : tokens) {
-        if (kv.second.size() > 1 && seqs_.at(kv.first).state().n_evicted > n_evicted[kv.first]) {
-            compact(kv.first);
+            evict_or_roll_back(clean, seq, &tokens.at(seq));
         }
     }
 }
 
-void Engine::check_riders(const Riders & riders, const std::map<llama_seq_id, std::vector<llama_token>> & fed) {
+void Engine::check_riders(const Riders & riders, const TokenMap & fed) {
     const int32_t n_vocab = model_->n_vocab();
     for (const auto & [seq, toks] : riders) {
         if (params_.kv_unified) {
@@ -874,100 +750,6 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
                            !(window && policy.probe().source == ProbeSource::question));
             }
         }
-    }
-}
-
-int32_t Engine::probe_cells(const Policy & policy) const {
-    const ProbeSpec spec = policy.probe();
-    switch (spec.source) {
-        case ProbeSource::question: return spec.question;
-        case ProbeSource::catalyst: return (int32_t) catalyst_.size();
-        case ProbeSource::repeat:   return (int32_t) (repeat_prefix_.size() + params_.n_batch);
-        case ProbeSource::none:     break;
-    }
-    return 0;
-}
-
-void Engine::probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt) {
-    // generation's single tokens run no probe (they stay unjudged); a prompt, or compress() (no prompt), does
-    const bool is_prompt = prompt == nullptr || prompt->size() > 1;
-    const Policy & policy = policy_of(seq);
-    if (is_prompt && policy.bounded() && seqs_.at(seq).size() > policy.split().total()) {
-        run_probe(seq, prompt);
-    }
-    evict(seq);
-}
-
-void Engine::run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt) {
-    const ProbeSpec spec = policy_of(seq).probe();
-    switch (spec.source) {
-        case ProbeSource::none:
-            return;
-        case ProbeSource::question:
-            if (prompt != nullptr) { // compress() knows no question
-                const size_t n = std::min(prompt->size(), (size_t) spec.question);
-                probe(seq, std::vector<llama_token>(prompt->end() - n, prompt->end()));
-            }
-            return;
-        case ProbeSource::catalyst:
-            probe(seq, catalyst_);
-            return;
-        case ProbeSource::repeat: {
-            // the entries no probe has seen yet, repeated after the instruction in pieces of at most one batch
-            const SeqState & st = seqs_.at(seq).state();
-            std::vector<llama_token> unseen;
-            for (size_t i = 0; i < st.tokens.size(); ++i) {
-                if (st.scores.probe[i] == 0.0f) {
-                    unseen.push_back(st.tokens[i]);
-                }
-            }
-            const int32_t piece = std::min<int32_t>((int32_t) params_.n_batch, room(seq) - (int32_t) repeat_prefix_.size());
-            if (piece < 1) {
-                throw std::invalid_argument("no room for the repeat probe beside sequence " + std::to_string(seq) + "'s " +
-                                            std::to_string(st.positions.size()) + " entries: use a larger n_ctx (or 0)");
-            }
-            for (size_t a = 0; a < unseen.size(); a += (size_t) piece) {
-                std::vector<llama_token> toks = repeat_prefix_;
-                toks.insert(toks.end(), unseen.begin() + a, unseen.begin() + std::min(unseen.size(), a + piece));
-                probe(seq, toks);
-            }
-            return;
-        }
-    }
-}
-
-void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
-    if (toks.empty()) {
-        return;
-    }
-    const auto it = last_logits_.find(seq);
-    const bool had_logits = it != last_logits_.end();
-    const std::vector<float> logits = had_logits ? it->second : std::vector<float>();
-    SeqCache & sc = seqs_.at(seq);
-    const int32_t n_old = sc.size();
-    probe_sums_.assign((size_t) n_old*n_head_, 0.0f);
-    // a batch at a time; the sums of all its queries over the entries it probes, as one decode would give them
-    for (size_t a = 0; a < toks.size(); a += n_batch()) {
-        decode({{seq, std::vector<llama_token>(toks.begin() + a, toks.begin() + std::min(toks.size(), a + n_batch()))}},
-               false, {}, {seq});
-    }
-    sc.drop_newest((int32_t) toks.size());
-    sc.observe_probe(probe_sums_, (int32_t) toks.size(), policy_of(seq).probe().source == ProbeSource::repeat);
-    if (had_logits) {
-        last_logits_[seq] = logits;
-    } else {
-        last_logits_.erase(seq);
-    }
-}
-
-void Engine::add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n) {
-    const size_t n_old = probe_sums_.size()/n_head_;
-    const auto & kept = sc.state().positions;
-    if ((size_t) n < n_old || !std::equal(kept.begin(), kept.begin() + n_old, pos)) {
-        throw std::logic_error("a probe's attention scores do not cover the entries it probes");
-    }
-    for (size_t i = 0; i < probe_sums_.size(); ++i) {
-        probe_sums_[i] += sums[i];
     }
 }
 

@@ -11,6 +11,7 @@
 #include "engine_params.h"
 #include "model.h"
 #include "policy.h"
+#include "prefill_plan.h"
 #include "sampler.h"
 #include "seq_cache.h"
 
@@ -21,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -40,14 +42,14 @@ public:
 
     // tokens of other sequences to decode with a long feed's next chunk (a server's running requests: their next
     // tokens ride with the prompt, as in llama-server's continuous batching)
-    using Riders = std::map<llama_seq_id, std::vector<llama_token>>;
+    using Riders   = std::map<llama_seq_id, std::vector<llama_token>>;
+    using TokenMap = std::map<llama_seq_id, std::vector<llama_token>>; // tokens to feed, per sequence
     // feed tokens to sequences (one batch for all), evicting as the policy says; with logits_all every fed
     // token's logits are kept (see logits_all), otherwise only each sequence's last. between_chunks, when set, is
     // called between the chunks of a long feed and returns riders: sequences with streams of their own, not fed
     // in this call, whose tokens are decoded (and evicted for) with the next chunk; it may also eval such
     // sequences itself, or throw to stop the feed, as check_interrupt may
-    void eval(const std::map<llama_seq_id, std::vector<llama_token>> & tokens, bool logits_all,
-              const std::function<Riders()> & between_chunks = {});
+    void eval(const TokenMap & tokens, bool logits_all, const std::function<Riders()> & between_chunks = {});
     // the next token of seq, drawn from its last logits where they are (no copy)
     llama_token sample(llama_seq_id seq, Sampler & sampler) const;
 
@@ -119,8 +121,24 @@ private:
     int32_t size_of(llama_seq_id seq) const;
     std::string origin() const; // what a snapshot must match to be restored here
     std::string kv_types() const; // "F16", "q8_0/F16", ...
+    // eval's phases: check the tokens (clearing logits_all's rows), plan the feed, bring back what each prompt asks
+    // for (recall), feed the plan's steps with their riders, evicting after each as the plan says
+    size_t check_tokens(const TokenMap & tokens, bool logits_all);
+    bool plan_bounded(const TokenMap & tokens) const; // every fed sequence's policy is bounded
+    PrefillPlan plan_for(const TokenMap & tokens, bool with_riders) const;
+    // each fed sequence as it was after its last eviction: an eviction that fails (a policy written in Python that
+    // raises) drops what was fed since, so every sequence stays within its budget and usable, as after a failed decode
+    struct CleanState {
+        std::map<llama_seq_id, SeqState> states;
+        std::map<llama_seq_id, std::optional<std::vector<float>>> logits;
+    };
+    void mark_clean(CleanState & clean, llama_seq_id seq) const;
+    void evict_or_roll_back(CleanState & clean, llama_seq_id seq, const std::vector<llama_token> * prompt);
+    void recall_prompts(CleanState & clean, const TokenMap & tokens);
+    void feed_steps(CleanState & clean, const PrefillPlan & plan, const TokenMap & tokens, bool logits_all,
+                    const std::function<Riders()> & between_chunks);
     // riders: valid tokens of existing sequences, each with a stream of its own, none of them being fed
-    void check_riders(const Riders & riders, const std::map<llama_seq_id, std::vector<llama_token>> & fed);
+    void check_riders(const Riders & riders, const TokenMap & fed);
     // query_windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
     // probes: the sequences whose tokens in chunk are a probe's (observed into SeqScores::probe)
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,

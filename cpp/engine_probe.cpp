@@ -1,0 +1,109 @@
+// The engine's probes: the decodes that rank a sequence's entries before an eviction removes some of them.
+#include "engine.h"
+#include "host_store.h"
+
+#include "llama-attn-scores.h"
+#include "llama-ext.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+
+namespace h2o {
+
+int32_t Engine::probe_cells(const Policy & policy) const {
+    const ProbeSpec spec = policy.probe();
+    switch (spec.source) {
+        case ProbeSource::question: return spec.question;
+        case ProbeSource::catalyst: return (int32_t) catalyst_.size();
+        case ProbeSource::repeat:   return (int32_t) (repeat_prefix_.size() + params_.n_batch);
+        case ProbeSource::none:     break;
+    }
+    return 0;
+}
+
+void Engine::probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt) {
+    // generation's single tokens run no probe (they stay unjudged); a prompt, or compress() (no prompt), does
+    const bool is_prompt = prompt == nullptr || prompt->size() > 1;
+    const Policy & policy = policy_of(seq);
+    if (is_prompt && policy.bounded() && seqs_.at(seq).size() > policy.split().total()) {
+        run_probe(seq, prompt);
+    }
+    evict(seq);
+}
+
+void Engine::run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt) {
+    const ProbeSpec spec = policy_of(seq).probe();
+    switch (spec.source) {
+        case ProbeSource::none:
+            return;
+        case ProbeSource::question:
+            if (prompt != nullptr) { // compress() knows no question
+                const size_t n = std::min(prompt->size(), (size_t) spec.question);
+                probe(seq, std::vector<llama_token>(prompt->end() - n, prompt->end()));
+            }
+            return;
+        case ProbeSource::catalyst:
+            probe(seq, catalyst_);
+            return;
+        case ProbeSource::repeat: {
+            // the entries no probe has seen yet, repeated after the instruction in pieces of at most one batch
+            const SeqState & st = seqs_.at(seq).state();
+            std::vector<llama_token> unseen;
+            for (size_t i = 0; i < st.tokens.size(); ++i) {
+                if (st.scores.probe[i] == 0.0f) {
+                    unseen.push_back(st.tokens[i]);
+                }
+            }
+            const int32_t piece = std::min<int32_t>((int32_t) params_.n_batch, room(seq) - (int32_t) repeat_prefix_.size());
+            if (piece < 1) {
+                throw std::invalid_argument("no room for the repeat probe beside sequence " + std::to_string(seq) + "'s " +
+                                            std::to_string(st.positions.size()) + " entries: use a larger n_ctx (or 0)");
+            }
+            for (size_t a = 0; a < unseen.size(); a += (size_t) piece) {
+                std::vector<llama_token> toks = repeat_prefix_;
+                toks.insert(toks.end(), unseen.begin() + a, unseen.begin() + std::min(unseen.size(), a + piece));
+                probe(seq, toks);
+            }
+            return;
+        }
+    }
+}
+
+void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
+    if (toks.empty()) {
+        return;
+    }
+    const auto it = last_logits_.find(seq);
+    const bool had_logits = it != last_logits_.end();
+    const std::vector<float> logits = had_logits ? it->second : std::vector<float>();
+    SeqCache & sc = seqs_.at(seq);
+    const int32_t n_old = sc.size();
+    probe_sums_.assign((size_t) n_old*n_head_, 0.0f);
+    // a batch at a time; the sums of all its queries over the entries it probes, as one decode would give them
+    for (size_t a = 0; a < toks.size(); a += n_batch()) {
+        decode({{seq, std::vector<llama_token>(toks.begin() + a, toks.begin() + std::min(toks.size(), a + n_batch()))}},
+               false, {}, {seq});
+    }
+    sc.drop_newest((int32_t) toks.size());
+    sc.observe_probe(probe_sums_, (int32_t) toks.size(), policy_of(seq).probe().source == ProbeSource::repeat);
+    if (had_logits) {
+        last_logits_[seq] = logits;
+    } else {
+        last_logits_.erase(seq);
+    }
+}
+
+void Engine::add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n) {
+    const size_t n_old = probe_sums_.size()/n_head_;
+    const auto & kept = sc.state().positions;
+    if ((size_t) n < n_old || !std::equal(kept.begin(), kept.begin() + n_old, pos)) {
+        throw std::logic_error("a probe's attention scores do not cover the entries it probes");
+    }
+    for (size_t i = 0; i < probe_sums_.size(); ++i) {
+        probe_sums_[i] += sums[i];
+    }
+}
+
+} // namespace h2o

@@ -1,0 +1,164 @@
+// The engine's recall: host stores per sequence, their caps, and a prompt's readmission of what it asks for.
+#include "engine.h"
+#include "host_store.h"
+
+#include "llama-attn-scores.h"
+#include "llama-ext.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+
+namespace h2o {
+
+void Engine::set_recall(int64_t cap) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    check_policy(cap >= 0, "recall's host store cap must be >= 0 entries, got " + std::to_string(cap));
+    const int64_t before = params_.host_entries;
+    params_.host_entries = cap;
+    try {
+        check_recall(*policy_, cap);
+        for (const auto & kv : seq_policies_) {
+            check_recall(*kv.second, recall_of(kv.first));
+        }
+    } catch (...) {
+        params_.host_entries = before;
+        throw;
+    }
+    for (auto & kv : seqs_) {
+        kv.second.set_spill(recall_of(kv.first), params_.host_q8_0);
+    }
+}
+
+void Engine::recall_for(llama_seq_id seq, const std::vector<llama_token> & question) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    seq_cache(seq);
+    for (const llama_token t : question) {
+        if (t < 0 || t >= model_->n_vocab()) {
+            throw std::invalid_argument("token id " + std::to_string(t) + " out of range [0, " +
+                                        std::to_string(model_->n_vocab()) + ")");
+        }
+    }
+    if (question.empty()) {
+        throw std::invalid_argument("recall needs a question: at least one token");
+    }
+    try {
+        recall(seq, question);
+    } catch (...) {
+        evict(seq); // never more than the budget on the device
+        throw;
+    }
+}
+
+HostStore Engine::host(llama_seq_id seq, bool with_kv) const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const auto it = seqs_.find(seq);
+    if (it == seqs_.end()) {
+        return HostStore();
+    }
+    const HostStore & h = it->second.host();
+    HostStore out = h.without_kv();
+    if (with_kv) { // as a recall puts them back
+        std::vector<size_t> all(h.size());
+        std::iota(all.begin(), all.end(), 0);
+        out.kv = h.raw_rows(all, entry_size());
+    }
+    return out;
+}
+
+int64_t Engine::recall_of(llama_seq_id seq) const {
+    const auto it = seq_recall_.find(seq);
+    return it == seq_recall_.end() ? params_.host_entries : it->second;
+}
+
+void Engine::set_seq_recall(llama_seq_id seq, int64_t cap) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    SeqCache & sc = seq_cache(seq);
+    const int64_t value = cap < 0 ? params_.host_entries : cap;
+    check_recall(policy_of(seq), value);
+    if (cap < 0) {
+        seq_recall_.erase(seq);
+    } else {
+        seq_recall_[seq] = cap;
+    }
+    sc.set_spill(value, params_.host_q8_0);
+}
+
+void Engine::check_recall(const Policy & policy, int64_t cap) const {
+    if (cap <= 0 || !policy.bounded()) {
+        return;
+    }
+    check_policy(policy.probe().source == ProbeSource::question,
+                 "recall ranks what was evicted by the next prompt's question: policy '" + policy.name() + "' needs "
+                 "the question probe (probe='question'; the default policy has it)");
+    check_policy(!policy.per_head(), "recall keeps whole entries: per-head cells cannot be recalled");
+    check_policy(!params_.position_rolling, "recall puts entries back at their own positions: position rolling "
+                                            "renumbers them, so the two cannot be combined");
+    check_policy(llama_kv_entry_size(ctx_) > 0, "this model's KV cache cannot keep evicted entries apart (SWA "
+                                                "layers, or no KV cache): recall is not available");
+}
+
+void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt) {
+    SeqCache & sc = seqs_.at(seq);
+    const Policy & policy = policy_of(seq);
+    if (sc.host().size() == 0 || !policy.bounded() || policy.probe().source != ProbeSource::question) {
+        return;
+    }
+    const size_t n_question = std::min(prompt.size(), (size_t) policy.probe().question);
+    const std::vector<llama_token> question(prompt.end() - n_question, prompt.end());
+    const int32_t page = std::min<int32_t>((int32_t) n_batch(), room(seq) - probe_cells(policy));
+    if (page < 1) {
+        return; // no cells beside the kept entries (a unified cache shared by full sequences): nothing comes back
+    }
+    // the spilled entries in position order, a page at a time; what loses goes back to the store (after them)
+    const HostStore & host = sc.host();
+    std::vector<llama_pos> waiting = host.positions;
+    std::sort(waiting.begin(), waiting.end());
+    std::set<llama_pos> readmitted;
+    for (size_t a = 0; a < waiting.size(); a += (size_t) page) {
+        const std::set<llama_pos> want(waiting.begin() + a, waiting.begin() + std::min(waiting.size(), a + page));
+        std::vector<size_t> indices;
+        for (size_t i = 0; i < host.positions.size(); ++i) {
+            if (want.count(host.positions[i]) > 0) {
+                indices.push_back(i);
+            }
+        }
+        sc.readmit(indices);
+        readmitted.insert(want.begin(), want.end());
+        probe(seq, question);
+        evict(seq);
+    }
+    int64_t kept = 0;
+    for (const llama_pos p : sc.state().positions) {
+        kept += readmitted.count(p);
+    }
+    sc.count_recalled(kept);
+    compact(seq);
+}
+
+void Engine::check_host(const SeqSnapshot & snap) const {
+    const HostStore & h = snap.host;
+    if (h.size() == 0) {
+        return;
+    }
+    const std::set<llama_pos> kept(snap.state.positions.begin(), snap.state.positions.end());
+    std::set<llama_pos> seen;
+    for (const llama_pos p : h.positions) {
+        if (p < 0 || p >= snap.state.next_pos || kept.count(p) > 0 || !seen.insert(p).second) {
+            throw std::invalid_argument("the snapshot's host entries do not match its positions");
+        }
+    }
+    const size_t raw_bytes = llama_kv_entry_size(ctx_);
+    if ((h.entry_bytes != raw_bytes && h.entry_bytes != q8_0_entry_bytes(raw_bytes)) || h.kv.size() != h.size()*h.entry_bytes ||
+        h.tokens.size() != h.size() || h.scores.size() != h.size() || h.scores.n_head != n_head_) {
+        throw std::invalid_argument("the snapshot's host entries do not match this model's cache");
+    }
+    for (const llama_token t : h.tokens) {
+        if (t < 0 || t >= model_->n_vocab()) {
+            throw std::invalid_argument("the snapshot's host entries hold a token outside the vocabulary");
+        }
+    }
+}
+
+} // namespace h2o
