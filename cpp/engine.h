@@ -6,6 +6,9 @@
 // Every llama_decode is followed, for each sequence of the batch, by the policy's observation of the exported
 // attention scores and, when the sequence holds more than its budget, an eviction (SeqCache). Prompts that do not
 // fit beside the kept entries are fed in pieces, evicting when the next piece needs the cells (the bounded prefill).
+//
+// Defined by job: engine.cpp (the context, eval's phases, decode, compaction), engine_policy.cpp, engine_probe.cpp,
+// engine_recall.cpp and engine_snapshot.cpp.
 #pragma once
 
 #include "engine_params.h"
