@@ -411,6 +411,11 @@ PYBIND11_MODULE(_engine, m) {
                  e.set_seq_policy(seq, std::move(policy));
              }, py::arg("seq_id"), py::arg("policy").none(true), py::call_guard<py::gil_scoped_release>(),
              "A policy for one sequence until it is reset (None: the engine's again).")
+        .def("configure_seq", [](Engine & e, llama_seq_id seq, std::shared_ptr<Policy> policy, int64_t recall_cap) {
+                 e.configure_seq(seq, std::move(policy), recall_cap);
+             }, py::arg("seq_id"), py::arg("policy").none(true), py::arg("recall_cap"),
+             py::call_guard<py::gil_scoped_release>(),
+             "One sequence's policy (None: the engine's) and recall cap (-1: the engine's), checked together.")
         .def("has_seq_policy", &Engine::has_seq_policy, py::arg("seq_id"))
         .def("set_keep", &Engine::set_keep, py::arg("seq_id"), py::arg("n_keep"), py::call_guard<py::gil_scoped_release>())
         .def("compress", &Engine::compress, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())

@@ -65,6 +65,9 @@ public:
     // a policy for seq alone (kept when seq is reset), until set_policy or nullptr (the engine's again); checked as
     // set_policy checks: scores it needs must be exported, its budget and probe must fit a stream
     void set_seq_policy(llama_seq_id seq, PolicyPtr policy);
+    // seq's policy (nullptr: the engine's) and recall (entries in host memory, 0 off, -1: the engine's) at once,
+    // the combination checked once before either changes (a server slot between two requests)
+    void configure_seq(llama_seq_id seq, PolicyPtr policy, int64_t recall_cap);
     bool has_seq_policy(llama_seq_id seq) const;
     // never evict the n_keep oldest entries of seq (a system prompt, say; llama.cpp's --keep): they count inside the
     // budget, and the policy decides over the rest; reset_seq / reset clear it

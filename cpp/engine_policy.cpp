@@ -37,19 +37,35 @@ void Engine::set_policy(PolicyPtr policy) {
 
 void Engine::set_seq_policy(llama_seq_id seq, PolicyPtr policy) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
+    const auto own = seq_recall_.find(seq);
+    configure_seq(seq, std::move(policy), own == seq_recall_.end() ? -1 : own->second);
+}
+
+void Engine::configure_seq(llama_seq_id seq, PolicyPtr policy, int64_t recall_cap) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     SeqCache & sc = seq_cache(seq);
-    check_parts(seq, sc.state(), policy == nullptr ? *policy_ : *policy);
-    if (policy == nullptr) {
-        seq_policies_.erase(seq);
-        return;
+    const Policy & next = policy == nullptr ? *policy_ : *policy;
+    const int64_t cap = recall_cap < 0 ? params_.host_entries : recall_cap;
+    check_parts(seq, sc.state(), next);
+    if (policy != nullptr) {
+        check_fits(*policy);
     }
-    check_fits(*policy);
-    check_recall(*policy, recall_of(seq));
-    use_per_head(*policy);
-    if (policy->bounded()) {
+    check_recall(next, cap);
+    if (policy != nullptr && policy->bounded()) {
         policy->split().after_prefix(sc.state().n_keep); // its protected prefix must fit the new budget
     }
-    seq_policies_[seq] = std::move(policy);
+    if (policy != nullptr) {
+        use_per_head(*policy);
+        seq_policies_[seq] = std::move(policy);
+    } else {
+        seq_policies_.erase(seq);
+    }
+    if (recall_cap < 0) {
+        seq_recall_.erase(seq);
+    } else {
+        seq_recall_[seq] = recall_cap;
+    }
+    sc.set_spill(cap, params_.host_q8_0);
 }
 
 void Engine::check_parts(llama_seq_id seq, const SeqState & state, const Policy & policy) const {

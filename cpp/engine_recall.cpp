@@ -74,15 +74,8 @@ int64_t Engine::recall_of(llama_seq_id seq) const {
 
 void Engine::set_seq_recall(llama_seq_id seq, int64_t cap) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    SeqCache & sc = seq_cache(seq);
-    const int64_t value = cap < 0 ? params_.host_entries : cap;
-    check_recall(policy_of(seq), value);
-    if (cap < 0) {
-        seq_recall_.erase(seq);
-    } else {
-        seq_recall_[seq] = cap;
-    }
-    sc.set_spill(value, params_.host_q8_0);
+    const auto own = seq_policies_.find(seq);
+    configure_seq(seq, own == seq_policies_.end() ? nullptr : own->second, cap);
 }
 
 void Engine::check_recall(const Policy & policy, int64_t cap) const {

@@ -17,14 +17,18 @@ def on_device(llm) -> bool:
     return any(d != "CPU" for d in llm.layer_devices)
 
 
-def assert_logits_close(got: np.ndarray, expected: np.ndarray, *, device: bool, cpu_atol: float) -> None:
-    atol = DEVICE_LOGITS_REL * float(np.ptp(expected)) if device else cpu_atol
-    np.testing.assert_allclose(got, expected, atol=atol)
+def assert_logits_close(got: np.ndarray, expected: np.ndarray, *, device: bool, cpu_atol: float,
+                        cpu_rtol: float = 0.0) -> None:
+    if device:
+        np.testing.assert_allclose(got, expected, atol=DEVICE_LOGITS_REL * float(np.ptp(expected)))
+    else:
+        np.testing.assert_allclose(got, expected, rtol=cpu_rtol, atol=cpu_atol)
 
 
-def assert_scores_close(got: np.ndarray, expected: np.ndarray, *, device: bool, cpu_rtol: float) -> None:
+def assert_scores_close(got: np.ndarray, expected: np.ndarray, *, device: bool, cpu_rtol: float,
+                        cpu_atol: float = 1e-5) -> None:
     if device:
         rel_l1 = float(np.abs(got - expected).sum() / np.abs(expected).sum())
         assert rel_l1 <= DEVICE_SCORES_REL_L1, f"scores {rel_l1:.2e} apart (relative L1)"
     else:
-        np.testing.assert_allclose(got, expected, rtol=cpu_rtol, atol=1e-5)
+        np.testing.assert_allclose(got, expected, rtol=cpu_rtol, atol=cpu_atol)

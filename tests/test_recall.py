@@ -202,6 +202,27 @@ def test_what_recall_cannot_do_is_refused_clearly(tiny_model):
     assert llm.kv_state().n_spilled == 0 and len(llm.kv_state().host_positions) == 0
 
 
+def test_a_sequence_takes_its_policy_and_recall_together_checked_once(tiny_model):
+    """`configure(seq, policy=, recall=)`: a slot whose last conversation recalled can take a policy without a
+    question probe and recall off in one call (each alone would be refused in one of the two orders); a combination
+    that cannot recall is refused with nothing changed."""
+    llm = make(tiny_model, n_seq_max=2, kv_unified=False)
+    llm.configure(1, policy=default_policy(24), recall=True)
+    plain = resolve("h2o", 24)
+    with pytest.raises(ValueError, match="question probe"):
+        llm.set_policy(plain, seq_id=1)  # recall stays on for the slot: refused
+    with pytest.raises(ValueError, match="question probe"):
+        llm.configure(1, policy=plain, recall=True)
+    assert llm.policy_of(1).label == default_policy(24).label  # unchanged
+    llm.configure(1, policy=plain, recall=False, keep=3)
+    assert llm.policy_of(1).label == plain.label and llm.kv_state(1).n_keep == 3
+    llm.eval(llm.tokenize(PROMPT), seq_id=1)
+    st = llm.kv_state(1)
+    assert st.n_evicted > 0 and st.n_spilled == 0 and st.positions.tolist()[:3] == [0, 1, 2]
+    llm.configure(1)  # the Llama's own policy and recall again
+    assert llm.policy_of(1).label == llm.policy.label
+
+
 def test_the_store_cap_drops_the_oldest_text_first(tiny_model):
     llm = make(tiny_model, budget=16, recall=20)
     tokens = llm.tokenize(PROMPT)

@@ -427,21 +427,24 @@ class Llama(Completions):
         an int: that many) or off (False or 0: what the sequences spilled is dropped). See `Llama(recall=...)`.
         `seq_id`: for that sequence alone (a server's conversation; None as `recall`: the Llama's setting again).
         ValueError when the policy cannot recall."""
-        if recall is None:
-            if seq_id is None:
-                raise ValueError("recall=None means the Llama's own setting: give it with seq_id")
-            cap = -1
-        elif isinstance(recall, (bool, np.bool_)):
-            cap = min(self.info.n_ctx_train, RECALL_DEFAULT_BYTES // max(self.host_entry_bytes, 1)) if recall else 0
-        else:
-            check_int("recall", recall, minimum=0)
-            cap = int(recall)
+        if recall is None and seq_id is None:
+            raise ValueError("recall=None means the Llama's own setting: give it with seq_id")
+        cap = self._recall_cap(recall)
         with self._lock:
             if seq_id is None:
                 self._engine.set_recall(cap)
                 self.recall = cap
             else:
                 self._engine.set_seq_recall(self._check_seq(seq_id), cap)
+
+    def _recall_cap(self, recall: Union[bool, int, None]) -> int:
+        """Host entries per sequence as the engine takes them: -1 for None (the Llama's own setting)."""
+        if recall is None:
+            return -1
+        if isinstance(recall, (bool, np.bool_)):
+            return min(self.info.n_ctx_train, RECALL_DEFAULT_BYTES // max(self.host_entry_bytes, 1)) if recall else 0
+        check_int("recall", recall, minimum=0)
+        return int(recall)
 
     @property
     def host_entry_bytes(self) -> int:
@@ -458,13 +461,22 @@ class Llama(Completions):
         """The policy sequence `seq_id` follows: its own (`set_policy(..., seq_id=...)`) or the `Llama`'s."""
         return self._seq_policies.get(self._check_seq(seq_id), self.policy)
 
-    def _set_seq_policy(self, seq_id: int, policy: Optional[Policy]) -> None:
-        """A resolved policy for one sequence, None: the `Llama`'s (a server slot, between two requests)."""
-        self._engine.set_seq_policy(seq_id, None if policy is None else policy.cpp)
-        if policy is None:
-            self._seq_policies.pop(seq_id, None)
-        else:
-            self._seq_policies[seq_id] = policy
+    def configure(self, seq_id: int, *, policy: Optional[Policy] = None, recall: Union[bool, int, None] = None,
+                  keep: Optional[int] = None) -> None:
+        """One sequence's settings at once (a server slot, between two requests): its `policy` (a resolved value;
+        None: the `Llama`'s), its `recall` (as `set_recall`; None: the `Llama`'s) and, when given, its protected
+        prefix `keep` (tokens, as `keep` caps it). The policy and recall are checked together before either
+        changes: ValueError with nothing changed."""
+        seq = self._check_seq(seq_id)
+        cap = self._recall_cap(recall)
+        with self._lock:
+            self._engine.configure_seq(seq, None if policy is None else policy.cpp, cap)
+            if policy is None:
+                self._seq_policies.pop(seq, None)
+            else:
+                self._seq_policies[seq] = policy
+            if keep is not None:
+                self._set_keep(seq, keep)
 
     @property
     def pending(self) -> List[int]:

@@ -67,17 +67,13 @@ class Slots:
         if sampler is None:  # bad sampling input raises before the slot changes
             sampler = self.llm.sampler(params, history=tokens)
         self._engine.reset_seq(slot)
-        self.llm.set_recall(False, seq_id=slot)  # the last conversation's setting goes before its policy does
-        self.llm._set_seq_policy(slot, policy)
-        self.llm.set_recall(recall, seq_id=slot)
+        self.llm.configure(slot, policy=policy, recall=recall, keep=None if resume is not None else n_keep)
         feed = tokens
         if resume is not None:
             snapshot, n_fed = resume
             self._engine.restore(slot, snapshot)
             self._evicted_before[slot] = self._engine.state(slot)["n_evicted"]
             feed = tokens[n_fed:]
-        else:
-            self.llm._set_keep(slot, n_keep)
         if not feed:
             raise ValueError("the prompt is empty")
         hook = between_chunks if self.interleaves else None
