@@ -34,7 +34,7 @@ class LlamaReference:
             data = gguf.quants.dequantize(t.data, t.tensor_type)
             self.w[t.name] = np.asarray(data, dtype=np.float64).reshape([int(n) for n in reversed(t.shape)])
 
-    def _rms(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    def rms(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.eps) * weight
 
     def _rope(self, x: np.ndarray) -> np.ndarray:
@@ -68,7 +68,7 @@ class LlamaReference:
             allowed &= visible
         probs = []
         for il in range(self.n_layer):
-            h = self._rms(x, w[f"blk.{il}.attn_norm.weight"])
+            h = self.rms(x, w[f"blk.{il}.attn_norm.weight"])
             q = h @ w[f"blk.{il}.attn_q.weight"].T
             k = h @ w[f"blk.{il}.attn_k.weight"].T
             v = h @ w[f"blk.{il}.attn_v.weight"].T
@@ -91,7 +91,7 @@ class LlamaReference:
             probs.append(p)
             att = np.einsum("hqk,khd->qhd", p, vh).reshape(n, -1)
             x = x + att @ w[f"blk.{il}.attn_output.weight"].T
-            h = self._rms(x, w[f"blk.{il}.ffn_norm.weight"])
+            h = self.rms(x, w[f"blk.{il}.ffn_norm.weight"])
             g = h @ w[f"blk.{il}.ffn_gate.weight"].T
             u = h @ w[f"blk.{il}.ffn_up.weight"].T
             x = x + (g / (1 + np.exp(-g)) * u) @ w[f"blk.{il}.ffn_down.weight"].T

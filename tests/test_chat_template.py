@@ -4,6 +4,7 @@ import pytest
 from h2o_local import Llama
 from h2o_local.chat_template import ChatTemplate, normalize_messages
 from tiny_model import write_tiny_llama
+from engine_view import engine
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -23,10 +24,10 @@ def test_the_gguf_template_renders_as_llama_cpp_renders_it(smol_model):
     for messages in (CONVERSATION, CONVERSATION[:2]):
         pairs = [(m["role"], m["content"]) for m in messages]
         for agp in (True, False):
-            assert llm.apply_chat_template(messages, agp) == llm._engine.apply_chat_template(pairs, agp, "")
+            assert llm.apply_chat_template(messages, agp) == engine(llm).apply_chat_template(pairs, agp, "")
     # without a system message the model's own template adds its default one, which llama.cpp's built-in leaves out
     jinja = llm.apply_chat_template(CONVERSATION[1:])
-    builtin = llm._engine.apply_chat_template([(m["role"], m["content"]) for m in CONVERSATION[1:]], True, "")
+    builtin = engine(llm).apply_chat_template([(m["role"], m["content"]) for m in CONVERSATION[1:]], True, "")
     assert jinja.startswith("<|im_start|>system\nYou are a helpful AI assistant") and jinja.endswith(builtin)
 
 

@@ -20,6 +20,7 @@ from device_tolerance import DEVICE_LOGITS_REL
 from h2o_local import Llama
 from h2o_reference import H2OReference
 from tiny_model import write_tiny_llama
+from engine_view import engine
 
 # the CPU backend of the same build: layers on the CPU, and their large batches not sent to the device either
 CPU = dict(n_gpu_layers=0, op_offload=False)
@@ -206,7 +207,7 @@ def test_recall_with_room_brings_every_entry_back_bit_for_bit_on_the_device(tiny
     full = Llama(tiny_model, policy="full", n_ctx=512, n_batch=32)
     tokens, q = full.tokenize(TEXT), full.tokenize(question, add_bos=False)
     full.eval(tokens)
-    full_bytes = full._engine.kv_entries(0, list(range(len(tokens))))
+    full_bytes = engine(full).kv_entries(0, list(range(len(tokens))))
     full.eval(q)
     llm = Llama(tiny_model, policy=resolve("tova", 24, probe="question"), n_batch=32, n_ctx=512, recall=4096)
     llm.eval(tokens)
@@ -214,7 +215,7 @@ def test_recall_with_room_brings_every_entry_back_bit_for_bit_on_the_device(tiny
     llm.set_policy(resolve("tova", 400, probe="question"))
     llm.eval(q)
     assert llm.kv_state().positions.tolist() == list(range(len(tokens) + len(q)))
-    assert llm._engine.kv_entries(0, list(range(len(tokens)))) == full_bytes
+    assert engine(llm).kv_entries(0, list(range(len(tokens)))) == full_bytes
     expected, got = full.last_logits(), llm.last_logits()
     np.testing.assert_allclose(got, expected, atol=2e-2 * float(np.ptp(expected)))
     assert int(np.argmax(got)) == int(np.argmax(expected))

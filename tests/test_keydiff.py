@@ -5,13 +5,14 @@ import pytest
 
 from attention_reference import LlamaReference
 from h2o_local import KeyDiff, Llama, ModelInfo
+from engine_view import engine
 
 TEXT = "Keys that stand out are kept, keys like the others go. "
 
 
 def all_keys(llm, seq=0):
     """{layer: (positions, keys [n, n_embd_k_gqa])} of the cached entries."""
-    return {il: llm._engine.keys(seq, il) for il in range(llm.info.n_layer)}
+    return {il: engine(llm).keys(seq, il) for il in range(llm.info.n_layer)}
 
 
 def test_exported_keys_are_the_keys_attention_reads(tiny_model):
@@ -83,6 +84,6 @@ def test_keydiff_keeps_what_the_reference_keeps(tiny_model, budget, heavy, recen
 def test_keys_of_a_bad_sequence_or_layer_are_refused(tiny_model):
     llm = Llama(tiny_model, policy="keydiff", budget=16)
     with pytest.raises(ValueError, match="seq_id"):
-        llm._engine.keys(5, 0)
+        engine(llm).keys(5, 0)
     with pytest.raises(ValueError, match="layer"):
-        llm._engine.keys(0, 99)
+        engine(llm).keys(0, 99)

@@ -53,7 +53,7 @@ class PerHeadH2OReference:
         x = w["token_embd.weight"][tokens]
         group = r.n_head // r.n_head_kv
         for il in range(r.n_layer):
-            h = r._rms(x, w[f"blk.{il}.attn_norm.weight"])
+            h = r.rms(x, w[f"blk.{il}.attn_norm.weight"])
             q, k, v = (h @ w[f"blk.{il}.attn_{t}.weight"].T for t in "qkv")
             d = q.shape[1] // r.n_head
             q = self._rope(q.reshape(m, r.n_head, d), pos)
@@ -80,7 +80,7 @@ class PerHeadH2OReference:
                 att[:, qh] = p @ self.v[il][:, hk]
                 self.score[il][hk] += p.sum(0)
             x = x + att.reshape(m, -1) @ w[f"blk.{il}.attn_output.weight"].T
-            h = r._rms(x, w[f"blk.{il}.ffn_norm.weight"])
+            h = r.rms(x, w[f"blk.{il}.ffn_norm.weight"])
             g = h @ w[f"blk.{il}.ffn_gate.weight"].T
             u = h @ w[f"blk.{il}.ffn_up.weight"].T
             x = x + (g / (1 + np.exp(-g)) * u) @ w[f"blk.{il}.ffn_down.weight"].T
@@ -95,7 +95,7 @@ class PerHeadH2OReference:
                 top = sorted(range(len(older)), key=lambda i: (-s[i], i))[: self.heavy]
                 keep = set(older[top].tolist()) | set(held[len(held) - self.recent:].tolist())
                 self.kept[il][hk] = np.isin(np.arange(self.n), sorted(keep))
-        return r._rms(x[-1], w["output_norm.weight"]) @ w["output.weight"].T
+        return r.rms(x[-1], w["output_norm.weight"]) @ w["output.weight"].T
 
     def kept_positions(self) -> np.ndarray:
         """[n_layer, n_head_kv, budget]: each head's kept positions, ascending."""

@@ -8,6 +8,7 @@ import pytest
 from device_tolerance import assert_logits_close, assert_scores_close, on_device
 from h2o_local import H2O, TOVA, KeyDiff, Llama, SnapKV, _engine, policies
 from h2o_local.policies import PythonRanked
+from engine_view import engine
 
 PROMPT = list(range(5, 125))  # 120 tokens: pieces of 16 beside a budget of 24
 BUDGET = 24
@@ -23,9 +24,9 @@ def test_a_probe_leaves_no_trace_in_a_bounded_prefill(tiny_model, policy):
     assert st.n_seen == len(PROMPT) and st.n_evicted == len(PROMPT) - BUDGET
     assert st.positions.max() == len(PROMPT) - 1 and len(st.positions) == BUDGET  # no probe position is held
     assert st.tokens.tolist() == [PROMPT[p] for p in st.positions]               # nor a probe token
-    lo, hi = llm._engine.seq_pos_range(0)
+    lo, hi = engine(llm).seq_pos_range(0)
     assert (lo, hi) == (st.positions.min(), st.positions.max())  # llama.cpp holds no probe cell either
-    assert st.peak_cells <= BUDGET + 16 + llm._engine.probe_cells(policy.cpp)
+    assert st.peak_cells <= BUDGET + 16 + llm.probe_cells(policy)
     assert (st.probe_scores[:-1] > 0).all()  # every prompt entry was probed
     # the next token goes on at the prompt's end
     llm.generate([], max_tokens=3, temperature=0, reset=False)
@@ -324,7 +325,7 @@ def test_probes_in_a_batch_need_one_probe_s_cells_per_stream(tiny_model, unified
     llm.eval_batch({0: PROMPT, 1: PROMPT[::-1], 2: PROMPT[10:]})
     for seq in range(3):
         st = llm.kv_state(seq)
-        assert st.n_cells == BUDGET and st.peak_cells <= BUDGET + 16 + llm._engine.probe_cells(policy.cpp)
+        assert st.n_cells == BUDGET and st.peak_cells <= BUDGET + 16 + llm.probe_cells(policy)
     assert len(llm.generate_batch([PROMPT, PROMPT[::-1], PROMPT[10:]], max_tokens=3, temperature=0)) == 3
 
 
@@ -336,6 +337,6 @@ def test_generation_runs_no_probe(tiny_model):
     for t in (7, 8, 9):
         llm.eval([t])
     st = llm.kv_state()
-    assert st.peak_cells <= BUDGET + 16 + llm._engine.probe_cells(llm.policy.cpp)
+    assert st.peak_cells <= BUDGET + 16 + llm.probe_cells()
     assert st.probe_scores[-3:].tolist() == [0.0, 0.0, 0.0]  # the three generated entries, kept and unjudged
     assert all(before[p] == s for p, s in zip(st.positions.tolist(), st.probe_scores.tolist()) if p in before)

@@ -5,6 +5,7 @@ import pytest
 from h2o_local import Llama
 from h2o_local.capacity import kv_bytes_per_cell
 from tiny_model import write_tiny_llama
+from engine_view import engine
 
 TEXT = "Quantized keys still find their heavy hitters. " * 12
 
@@ -19,7 +20,7 @@ def tiny_hd64(tmp_path_factory) -> str:
 def test_a_quantized_k_cache_takes_the_bytes_its_type_says(tiny_hd64, type_k, ratio):
     f16 = Llama(tiny_hd64, policy="h2o", budget=64)
     q = Llama(tiny_hd64, policy="h2o", budget=64, type_k=type_k)
-    assert q._engine.kv_bytes == pytest.approx(f16._engine.kv_bytes * ratio, rel=1e-6)
+    assert engine(q).kv_bytes == pytest.approx(engine(f16).kv_bytes * ratio, rel=1e-6)
     assert q.kv_bytes_per_cell == kv_bytes_per_cell(f16.kv_bytes_per_cell, type_k=type_k)
 
 
@@ -84,7 +85,7 @@ def test_for_kv_limit_counts_quantized_cells(tiny_hd64):
     limit = 4 * 2**20
     f16 = Llama.for_kv_limit(tiny_hd64, limit, prompt_tokens=200, max_tokens=50, budget=None)
     q4 = Llama.for_kv_limit(tiny_hd64, limit, prompt_tokens=200, max_tokens=50, budget=None, type_k="q4_0")
-    assert q4.n_seq_max > f16.n_seq_max and q4._engine.kv_bytes <= limit
+    assert q4.n_seq_max > f16.n_seq_max and engine(q4).kv_bytes <= limit
 
 
 def test_bf16_keys_work_and_refuse_rolling_instead_of_aborting(tiny_hd64):

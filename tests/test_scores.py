@@ -4,6 +4,7 @@ import pytest
 
 from attention_reference import LlamaReference
 from h2o_local import Llama
+from engine_view import engine
 
 # llama.cpp multiplies Q4_1 weights with activations quantized to 8 bits; the reference stays in float64. Measured on
 # SmolLM2 (51 tokens): largest relative difference 5%, 1.0% of the total mass, correlation 0.99998
@@ -49,7 +50,7 @@ def test_sum_rows_path_gives_the_same_scores(tiny_model):
     """The Metal path (transpose + sum_rows), forced on the CPU, against the out_prod path."""
     a = Llama(tiny_model, policy="h2o", budget=1000)
     b = Llama(tiny_model, policy="h2o", budget=1000, _scores_sum_rows=True)
-    assert not a._engine.scores_sum_rows and b._engine.scores_sum_rows  # which reduction the engine chose
+    assert not engine(a).scores_sum_rows and engine(b).scores_sum_rows  # which reduction the engine chose
     tokens = a.tokenize(TEXT)
     for llm in (a, b):
         llm.eval(tokens)

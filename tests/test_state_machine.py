@@ -16,6 +16,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
                                  run_state_machine_as_test)
 
 from h2o_local import H2O, Llama, Local, Sink  # noqa: E402
+from engine_view import engine
 
 BUDGET, N_BATCH, N_SEQ = 12, 8, 2
 PROBE = 70  # the token fed to compare a snapshot's continuation with the original's
@@ -131,7 +132,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert st_.n_seen == self.seen[s]
             assert st_.n_seen - st_.n_evicted == st_.n_cells
             assert pos == sorted(set(pos))
-            assert self.llm._engine.seq_pos_range(s) == ((min(pos), max(pos)) if pos else (-1, -1))
+            assert engine(self.llm).seq_pos_range(s) == ((min(pos), max(pos)) if pos else (-1, -1))
             if pos and not self.rolling:
                 assert pos[-1] == st_.n_seen - 1  # the newest token is always kept, at its own position
             if self.rolling:
@@ -298,7 +299,7 @@ class ChatSessionMachine(RuleBasedStateMachine):
     def close_an_old_stream(self, data):
         if self.stale:
             stream, loads = self.stale.pop(data.draw(st.integers(0, len(self.stale) - 1)))
-            newest = stream is self.session._stream and self.session.messages[-1]["role"] == "user"
+            newest = stream is self.session.answer_stream and self.session.messages[-1]["role"] == "user"
             before = _held(self.session)
             stream.close()
             if not newest:  # an answer a newer turn, a reset or a load has ended: closing it changes no history,
@@ -354,7 +355,7 @@ class ChatSessionMachine(RuleBasedStateMachine):
             assert roles[:1] == ["system"]
             assert all(r == ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles[1:]))
             # only an answer being streamed leaves the last message a user's
-            assert roles[-1] != "user" or any(s is self.session._stream for s, _ in self.stale)
+            assert roles[-1] != "user" or any(s is self.session.answer_stream for s, _ in self.stale)
 
     def teardown(self):
         for stream, _ in getattr(self, "stale", []):

@@ -77,6 +77,11 @@ class ChatSession:
         self._stream: Optional[Iterator[str]] = None  # the last answer stream `send` returned
         self.reset()
 
+    @property
+    def answer_stream(self) -> Optional[Iterator[str]]:
+        """The answer stream `send` returned last (None before the first): a newer `send` ends it where it stands."""
+        return self._stream
+
     def _set_recall(self, recall: Union[bool, int, str]) -> bool:
         if recall == "auto":
             if self.llm.recall:

@@ -167,6 +167,11 @@ class Scheduler:
         self._thread.start()
 
     # ------------------------------------------------------------------ called from the server
+    def holds_slot(self, job: Job) -> bool:
+        """Whether `job` has a slot now (admitted, not finished)."""
+        with self._cv:
+            return any(j is job for j in self._active.values())
+
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stop:
