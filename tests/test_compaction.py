@@ -3,7 +3,7 @@ up to the highest used one). Moving cells must change nothing the model computes
 import numpy as np
 import pytest
 
-from device_tolerance import assert_logits_close, assert_scores_close, on_device
+from device_tolerance import assert_logits_close, assert_values_close, on_device
 from h2o_local import Llama
 from engine_view import engine
 
@@ -33,7 +33,7 @@ def test_compacting_changes_no_token_no_decision_and_no_score(tiny_model, kwargs
     for (t1, l1, p1, s1), (t2, l2, p2, s2) in zip(moved, stayed):
         assert t1 == t2 and p1 == p2
         assert_logits_close(l1, l2, device=device, cpu_atol=2e-3)
-        assert_scores_close(s1, s2, device=device, cpu_rtol=3e-3)
+        assert_values_close(s1, s2, device=device, cpu_rtol=3e-3)
 
 
 def test_compress_after_a_full_prompt_keeps_its_counters(tiny_model):

@@ -10,6 +10,8 @@ from h2o_local import Llama
 from tiny_model import write_tiny_llama
 from engine_view import engine
 
+# the CPU backend, for the tests of its own kernel's arithmetic (a device computes flash attention its own way)
+CPU = dict(n_gpu_layers=0, op_offload=False)
 TEXT = ("Flash attention forms no softmax, so the scores come from a pass of their own beside it, and every policy "
         "runs with it, the heavy hitters included. ")
 
@@ -67,8 +69,9 @@ def test_scores_with_flash_attention_equal_the_non_flash_export(one_layer):
 
 def test_flash_attention_scores_the_f16_keys_it_attends(one_layer):
     """Flash attention reads an F32 cache's keys rounded to F16, and its sums are those of what it attended: they
-    move from the F32 export's no more than the F16 cache's export does (up to the order of additions)."""
-    plain32, flash32, plain16 = (Llama(one_layer, n_ctx=256, export_scores=True, **kw) for kw in
+    move from the F32 export's no more than the F16 cache's export does (up to the order of additions). The CPU
+    kernel's reading; a device's kernel reads the cells its own way."""
+    plain32, flash32, plain16 = (Llama(one_layer, n_ctx=256, export_scores=True, **kw, **CPU) for kw in
                                  (dict(kv_f32=True), dict(kv_f32=True, flash_attn=True), dict()))
     tokens = plain32.tokenize(TEXT)
     for step in (tokens[:60], tokens[60:61]):
@@ -96,7 +99,7 @@ def test_the_kernels_sums_equal_the_separate_pass(one_layer, path, threads):
     queries to F16 first: its sums differ by that rounding (measured 7e-4 of the largest sum; 1e-3 against an F32
     cache without flash attention, the pass's 1.4e-3), the other paths' by the order of additions."""
     cache, steps = KERNEL_PATHS[path]
-    kw = dict(n_ctx=1024, n_batch=512, export_scores=True, flash_attn=True, n_threads=threads, **cache)
+    kw = dict(n_ctx=1024, n_batch=512, export_scores=True, flash_attn=True, n_threads=threads, **cache, **CPU)
     kernel, separate = Llama(one_layer, **kw), Llama(one_layer, _scores_sum_rows=True, **kw)
     tokens = kernel.tokenize(TEXT * 12)
     start = 0

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from attention_reference import LlamaReference
+from device_tolerance import assert_logits_close, on_device
 from h2o_local import Llama
 from h2o_local.policies import H2O, TOVA, KeyDiff, SnapKV, parse
 from tiny_model import write_tiny_llama
@@ -119,7 +120,7 @@ def test_each_head_keeps_what_the_per_head_reference_keeps(tiny_model):
         st = llm.kv_state()
         held = np.sort(st.head_positions, axis=-1)
         np.testing.assert_array_equal(held, ref.kept_positions())
-        np.testing.assert_allclose(llm.last_logits(), expected_logits, rtol=1e-4, atol=1e-4)
+        assert_logits_close(llm.last_logits(), expected_logits, device=on_device(llm), cpu_atol=1e-4, cpu_rtol=1e-4)
         assert st.n_cells == budget  # B cells per sequence, whatever the heads chose
         moved += int((st.head_positions != st.positions[None, None, :]).sum())
     assert moved > 0  # the heads did choose differently: cells hold other positions' parts
@@ -129,13 +130,15 @@ def test_each_head_keeps_what_the_per_head_reference_keeps(tiny_model):
 
 
 def test_a_budget_that_never_evicts_equals_the_full_cache(tiny_model):
+    """Bit for bit on the CPU. On a device with F32 cells the per-layer export changes which kernels run (lavapipe:
+    7.9e-3 apart): compared at its tolerance here; tests/test_device.py demands exactness there with F16 cells."""
     tokens = Llama(tiny_model).tokenize(TEXT)
     full = Llama(tiny_model, kv_f32=True)
     ph = Llama(tiny_model, policy=H2O(budget=200, per_head=True), kv_f32=True)
     for llm in (full, ph):
         llm.eval(tokens[:20])
         llm.eval(tokens[20:])
-    np.testing.assert_array_equal(full.last_logits(), ph.last_logits())
+    assert_logits_close(ph.last_logits(), full.last_logits(), device=on_device(ph), cpu_atol=0.0)
     assert ph.kv_state().n_evicted == 0
 
 

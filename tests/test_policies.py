@@ -5,6 +5,7 @@ import pytest
 from h2o_local import Llama, ModelInfo
 from h2o_local import _engine, policies
 from h2o_reference import H2OReference, ScorerReference
+from device_tolerance import assert_values_close, on_device
 
 TEXT_A = "Heavy hitters are the few tokens that receive most of the attention in a long sequence of text."
 TEXT_B = "Completely different words: quartz, zephyr, jigsaw, vortex, 1234567890, and a final question?"
@@ -104,7 +105,8 @@ def test_two_sequences_in_one_batch_keep_their_own_heavy_hitters(tiny_model):
     for i in range(12):
         solo.eval([60 + i])
     assert solo.kv_state().positions.tolist() == s0.positions.tolist()
-    np.testing.assert_allclose(solo.kv_state().scores, s0.scores, rtol=1e-4)
+    # a device's products round differently by batch size (lavapipe: 6.7e-3 apart)
+    assert_values_close(solo.kv_state().scores, s0.scores, device=on_device(llm), cpu_rtol=1e-4, cpu_atol=0.0)
 
 
 SCORERS = ["h2o", "h2o_norm", "h2o_maxhead", "h2o_headnorm", "tova", "snapkv"]

@@ -10,6 +10,8 @@ from engine_view import engine
 # SmolLM2 (51 tokens): largest relative difference 5%, 1.0% of the total mass, correlation 0.99998
 TOL_QUANTIZED = 0.1
 
+# the CPU backend, against the float64 reference at the CPU's tolerance (a device: tests/test_device.py, at its own)
+CPU = dict(n_gpu_layers=0, op_offload=False)
 TEXT = "The lighthouse keeper climbed the stairs every evening to light the great lamp above the sea."
 
 
@@ -27,7 +29,7 @@ def oracle_check(llm: Llama, tokens, n_layer: int, tol: float = 1e-4):
 
 
 def test_exported_scores_equal_softmax_column_sums(tiny_model):
-    llm = Llama(tiny_model, policy="h2o", budget=1000, kv_f32=True)
+    llm = Llama(tiny_model, policy="h2o", budget=1000, kv_f32=True, **CPU)
     tokens = llm.tokenize(TEXT)
     exported = oracle_check(llm, tokens, n_layer=2)
     # causal attention: the first token gets attention from every query, the last only from itself
@@ -35,7 +37,7 @@ def test_exported_scores_equal_softmax_column_sums(tiny_model):
 
 
 def test_decode_step_scores_equal_softmax_column_sums(tiny_model):
-    llm = Llama(tiny_model, policy="h2o", budget=1000, kv_f32=True)
+    llm = Llama(tiny_model, policy="h2o", budget=1000, kv_f32=True, **CPU)
     tokens = llm.tokenize(TEXT)
     llm.eval(tokens)
     llm.eval([65])  # one decode step: one query row per head and layer
