@@ -1,6 +1,7 @@
 """The user API: `Llama`, in the style of llama-cpp-python, with a KV cache bounded by an eviction policy."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -547,6 +548,14 @@ class Llama(Completions):
         if seq_ids is None or 0 in seq_ids:
             self._pending = []
         return owner
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold this `Llama` for steps of one's own (a server's slots): its lock, with any generation left suspended
+        ended first (it raises at its next step)."""
+        with self._lock:
+            self._take_over()
+            yield
 
     def close(self) -> None:
         """Free the model and its KV cache now, as llama-cpp-python's `close()` (also `with Llama(...) as llm:`).

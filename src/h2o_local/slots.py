@@ -41,8 +41,7 @@ class Slots:
     @contextlib.contextmanager
     def owned(self) -> Iterator[None]:
         """Hold the `Llama` for one step of the owner: its lock, and a generation of it left suspended ends."""
-        with self.llm._lock:
-            self.llm._take_over()
+        with self.llm.exclusive():
             yield
 
     def start(self, slot: int, tokens: List[int], params: SamplingParams, *, n_keep: int = 0,
