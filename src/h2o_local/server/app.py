@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
 from .protocol import APIError, error_response
-from .routes import STATIC_DIR, ServerState, router
+from .routes import STATIC_DIR, router
+from .state import ServerState
 from .scheduler import Scheduler
 from .settings import ServerSettings
 
