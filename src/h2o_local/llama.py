@@ -491,7 +491,7 @@ class Llama(Completions):
         suspended."""
         from .slots import Slots
 
-        return Slots(self, **options)
+        return Slots(self, self._engine, **options)
 
     def recall_for(self, question: Prompt, seq_id: int = 0) -> int:
         """Bring back now, within the budget, what `question` (text or token ids; not fed) ranks above the kept

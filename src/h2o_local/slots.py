@@ -20,11 +20,13 @@ from .text import TextAssembler
 class Slots:
     """The `llm.n_seq_max` sequences of `llm` as slots, each with its own budget, scores and sampler."""
 
-    def __init__(self, llm: Any, draws: Optional[concurrent.futures.Executor] = None, draw_wait_s: float = 0.01):
-        """`draws`: where grammar-constrained slots draw their tokens (default: a thread per slot); a draw not done
-        within draw_wait_s seconds leaves its slot out of that step."""
+    def __init__(self, llm: Any, engine: Any, draws: Optional[concurrent.futures.Executor] = None,
+                 draw_wait_s: float = 0.01):
+        """Made by `Llama.slots()`, which hands over its engine (`engine`: what the slots step, under the `Llama`'s
+        lock). `draws`: where grammar-constrained slots draw their tokens (default: a thread per slot); a draw not
+        done within draw_wait_s seconds leaves its slot out of that step."""
         self.llm = llm
-        self._engine = llm._engine
+        self._engine = engine
         self.n_slots: int = llm.n_seq_max
         self.cells_per_slot: int = self._engine.stream_capacity  # KV cells a slot's prompt and answer can take
         # a long prompt can be read in chunks with the other slots stepped in between: only where each slot has a
