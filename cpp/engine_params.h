@@ -1,5 +1,6 @@
 // The settings of an Engine, in a header of their own: the units that choose from them (kv_types, context_size) need
-// them without the engine. FLASH_ATTN_* (kv_types.h) are flash_attn's values.
+// them without the engine. FLASH_ATTN_* (kv_types.h) are flash_attn's values. The defaults here are the Python
+// API's too: `Llama`'s keywords of the same name take theirs from EngineParams() (llama.py, _ENGINE_KEYWORDS).
 #pragma once
 
 #include "policy.h"
@@ -21,7 +22,7 @@ struct EngineParams {
     int32_t  n_keep    = 0;          // every sequence starts with its first n_keep tokens protected (see set_keep)
     bool     kv_unified = true;      // one cell space for all sequences; false: a stream of n_ctx / n_seq_max cells each
     int32_t  n_threads = 0;          // 0: llama.cpp's default
-    int32_t  n_gpu_layers = 0;
+    int32_t  n_gpu_layers = -1;      // layers on the GPU (llama.cpp's count: the output layer is one); -1: all of them
     bool     scores_sum_rows = false; // force the portable score paths on any backend: the sum_rows reduction
                                       // (Metal's) and, with flash attention, the separate KQ softmax pass (a GPU's)
     bool     export_scores = false;   // export scores even when the policy does not use them

@@ -33,6 +33,17 @@ Prompt = Union[str, bytes, Sequence[int]]
 RECALL_DEFAULT_BYTES = 256 * 2**20
 
 
+# the engine's own defaults (cpp/engine_params.h): declared there once, read here for Llama's signature
+ENGINE_DEFAULTS = _engine.EngineParams()
+# Llama keywords that are EngineParams fields of the same name and meaning, with an int's minimum (None: any; a bool
+# is checked as one): checked and copied in one loop. An option of that kind is one C++ field and one entry here.
+_ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
+    "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_seq_max": 1, "kv_unified": None,
+    "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None, "export_scores": None,
+    "verbose": None,
+}
+
+
 class Llama(Completions):
     """A GGUF model on a patched llama.cpp whose KV cache never holds more than `budget` entries per sequence.
 
@@ -124,43 +135,42 @@ class Llama(Completions):
         heavy: Optional[int] = None,
         recent: Optional[int] = None,
         sinks: Optional[int] = None,
-        position_rolling: bool = False,
-        roll_interval: int = 1,
-        n_ctx: int = 0,
-        n_batch: int = 512,
-        n_seq_max: int = 1,
-        kv_unified: bool = True,
+        position_rolling: bool = ENGINE_DEFAULTS.position_rolling,
+        roll_interval: int = ENGINE_DEFAULTS.roll_interval,
+        n_ctx: int = ENGINE_DEFAULTS.n_ctx,
+        n_batch: int = ENGINE_DEFAULTS.n_batch,
+        n_seq_max: int = ENGINE_DEFAULTS.n_seq_max,
+        kv_unified: bool = ENGINE_DEFAULTS.kv_unified,
         n_threads: Optional[int] = None,
-        n_gpu_layers: int = -1,
+        n_gpu_layers: int = ENGINE_DEFAULTS.n_gpu_layers,
         seed: int = 0,
-        kv_f32: bool = False,
+        kv_f32: bool = ENGINE_DEFAULTS.kv_f32,
         type_k: Optional[str] = None,
         type_v: Optional[str] = None,
         flash_attn: Union[bool, str] = "auto",
-        op_offload: bool = True,
+        op_offload: bool = ENGINE_DEFAULTS.op_offload,
         rpc_servers: Optional[Sequence[str]] = None,
-        compact_cells: bool = True,
-        export_scores: bool = False,
+        compact_cells: bool = ENGINE_DEFAULTS.compact_cells,
+        export_scores: bool = ENGINE_DEFAULTS.export_scores,
         keep: Union[int, str, None] = None,
         chat_template: Optional[str] = None,
         recall: Union[bool, int] = False,
         recall_type: Optional[str] = None,
-        verbose: bool = False,
+        verbose: bool = ENGINE_DEFAULTS.verbose,
         _scores_sum_rows: bool = False,
     ):
         self.model_path = os.fspath(model_path)
         if not os.path.isfile(self.model_path):
             raise FileNotFoundError(f"model file not found: {self.model_path}")
-        for name, value, minimum in (("roll_interval", roll_interval, 1), ("n_ctx", n_ctx, 0), ("n_batch", n_batch, 1),
-                                     ("n_seq_max", n_seq_max, 1), ("n_threads", n_threads, 0),
-                                     ("n_gpu_layers", n_gpu_layers, None)):
-            check_int(name, value, minimum)
+        given = {name: value for name, value in locals().items() if name in _ENGINE_KEYWORDS}
+        for name, minimum in _ENGINE_KEYWORDS.items():
+            if isinstance(getattr(ENGINE_DEFAULTS, name), bool):
+                if not isinstance(given[name], (bool, np.bool_)):
+                    raise TypeError(f"{name} must be True or False, got {given[name]!r}")
+            else:
+                check_int(name, given[name], minimum)
+        check_int("n_threads", n_threads, 0)
         check_int("seed", seed, maximum=None)  # seeds Python's generator: any int
-        for name, value in (("position_rolling", position_rolling), ("kv_unified", kv_unified), ("kv_f32", kv_f32),
-                            ("compact_cells", compact_cells), ("op_offload", op_offload), ("export_scores", export_scores),
-                            ("verbose", verbose)):
-            if not isinstance(value, (bool, np.bool_)):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
         for endpoint in rpc.parse_endpoints(rpc_servers):
             rpc.check_server(endpoint)
         for name, value in (("type_k", type_k), ("type_v", type_v)):
@@ -175,28 +185,18 @@ class Llama(Completions):
             raise TypeError(f"chat_template must be a string (Jinja source or a built-in name), got {chat_template!r}")
         self.keep: Union[int, str, None] = keep
 
-        params = _engine.EngineParams()  # the defaults live there, in C++
+        params = _engine.EngineParams()
+        for name, value in given.items():  # same name and meaning: copied as given
+            setattr(params, name, type(getattr(ENGINE_DEFAULTS, name))(value))
         params.policy = self.policy.cpp
-        params.position_rolling = bool(position_rolling)
-        params.roll_interval = int(roll_interval)
-        params.n_ctx = int(n_ctx)
-        params.n_batch = int(n_batch)
-        params.n_seq_max = int(n_seq_max)
         params.n_keep = keep if isinstance(keep, int) else 0
-        params.kv_unified = bool(kv_unified)
         params.n_threads = int(n_threads) if n_threads else physical_cores()
-        params.n_gpu_layers = int(n_gpu_layers)
         params.scores_sum_rows = bool(_scores_sum_rows)
-        params.export_scores = bool(export_scores)
-        params.kv_f32 = bool(kv_f32)
         params.type_k = "" if type_k is None else type_k
         params.type_v = "" if type_v is None else type_v
         params.flash_attn = _flash_attn_setting(flash_attn)
-        params.op_offload = bool(op_offload)
         params.rpc_servers = rpc.parse_endpoints(rpc_servers)
-        params.compact_cells = bool(compact_cells)
         params.host_q8_0 = recall_type == "q8_0"
-        params.verbose = bool(verbose)
         self._engine = _engine.Engine(self.model_path, params)
         facts = self._engine.facts()
         self.info = ModelInfo.from_facts(self.model_path, facts)

@@ -5,7 +5,7 @@ import argparse
 import contextlib
 from typing import Any, Dict
 
-from ..llama import Llama
+from ..llama import ENGINE_DEFAULTS, Llama
 from ..cpu import physical_cores
 from ..models import default_model_path
 from ..policies import PROBES, REGISTRY, parse, resolve
@@ -47,12 +47,13 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    help="protected prefix inside the budget: N tokens, 'system' (the system prompt) or 'none'"
                         + (f" (default: {keep_default})" if keep_default else ""))
     g.add_argument("--position-rolling", action="store_true", help="renumber kept positions (run past the trained context)")
-    g.add_argument("--roll-interval", type=int, default=1,
+    g.add_argument("--roll-interval", type=int, default=ENGINE_DEFAULTS.roll_interval,
                    help="with rolling, renumber positions once per this many evicted tokens (default: every eviction)")
     g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
     g.add_argument("--threads", type=int, help=f"CPU threads (default: the physical cores, {physical_cores()} here)")
-    g.add_argument("--n-gpu-layers", type=int, default=-1,
-                   help="layers offloaded to the GPU or RPC servers (default -1: all; 0: none; a CPU build runs all on the CPU)")
+    g.add_argument("--n-gpu-layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers,
+                   help="layers offloaded to the GPU or RPC servers (default %(default)s: all; 0: none; a CPU build runs "
+                        "all on the CPU)")
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
     g.add_argument("--flash-attn", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
@@ -70,7 +71,10 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--recall-type", choices=["q8_0"],
                    help="how host memory keeps what recall spilled: the cache's own rows, bit for bit (default), or "
                         "q8_0 blocks of them (0.53x the bytes, twice the tokens in 256 MiB, not exact; an F16 cache)")
-    g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells")
+    # smaller than Llama's n_batch (ENGINE_DEFAULTS.n_batch) on purpose: the cache holds budget + n-batch cells, 640
+    # rather than 1,024 at the chat's budget of 512
+    g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells "
+                                                           "(default: %(default)s)")
     g.add_argument("--seed", type=int, default=0)
 
 
