@@ -8,6 +8,7 @@
 # SHAPE picks the random model (benchmarks/random_model.py: qwen2.5-1.5b by default, llama-3.1-8b the laptop case).
 #
 #   bash scripts/gpu.sh deps build tests peer bench                 # the default settings and depths below
+#   bash scripts/gpu.sh graphs                                      # decode with and without CUDA graphs (issue 51.6)
 #   bash scripts/gpu.sh bench -- --depths 8192 32768 --settings full h2o-256 snapkv-256
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +53,17 @@ for step in "${steps[@]}"; do
         python -m benchmarks.bench --model "$model" --n-gpu-layers -1 --repeats 1 --out "$OUT/bench-$SHAPE" "$@" 2>&1 \
             | tail -60
         ;;
-    *) echo "unknown step $step (deps, build, tests, peer, bench)"; exit 2 ;;
+    graphs)
+        # where decode's time goes: the same settings at 8k with llama.cpp's CUDA graphs allowed and disabled; a
+        # setting whose decode does not change was launched op by op anyway (its graph changed every step)
+        model=/tmp/$SHAPE-random.gguf
+        [ -f "$model" ] || python benchmarks/random_model.py --shape "$SHAPE" --out "$model"
+        for graphs in on off; do
+            env $([ "$graphs" = off ] && echo GGML_CUDA_DISABLE_GRAPHS=1) python -m benchmarks.bench --model "$model" \
+                --n-gpu-layers -1 --repeats 2 --depths 8192 --no-peer --out "$OUT/graphs-$graphs-$SHAPE" \
+                --settings full full+fa h2o-256 tova-256+s4+q32+p9+f12+r32+fa 2>&1 | tail -12
+        done
+        ;;
+    *) echo "unknown step $step (deps, build, tests, peer, bench, graphs)"; exit 2 ;;
     esac
 done
