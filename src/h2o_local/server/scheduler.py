@@ -302,13 +302,7 @@ class Scheduler:
         # the prompt alone is saved too: a client whose next request re-tokenizes this answer differently from the
         # tokens generated (BPE sometimes does) still continues the whole conversation before it
         self._save(slot, job, job.prompt_tokens, len(job.prompt_tokens))
-        view = None
-        if job.view:
-            view = {**self.slots.view(slot), "policy": self.llm.policy_of(slot).label,
-                    "budget": self.llm.policy_of(slot).budget, "protected": self.llm.kv_state(slot).n_keep,
-                    "tokens": [self.llm.token_to_piece(t, special=True).decode("utf-8", errors="replace")
-                               for t in job.prompt_tokens]}
-        job.put(Started(job.reused_tokens, view))
+        job.put(Started(job.reused_tokens, self._view(slot, prompt=job.prompt_tokens) if job.view else None))
         self._deliver(events)
 
     def _prefix_saver(self, job: Job) -> Optional[Any]:
@@ -318,6 +312,21 @@ class Scheduler:
             return None
         prefix = job.prompt_tokens[:job.n_keep]
         return lambda snapshot: self.sessions.put(prefix, len(prefix), job.n_keep, snapshot, _label(job))
+
+    def _view(self, slot: int, *, prompt: Optional[List[int]] = None, token: Optional[int] = None) -> Dict[str, Any]:
+        """The live view of a slot's cache (`Slots.view`): when its request starts (`prompt`), with the slot's
+        policy, budget, protected prefix and the prompt's pieces; after a token, with that token's piece."""
+        view = self.slots.view(slot)
+        if prompt is not None:
+            policy = self.llm.policy_of(slot)
+            view.update(policy=policy.label, budget=policy.budget, protected=self.llm.kv_state(slot).n_keep,
+                        tokens=[self._piece(t) for t in prompt])
+        if token is not None:
+            view["piece"] = self._piece(token)
+        return view
+
+    def _piece(self, token: int) -> str:
+        return self.llm.token_to_piece(token, special=True).decode("utf-8", errors="replace")
 
     def _deliver(self, events: List[generation.Event]) -> None:
         for e in events:
@@ -339,10 +348,7 @@ class Scheduler:
                     job.kv_cache["protected_asked"] = job.n_keep
                 self._count_finished(job)
             if job.view:
-                view = self.slots.view(e.index)
-                if e.token is not None:
-                    view["piece"] = self.llm.token_to_piece(e.token, special=True).decode("utf-8", errors="replace")
-                job.put(Viewed(e, view))
+                job.put(Viewed(e, self._view(e.index, token=e.token)))
             else:
                 job.put(e)
             if e.token is None:
