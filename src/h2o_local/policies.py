@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple, Type, Union
 
@@ -155,7 +156,7 @@ class Policy:
         """(sinks, heavy, recent): entries kept per sequence by each rule."""
         return int(self.cpp.sinks), int(self.cpp.heavy), int(self.cpp.recent)
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4", "tova-256+s4+r192" (a recent
         window other than the policy's default split), "tova-256+q32" / "+repeat" / "+catalyst" (a probe), "+p7" (a
