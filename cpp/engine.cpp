@@ -58,15 +58,11 @@ void check_params(const EngineParams & params) {
     }
 }
 
-KvTypeFacts kv_type_facts(const Model & model) {
+KvTypeFacts kv_type_facts(const Model & model, const Model::Offload & offload) {
     KvTypeFacts facts;
     facts.key_head = key_head_size(model.get());
     // the first device other than the CPU that holds a layer (and its KV cache); empty: everything on the CPU
-    for (const std::string & d : model.facts().layer_devices) {
-        if (d != "CPU" && facts.offloaded_to.empty()) {
-            facts.offloaded_to = d;
-        }
-    }
+    facts.offloaded_to = offload.devices.empty() ? "" : offload.devices.front();
     const char * rot_disable = std::getenv("LLAMA_ATTN_ROT_DISABLE");
     facts.rotation_disabled = rot_disable && std::atoi(rot_disable);
     return facts;
@@ -94,13 +90,17 @@ llama_context_params context_params(const EngineParams & params, const ContextSi
 }
 
 // the KV cells and logits a context needs against the memory of the machine and of the devices holding its layers
-void check_memory(const Model & model, const EngineParams & params, const ContextSize & size, const KvTypeFacts & facts) {
+void check_memory(const Model & model, const Model::Offload & offload, const EngineParams & params,
+                  const ContextSize & size, const KvTypeFacts & facts) {
     const int32_t n_layer = std::max(llama_model_n_layer(model.get()), 1);
     const uint64_t cell_bytes = (uint64_t) n_layer*2*llama_model_n_head_kv(model.get())*
                                 (uint64_t) facts.key_head*(params.kv_f32 ? 4 : 2);
-    check_host_memory(size, cell_bytes, model.n_vocab(), facts.offloaded_to.empty(), physical_memory_bytes());
-    const Model::Offload offload = model.offload();
-    check_device_memory(size, cell_bytes*offload.n_layer/n_layer, offload.devices, offload.memory_bytes);
+    check_host_memory(size, cell_bytes, model.n_vocab(), offload.devices.empty(), physical_memory_bytes());
+    std::string devices;
+    for (const std::string & d : offload.devices) {
+        devices += (devices.empty() ? "" : ", ") + d;
+    }
+    check_device_memory(size, cell_bytes*offload.n_layer/n_layer, devices, offload.memory_bytes);
 }
 
 } // namespace
@@ -124,9 +124,10 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         throw std::invalid_argument("keep must be >= 0 tokens");
     }
 
-    const KvTypeFacts facts = kv_type_facts(*model_);
+    const Model::Offload offload = model_->offload();
+    const KvTypeFacts facts = kv_type_facts(*model_, offload);
     const llama_context_params cp = context_params(params, size, facts);
-    check_memory(*model_, params, size, facts);
+    check_memory(*model_, offload, params, size, facts);
     clear_llama_error();
     ctx_ = llama_init_from_model(model_->get(), cp);
     if (ctx_ == nullptr) {

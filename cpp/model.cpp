@@ -152,11 +152,10 @@ static std::vector<ggml_backend_dev_t> model_devices(const std::vector<std::stri
     std::vector<ggml_backend_dev_t> igpus;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-        const bool rpc = std::strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") == 0;
-        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
-        if (rpc) {
+        if (std::strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") == 0) {
             continue;
         }
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
         if (type == GGML_BACKEND_DEVICE_TYPE_GPU &&
             std::none_of(gpus.begin(), gpus.end(), [dev](ggml_backend_dev_t g) { return same_device_id(g, dev); })) {
             gpus.push_back(dev);
@@ -258,7 +257,7 @@ Model::Offload Model::offload() const {
             continue;
         }
         seen.push_back(dev);
-        out.devices += std::string(out.devices.empty() ? "" : ", ") + ggml_backend_dev_name(dev);
+        out.devices.push_back(ggml_backend_dev_name(dev));
         size_t free = 0;
         size_t total = 0;
         ggml_backend_dev_memory(dev, &free, &total);

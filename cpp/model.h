@@ -46,9 +46,9 @@ public:
     bool rpc_servers_reachable() const;
     const llama_vocab * vocab() const { return llama_model_get_vocab(model_); }
     ModelFacts facts() const;
-    // the devices other than the CPU that hold a layer: their names ("Vulkan0, CUDA1"), their total memory in bytes
-    // (0 when one cannot say, as an RPC server), and how many layers they hold
-    struct Offload { std::string devices; uint64_t memory_bytes = 0; int32_t n_layer = 0; };
+    // the devices other than the CPU that hold a layer: their names in layer order ("Vulkan0", "CUDA1"), their total
+    // memory in bytes (0 when one cannot say, as an RPC server), and how many layers they hold
+    struct Offload { std::vector<std::string> devices; uint64_t memory_bytes = 0; int32_t n_layer = 0; };
     Offload offload() const;
 
     int32_t n_vocab() const { return llama_vocab_n_tokens(vocab()); }

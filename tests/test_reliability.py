@@ -33,6 +33,24 @@ def test_one_llama_from_two_threads_is_serialized_not_crashed(tiny_model):
                                                                                     temperature=0)
 
 
+def test_holding_a_llama_exclusively_ends_a_suspended_generation_and_serializes(tiny_model):
+    """`Llama.exclusive()` (what a server's slots hold while they step): a generation left suspended cannot go on
+    after it, and another thread's call waits until it is released."""
+    llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=32)
+    stream = llm.generate("suspended here", max_tokens=20, temperature=0, stream=True)
+    next(stream)
+    order = []
+    with llm.exclusive():
+        other = threading.Thread(target=lambda: (llm.reset(), order.append("other")))
+        other.start()
+        other.join(timeout=0.5)
+        order.append("held")
+    other.join()
+    assert order == ["held", "other"]
+    with pytest.raises(RuntimeError, match="interrupted by another call"):
+        next(stream)
+
+
 def test_more_sequences_than_a_batch_holds(tiny_model):
     llm = Llama(tiny_model, policy="h2o", budget=8, n_seq_max=40, n_batch=32)  # used to abort in llama.cpp
     texts = llm.generate_batch([f"prompt {i}" for i in range(40)], max_tokens=3, temperature=0)

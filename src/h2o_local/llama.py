@@ -36,7 +36,8 @@ RECALL_DEFAULT_BYTES = 256 * 2**20
 # the engine's own defaults (cpp/engine_params.h): declared there once, read here for Llama's signature
 ENGINE_DEFAULTS = _engine.EngineParams()
 # Llama keywords that are EngineParams fields of the same name and meaning, with an int's minimum (None: any; a bool
-# is checked as one): checked and copied in one loop. An option of that kind is one C++ field and one entry here.
+# is checked as one): checked and copied in one loop. Adding one: the C++ field and its binding, an entry here, the
+# keyword (its default read from ENGINE_DEFAULTS) and README's row (tests/test_docs.py checks it).
 _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
     "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_seq_max": 1, "kv_unified": None,
     "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None, "export_scores": None,
@@ -471,6 +472,7 @@ class Llama(Completions):
         seq = self._check_seq(seq_id)
         cap = self._recall_cap(recall)
         with self._lock:
+            self._take_over(())  # as set_policy: no cache changes until the next eval
             self._engine.configure_seq(seq, None if policy is None else policy.cpp, cap)
             if policy is None:
                 self._seq_policies.pop(seq, None)
