@@ -1,26 +1,32 @@
-"""The OpenAI-shaped calls of `Llama`: text and chat completions (with logprobs, echo, tools, response formats) and
-batched generation, as llama-cpp-python has them. A part of `Llama` kept in a module of its own (`Llama` inherits it);
-it drives the one generation loop through `Llama`'s own helpers."""
+"""The OpenAI-shaped calls of `Llama`: text and chat completions (with logprobs, echo, tools, response formats), as
+llama-cpp-python has them. `Completions` holds a `Llama` and shapes what its public generation calls
+(`generate_events`, `prompt_tokens`, `prompt_logits`) give into OpenAI's responses; `Llama.create_completion` and
+`Llama.create_chat_completion` hand over to it."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
-from . import generation, responses, sampling
+from . import responses
+from . import sampling as sampling_
 from . import tools as tools_mod
 from .grammar import response_format_grammar
 from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs
 from .policies import check_int
 from .sampling import SamplingParams
-from .text import TextAssembler
+
+if TYPE_CHECKING:
+    from .llama import Llama
 
 Prompt = Union[str, bytes, Sequence[int]]
-_GENERATE, _COMPLETION, _CHAT = sampling.GENERATE, sampling.COMPLETION, sampling.CHAT
 
 
 class Completions:
-    """create_completion (also `llm(...)`), create_chat_completion and generate_batch."""
+    """create_completion (also `llm(...)`) and create_chat_completion of one `Llama`."""
+
+    def __init__(self, llm: "Llama"):
+        self.llm = llm
 
     def create_completion(self, prompt: Prompt, *, stream: bool = False, echo: bool = False,
                           logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
@@ -30,17 +36,16 @@ class Completions:
         keywords as in `generate` (default `max_tokens=16`)."""
         if logprobs is not None:
             check_int("logprobs", logprobs, minimum=0)
-        p = self._params(_COMPLETION, sampling, params)
-        prompt_tokens = self._prompt_tokens(prompt, None)
-        events = self._generate_one(prompt_tokens, p, reset=True, want_logits=logprobs is not None,
-                                    prompt_logits=echo and logprobs is not None)
-        meta = responses.completion_meta(self.model_path)
+        llm = self.llm
+        p = sampling_.merge(sampling_.COMPLETION, sampling, params)
+        prompt_tokens = llm.prompt_tokens(prompt)
+        events = llm.generate_events(prompt_tokens, sampling=p, logits=logprobs is not None,
+                                     prompt_logits=echo and logprobs is not None)
+        meta = responses.completion_meta(llm.model_path)
         if stream:
             return self._completion_chunks(events, meta, prompt_tokens, echo, logprobs)
-        with self._lock:
+        with llm.lock:
             return self._completion(events, meta, prompt_tokens, echo, logprobs)
-
-    __call__ = create_completion
 
     def _completion(self, events, meta, prompt_tokens, echo, logprobs) -> Completion:
         pieces, tokens, gen_logits = [], [], []
@@ -58,12 +63,12 @@ class Completions:
         if logprobs is not None:
             lp_out = self._logprobs(prompt_tokens if echo else [], tokens, gen_logits, logprobs)
         if echo:
-            text = self.detokenize(prompt_tokens).decode("utf-8", errors="replace") + text
+            text = self.llm.detokenize(prompt_tokens).decode("utf-8", errors="replace") + text
         return responses.completion(meta, text, finish, responses.usage(len(prompt_tokens), len(tokens)), lp_out)
 
     def _completion_chunks(self, events, meta, prompt_tokens, echo, logprobs) -> Iterator[CompletionChunk]:
         if echo:
-            yield responses.completion_chunk(meta, self.detokenize(prompt_tokens).decode("utf-8", errors="replace"))
+            yield responses.completion_chunk(meta, self.llm.detokenize(prompt_tokens).decode("utf-8", errors="replace"))
         for e in events:
             lp = None
             if e.token is not None and logprobs is not None:
@@ -71,7 +76,7 @@ class Completions:
             yield responses.completion_chunk(meta, e.text, e.finish_reason, lp)
 
     def _piece_text(self, token: int) -> str:
-        return self._engine.token_to_piece(int(token), False).decode("utf-8", errors="replace")
+        return self.llm.token_to_piece(int(token)).decode("utf-8", errors="replace")
 
     def _logprob_block(self, tokens: List[int], offsets: List[Optional[int]], logits: List[Optional[np.ndarray]],
                        k: int) -> CompletionLogprobs:
@@ -79,7 +84,7 @@ class Completions:
 
     def _logprobs(self, echoed: List[int], generated: List[int], gen_logits: List[np.ndarray], k: int) -> CompletionLogprobs:
         """Echoed prompt tokens (logits of the prompt pass, none for the first), then the generated ones."""
-        rows = self._engine.logits_all(0) if echoed else np.zeros((0, self.n_vocab()), np.float32)
+        rows = self.llm.prompt_logits() if echoed else np.zeros((0, self.llm.n_vocab()), np.float32)
         tokens = list(echoed) + list(generated)
         logits: List[Optional[np.ndarray]] = [None if i == 0 else rows[i - 1] for i in range(len(echoed))]
         logits += list(gen_logits)
@@ -88,54 +93,6 @@ class Completions:
             offsets.append(offset)
             offset += len(self._piece_text(tok))
         return self._logprob_block(tokens, offsets, logits, k)
-
-    # ------------------------------------------------------------------ batched generation
-    def generate_batch(self, prompts: Sequence[Prompt], *, stream: bool = False, add_bos: Optional[bool] = None,
-                       sampling: Optional[SamplingParams] = None,
-                       **params: Any) -> Union[List[str], Iterator[Tuple[int, Optional[str]]]]:
-        """Generate for several prompts decoded together: one llama_decode per step for all live sequences.
-
-        Each sequence has its own KV budget, scores and sampler (seeded `seed + i`, so sequence i samples what
-        `generate(prompts[i], seed=seed + i)` would, up to batching round-off); finished sequences leave the
-        batch. At most `n_seq_max` prompts run at once; more are processed in waves. Returns the texts, or with
-        `stream=True` an iterator of (index, text piece) pairs, and (index, None) when sequence `index` ends;
-        `finish_reasons` then holds each prompt's. Sampling keywords as in `generate`.
-        """
-        if isinstance(prompts, (str, bytes)):
-            raise TypeError("prompts must be a list of prompts (str, bytes or token lists), not one string")
-        p = self._params(_GENERATE, sampling, params)
-        token_lists = [self._prompt_tokens(q, add_bos) for q in prompts]
-        if any(not t for t in token_lists):
-            raise ValueError("a prompt is empty: pass at least one token per prompt")
-        base_seed = self._rng.getrandbits(32) if p.seed is None else int(p.seed)
-        it = self._batch_events(token_lists, p, base_seed)
-        if stream:
-            return it
-        texts = [""] * len(prompts)
-        with self._lock:
-            for i, piece in it:
-                if piece:
-                    texts[i] += piece
-        return texts
-
-    def _batch_events(self, token_lists: List[List[int]], p: SamplingParams, base_seed: int) -> Iterator[Tuple[int, Optional[str]]]:
-        self.finish_reasons = [None] * len(token_lists)
-        for wave in range(0, len(token_lists), self.n_seq_max):
-            idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
-            runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i, history=token_lists[i]),
-                                      TextAssembler(p.stop), self._answer_limit(p))
-                    for s, i in enumerate(idx)]
-            with self._lock:
-                owner = self._take_over()
-                self._engine.reset()
-                self._engine.eval({s: token_lists[i] for s, i in enumerate(idx)}, False)
-            events = generation.run(self._engine, runs, unbounded=not self.policy.bounded, free_finished=True)
-            for e in self._owned_steps(events, owner):
-                if e.text:
-                    yield e.index, e.text
-                if e.token is None:
-                    self.finish_reasons[e.index] = e.finish_reason
-                    yield e.index, None
 
     # ------------------------------------------------------------------ chat
     def create_chat_completion(self, messages: Sequence[Dict[str, Any]], *, stream: bool = False,
@@ -152,21 +109,22 @@ class Completions:
         back as `message.tool_calls` with `finish_reason` "tool_calls"; "required" or a named tool forces a call
         with a grammar. A template without that format raises ValueError. Messages' contents are text: their
         special-token text stays text unless `special_in_content=True` (`Llama.chat_tokens`)."""
-        plan = tools_mod.plan(self.chat_template.source, tools, tool_choice)
+        llm = self.llm
+        plan = tools_mod.plan(llm.chat_template.source, tools, tool_choice)
         messages = plan.messages(messages)
         for extra in (response_format_grammar(response_format), plan.grammar):
             if extra is not None:
                 if params.get("grammar") is not None:
                     raise ValueError("give one of response_format, a forced tool call or grammar, not several")
                 params = {**params, "grammar": extra}
-        p = self._params(_CHAT, sampling, params)
-        tokens, n_keep = self.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content)
-        events = self._generate_one(tokens, p, reset=True, n_keep=n_keep)
-        meta = responses.chat_meta(self.model_path)
+        p = sampling_.merge(sampling_.CHAT, sampling, params)
+        tokens, n_keep = llm.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content)
+        events = llm.generate_events(tokens, keep=n_keep, sampling=p)
+        meta = responses.chat_meta(llm.model_path)
         if stream and not plan.parses:
             return self._chat_chunks(events, meta)
         text, n, finish = [], 0, None
-        with self._lock:
+        with llm.lock:
             for e in events:
                 text.append(e.text)
                 if e.token is None:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import random
 import threading
@@ -11,13 +13,15 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List,
 
 import numpy as np
 
-from . import _engine, generation, rpc, sampling
+from . import _engine, generation, rpc
+from . import sampling as sampling_
 from .chat_template import ChatTemplate, Message, content_pieces, normalize_messages
 from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .completions import Completions
 from .cpu import physical_cores
 from .kv_state import KVState, Snapshot
+from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
@@ -45,7 +49,7 @@ _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
 }
 
 
-class Llama(Completions):
+class Llama:
     """A GGUF model on a patched llama.cpp whose KV cache never holds more than `budget` entries per sequence.
 
     Args:
@@ -213,9 +217,10 @@ class Llama(Completions):
         self.last_eog_token: Optional[int] = None  # the end-of-generation token the last generation sampled
         self.finish_reasons: List[Optional[str]] = []  # of the last generate_batch, per prompt
         self._eog: Optional[List[int]] = None
-        # calls from several threads are serialized; a generation checks at every step that no other call took
-        # the context over since its last step (then it raises RuntimeError instead of going on on a changed cache)
-        self._lock = threading.RLock()
+        # calls from several threads are serialized by `lock` (hold it to make several calls one); a generation
+        # checks at every step that no other call took the context over since its last step (then it raises
+        # RuntimeError instead of going on on a changed cache)
+        self.lock = threading.RLock()
         self._generation: Optional[object] = None  # the generation that owns the context now
         self._pending: List[int] = []                # shown to the user, not yet fed: a continued session feeds it
         self._warned_past_context = False
@@ -353,7 +358,7 @@ class Llama(Completions):
         `last_logits`. With `logits_all=True`, returns every fed token's logits (float32 [n, n_vocab])."""
         seq_id = self._check_seq(seq_id)
         tokens = _token_list(tokens)
-        with self._lock:
+        with self.lock:
             self._take_over([seq_id])
             self._engine.eval({seq_id: tokens}, bool(logits_all))
             return self._engine.logits_all(seq_id) if logits_all else None
@@ -363,7 +368,7 @@ class Llama(Completions):
         if not isinstance(tokens, dict):
             raise TypeError(f"eval_batch takes {{seq_id: [token, ...]}}, got {type(tokens).__name__}")
         batch = {self._check_seq(s): _token_list(toks) for s, toks in tokens.items()}
-        with self._lock:
+        with self.lock:
             self._take_over(batch)
             self._engine.eval(batch, False)
 
@@ -380,7 +385,7 @@ class Llama(Completions):
     def reset(self, seq_id: Optional[int] = None) -> None:
         """Forget a sequence (or all, with None): its KV entries, scores and counters."""
         seq = None if seq_id is None else self._check_seq(seq_id)
-        with self._lock:
+        with self.lock:
             self._take_over(None if seq is None else [seq])
             if seq is None:
                 self._engine.reset()
@@ -414,7 +419,7 @@ class Llama(Completions):
         """
         value = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
         seq = None if seq_id is None else self._check_seq(seq_id)
-        with self._lock:
+        with self.lock:
             self._take_over(())  # no cache changes until the next eval or compress()
             if seq is None:
                 self._engine.set_policy(value.cpp)
@@ -432,7 +437,7 @@ class Llama(Completions):
         if recall is None and seq_id is None:
             raise ValueError("recall=None means the Llama's own setting: give it with seq_id")
         cap = self._recall_cap(recall)
-        with self._lock:
+        with self.lock:
             if seq_id is None:
                 self._engine.set_recall(cap)
                 self.recall = cap
@@ -471,7 +476,7 @@ class Llama(Completions):
         changes: ValueError with nothing changed."""
         seq = self._check_seq(seq_id)
         cap = self._recall_cap(recall)
-        with self._lock:
+        with self.lock:
             self._take_over(())  # as set_policy: no cache changes until the next eval
             self._engine.configure_seq(seq, None if policy is None else policy.cpp, cap)
             if policy is None:
@@ -500,8 +505,8 @@ class Llama(Completions):
         entries of what `seq_id` spilled to host memory (`recall`); every new prompt does this by itself. Returns
         the entries brought back."""
         seq_id = self._check_seq(seq_id)
-        tokens = self._prompt_tokens(question, False)
-        with self._lock:
+        tokens = self.prompt_tokens(question, False)
+        with self.lock:
             self._take_over([seq_id])
             before = self.kv_state(seq_id).n_recalled
             self._engine.recall_for(seq_id, tokens)
@@ -512,7 +517,7 @@ class Llama(Completions):
         or `"catalyst"`) runs it first, so a document compressed here is ranked by what a reader would look at
         before any question is asked; the question probe has no question here and ranks by what it saw before."""
         seq_id = self._check_seq(seq_id)
-        with self._lock:
+        with self.lock:
             self._take_over([seq_id])
             self._engine.compress(seq_id)
 
@@ -521,7 +526,7 @@ class Llama(Completions):
         `.to_bytes()` / `Snapshot.from_bytes()` for a file), and the token the last generation showed but did
         not feed (fed first when the restored session goes on)."""
         seq_id = self._check_seq(seq_id)
-        with self._lock:
+        with self.lock:
             snap = self._engine.snapshot(seq_id)
             if seq_id == 0:
                 snap.pending = list(self._pending)
@@ -536,7 +541,7 @@ class Llama(Completions):
         seq_id = self._check_seq(seq_id)
         if not isinstance(state, Snapshot):
             raise TypeError(f"state must come from save_state(), got {type(state).__name__}")
-        with self._lock:
+        with self.lock:
             self._engine.restore(seq_id, state)  # all or nothing: a refused snapshot leaves the sequence as it was
             self._take_over([seq_id])
             if seq_id == 0:
@@ -555,14 +560,14 @@ class Llama(Completions):
     def exclusive(self) -> Iterator[None]:
         """Hold this `Llama` for steps of one's own (a server's slots): its lock, with any generation left suspended
         ended first (it raises at its next step)."""
-        with self._lock:
+        with self.lock:
             self._take_over()
             yield
 
     def close(self) -> None:
         """Free the model and its KV cache now, as llama-cpp-python's `close()` (also `with Llama(...) as llm:`).
         A generation still running stops at its next step; any later call raises RuntimeError."""
-        with self._lock:
+        with self.lock:
             self._take_over()
             self._engine = _Closed()
 
@@ -614,18 +619,13 @@ class Llama(Completions):
         return int(seq_id)
 
     # ------------------------------------------------------------------ generation
-    def _prompt_tokens(self, prompt: Prompt, add_bos: Optional[bool]) -> List[int]:
-        """A text prompt's special tokens (`<|im_start|>`) are parsed, as llama-cpp-python's create_completion and
+    def prompt_tokens(self, prompt: Prompt, add_bos: Optional[bool] = None) -> List[int]:
+        """The tokens a prompt (str, bytes or token ids) feeds; `add_bos` None: as the model's metadata says. A text
+        prompt's special tokens (`<|im_start|>`) are parsed, as llama-cpp-python's create_completion and
         llama-server parse them; token ids from `tokenize(text, special=False)` feed such text literally."""
         if isinstance(prompt, (str, bytes)):
             return self.tokenize(prompt, add_bos=self.info.add_bos if add_bos is None else add_bos, special=True)
         return _token_list(prompt)
-
-    def _params(self, defaults: SamplingParams, sampling_: Optional[SamplingParams], kwargs: Dict[str, Any]) -> SamplingParams:
-        base = defaults if sampling_ is None else sampling_
-        if not isinstance(base, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {base!r}")
-        return base.replace(**kwargs) if kwargs else base
 
     def _answer_limit(self, params: SamplingParams) -> Optional[int]:
         """Tokens a generation may make: `max_tokens`, or with none a bounded cache's trained context (it never fills
@@ -677,7 +677,7 @@ class Llama(Completions):
             raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
         sampler = self._sampler(params, history=prompt_tokens)
         run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), self._answer_limit(params))
-        with self._lock:
+        with self.lock:
             # the token the last generation showed but did not feed goes first when the session goes on
             feed = prompt_tokens if reset else self._pending + prompt_tokens
             owner = self._take_over([0])
@@ -694,7 +694,7 @@ class Llama(Completions):
             yield from self._owned_steps(events, owner)
         finally:
             events.close()
-            with self._lock:
+            with self.lock:
                 if self._generation is owner:
                     self._pending = [run.pending] if run.pending is not None else []
         self.last_eog_token = run.eog_token  # sampled, not fed: a session that goes on feeds it first
@@ -702,7 +702,7 @@ class Llama(Completions):
     def _owned_steps(self, events: Iterator[Any], owner: object) -> Iterator[Any]:
         """Advance a generation one step at a time under the lock, as long as it still owns the context."""
         while True:
-            with self._lock:
+            with self.lock:
                 if self._generation is not owner:
                     raise RuntimeError("this generation was interrupted by another call on the same Llama (a new "
                                        "generation, eval, reset, load_state, close, ...): it cannot go on")
@@ -723,26 +723,101 @@ class Llama(Completions):
         or with `stream=True` an iterator of text pieces. `reset=False` continues the session: the prompt is
         appended to what the cache already holds (an empty prompt continues from the last token fed).
         """
-        p = self._params(_GENERATE, sampling, params)
-        events = self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset)
+        p = sampling_.merge(sampling_.GENERATE, sampling, params)
+        events = self._generate_one(self.prompt_tokens(prompt, add_bos), p, reset=reset)
         if stream:
             return (e.text for e in events if e.text)
-        with self._lock:  # a whole call: another thread's calls wait instead of interrupting it
+        with self.lock:  # a whole call: another thread's calls wait instead of interrupting it
             return "".join(e.text for e in events)
 
     def generate_events(self, prompt: Prompt, *, reset: bool = True, add_bos: Optional[bool] = None,
                         keep: Optional[int] = None, sampling: Optional[SamplingParams] = None,
-                        progress: Optional[Callable[[int, int], None]] = None,
-                        **params: Any) -> Iterator[generation.Event]:
+                        progress: Optional[Callable[[int, int], None]] = None, logits: bool = False,
+                        prompt_logits: bool = False, **params: Any) -> Iterator[generation.Event]:
         """Like `generate(..., stream=True)`, one `generation.Event` per generated token (`token`, `text`) and a
         last one with the `finish_reason` ("stop" or "length"); `last_eog_token` then holds the end-of-generation
         token sampled, if any (not fed: a session that goes on should feed it first). `keep`: with `reset`, the
         protected prefix of the new session in tokens (default: the Llama's `keep`). `progress(fed, total)`: called
-        between the pieces of a long prompt with the tokens fed so far (whole batches; it may raise to stop)."""
-        p = self._params(_GENERATE, sampling, params)
+        between the pieces of a long prompt with the tokens fed so far (whole batches; it may raise to stop).
+        `logits`: each token's event carries the logits it was sampled from; `prompt_logits`: the prompt's own are
+        kept for `prompt_logits()`."""
+        p = sampling_.merge(sampling_.GENERATE, sampling, params)
         if keep is not None:
             check_int("keep", keep, minimum=0)
-        return self._generate_one(self._prompt_tokens(prompt, add_bos), p, reset=reset, n_keep=keep, progress=progress)
+        return self._generate_one(self.prompt_tokens(prompt, add_bos), p, reset=reset, n_keep=keep, progress=progress,
+                                  want_logits=bool(logits), prompt_logits=bool(prompt_logits))
+
+    def prompt_logits(self, seq_id: int = 0) -> np.ndarray:
+        """float32 [n, n_vocab]: the logits after each token of the last prompt fed to `seq_id` with `logits_all`
+        (`eval`) or `prompt_logits` (`generate_events`); empty otherwise."""
+        return self._engine.logits_all(self._check_seq(seq_id))
+    def generate_batch(self, prompts: Sequence[Prompt], *, stream: bool = False, add_bos: Optional[bool] = None,
+                       sampling: Optional[SamplingParams] = None,
+                       **params: Any) -> Union[List[str], Iterator[Tuple[int, Optional[str]]]]:
+        """Generate for several prompts decoded together: one llama_decode per step for all live sequences.
+
+        Each sequence has its own KV budget, scores and sampler (seeded `seed + i`, so sequence i samples what
+        `generate(prompts[i], seed=seed + i)` would, up to batching round-off); finished sequences leave the
+        batch. At most `n_seq_max` prompts run at once; more are processed in waves. Returns the texts, or with
+        `stream=True` an iterator of (index, text piece) pairs, and (index, None) when sequence `index` ends;
+        `finish_reasons` then holds each prompt's. Sampling keywords as in `generate`.
+        """
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("prompts must be a list of prompts (str, bytes or token lists), not one string")
+        p = sampling_.merge(sampling_.GENERATE, sampling, params)
+        token_lists = [self.prompt_tokens(q, add_bos) for q in prompts]
+        if any(not t for t in token_lists):
+            raise ValueError("a prompt is empty: pass at least one token per prompt")
+        base_seed = self._rng.getrandbits(32) if p.seed is None else int(p.seed)
+        it = self._batch_events(token_lists, p, base_seed)
+        if stream:
+            return it
+        texts = [""] * len(prompts)
+        with self.lock:
+            for i, piece in it:
+                if piece:
+                    texts[i] += piece
+        return texts
+
+    def _batch_events(self, token_lists: List[List[int]], p: SamplingParams, base_seed: int) -> Iterator[Tuple[int, Optional[str]]]:
+        self.finish_reasons = [None] * len(token_lists)
+        for wave in range(0, len(token_lists), self.n_seq_max):
+            idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
+            runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i, history=token_lists[i]),
+                                      TextAssembler(p.stop), self._answer_limit(p))
+                    for s, i in enumerate(idx)]
+            with self.lock:
+                owner = self._take_over()
+                self._engine.reset()
+                self._engine.eval({s: token_lists[i] for s, i in enumerate(idx)}, False)
+            events = generation.run(self._engine, runs, unbounded=not self.policy.bounded, free_finished=True)
+            for e in self._owned_steps(events, owner):
+                if e.text:
+                    yield e.index, e.text
+                if e.token is None:
+                    self.finish_reasons[e.index] = e.finish_reason
+                    yield e.index, None
+
+
+    # ------------------------------------------------------------------ OpenAI-shaped calls (completions.py)
+    @functools.cached_property
+    def completions(self) -> Completions:
+        """The OpenAI-shaped calls on this `Llama` (create_completion, create_chat_completion)."""
+        return Completions(self)
+
+    def create_completion(self, prompt: Prompt, **kwargs: Any) -> Union[Completion, Iterator[CompletionChunk]]:
+        return self.completions.create_completion(prompt, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Dict[str, Any]],
+                               **kwargs: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
+        return self.completions.create_chat_completion(messages, **kwargs)
+
+    for _name in ("create_completion", "create_chat_completion"):  # the signature and help of Completions' own
+        locals()[_name].__doc__ = getattr(Completions, _name).__doc__
+        locals()[_name].__signature__ = inspect.signature(getattr(Completions, _name))
+    del _name
+    __call__ = create_completion
+
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -813,7 +888,6 @@ class Llama(Completions):
             self.tokenize(text, add_bos=False, special=False)
 
 
-_GENERATE = sampling.GENERATE
 
 _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1, False: 0, True: 1}
 

@@ -135,6 +135,14 @@ def _logit_bias(bias: Any) -> Optional[Dict[int, float]]:
 
 
 # the defaults of each entry point, as llama-cpp-python has them
+def merge(defaults: SamplingParams, given: Optional[SamplingParams], keywords: Dict[str, Any]) -> SamplingParams:
+    """What a call samples with: `given` (else the call's `defaults`) with its sampling keywords on top."""
+    base = defaults if given is None else given
+    if not isinstance(base, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {base!r}")
+    return base.replace(**keywords) if keywords else base
+
+
 GENERATE = SamplingParams()
 COMPLETION = SamplingParams(max_tokens=16)
 CHAT = SamplingParams(max_tokens=None, temperature=0.2)
