@@ -36,15 +36,28 @@ py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
     return out;
 }
 
-PolicyConfig policy_config(const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                           int32_t query_window, const std::string & probe = "", int32_t question = -1, int32_t pool = -1,
-                           int32_t follow = -1, int32_t probe_share = -1, bool per_head = false, int32_t block = -1) {
+// a PolicyConfig from keywords named as its fields (the options by their rows): what Python passes by name
+PolicyConfig policy_config(const std::string & name, int32_t budget, const py::kwargs & fields) {
     PolicyConfig cfg;
-    cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks;
-    cfg.query_window = query_window;
-    cfg.probe = probe; cfg.question = question; cfg.pool = pool; cfg.follow = follow; cfg.probe_share = probe_share;
-    cfg.per_head = per_head;
-    cfg.block = block;
+    cfg.name = name;
+    cfg.budget = budget;
+    for (const auto & item : fields) {
+        const std::string key = py::str(item.first);
+        if (key == "probe") {
+            cfg.probe = item.second.is_none() ? "" : item.second.cast<std::string>();
+            continue;
+        }
+        int32_t PolicyConfig::* field = key == "heavy" ? &PolicyConfig::heavy : key == "recent" ? &PolicyConfig::recent :
+            key == "sinks" ? &PolicyConfig::sinks : key == "query_window" ? &PolicyConfig::query_window :
+            key == "question" ? &PolicyConfig::question : nullptr;
+        if (const PolicyOption * o = find_policy_option(key)) {
+            field = o->field;
+        }
+        if (field == nullptr) {
+            throw py::type_error("unexpected policy field '" + key + "'");
+        }
+        cfg.*field = item.second.is_none() ? -1 : item.second.cast<int32_t>();
+    }
     return cfg;
 }
 
@@ -253,35 +266,49 @@ PYBIND11_MODULE(_engine, m) {
     m.def("bounded_cells", &bounded_cells, py::arg("n_seq"), py::arg("budget"), py::arg("n_batch"), py::arg("kv_unified"),
           "KV cells a bounded cache needs: budgets + one batch (unified), or a budget + one batch per stream.");
     // a resolved policy: validation, defaults and the budget split happen here, once; the engine takes this object
+    // a policy as asked for (cpp/policy_config.h): its fields, the options by their rows
+    auto config = py::class_<PolicyConfig>(m, "PolicyConfig", "A policy as asked for; < 0: not given.")
+        .def(py::init<>())
+        .def_readwrite("name", &PolicyConfig::name)
+        .def_readwrite("budget", &PolicyConfig::budget)
+        .def_readwrite("heavy", &PolicyConfig::heavy)
+        .def_readwrite("recent", &PolicyConfig::recent)
+        .def_readwrite("sinks", &PolicyConfig::sinks)
+        .def_readwrite("query_window", &PolicyConfig::query_window)
+        .def_readwrite("probe", &PolicyConfig::probe)
+        .def_readwrite("question", &PolicyConfig::question);
+    py::list options;
+    for (const PolicyOption & o : policy_options()) {
+        const auto field = o.field;
+        config.def_property(o.name, [field](const PolicyConfig & c) { return c.*field; },
+                            [field](PolicyConfig & c, int32_t v) { c.*field = v; });
+        options.append(py::dict("name"_a = o.name, "suffix"_a = o.suffix, "unset"_a = o.unset, "minimum"_a = o.minimum,
+                                "maximum"_a = o.maximum, "unit"_a = o.unit, "flag"_a = o.flag, "help"_a = o.help));
+    }
+    m.attr("POLICY_OPTIONS") = options;
+    m.def("parse_policy_label", &parse_policy_label, py::arg("text"),
+          "The config a label names (\"tova-256+s4+q32\"); ValueError when it is no label.");
+    m.def("apply_label_suffix", &apply_label_suffix, py::arg("config"), py::arg("suffix"),
+          "Set what one label suffix (\"s4\", \"q32\", \"p9\", \"ph\") says; False when it is no policy suffix.");
+    m.def("default_policy_config", &default_policy_config, py::arg("given"),
+          "The default policy's config with what was given (cpp/policy_config.h).");
     py::class_<Policy, std::shared_ptr<Policy>>(m, "Policy", "A resolved eviction policy (see h2o_local.policies).")
-        .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks,
-                         int32_t query_window, const std::string & probe, int32_t question, int32_t pool,
-                         int32_t follow, int32_t probe_share, bool per_head, int32_t block) {
-                 return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, heavy, recent, sinks, query_window,
-                                                                          probe, question, pool, follow, probe_share, per_head,
-                                                                          block)));
-             }), py::arg("name"), py::arg("budget") = -1, py::arg("heavy") = -1, py::arg("recent") = -1,
-             py::arg("sinks") = -1, py::arg("query_window") = -1, py::arg("probe") = "", py::arg("question") = -1,
-             py::arg("pool") = -1, py::arg("follow") = -1, py::arg("probe_share") = -1, py::arg("per_head") = false,
-             py::arg("block") = -1)
+        .def(py::init([](const PolicyConfig & cfg) { return std::shared_ptr<Policy>(make_policy(cfg)); }), py::arg("config"))
+        .def(py::init([](const std::string & name, int32_t budget, const py::kwargs & fields) {
+                 return std::shared_ptr<Policy>(make_policy(policy_config(name, budget, fields)));
+             }), py::arg("name"), py::arg("budget") = -1,
+             "A policy from its name, budget and the fields of PolicyConfig by keyword (None or < 0: not given).")
         .def_property_readonly("probe", [](const Policy & p) { return probe_source_name(p.probe().source); })
         .def_property_readonly("question", [](const Policy & p) { return p.probe().question; })
-        .def_property_readonly("pool", [](const Policy & p) {
+        .def("option", [](const Policy & p, const std::string & name) {
+            const PolicyOption * o = find_policy_option(name);
+            if (o == nullptr) {
+                throw py::key_error(name);
+            }
             const auto * r = dynamic_cast<const RankedPolicy *>(&p);
-            return r != nullptr ? r->pool() : 1;
-        })
-        .def_property_readonly("follow", [](const Policy & p) {
-            const auto * r = dynamic_cast<const RankedPolicy *>(&p);
-            return r != nullptr ? r->follow() : 0;
-        })
-        .def_property_readonly("block", [](const Policy & p) {
-            const auto * r = dynamic_cast<const RankedPolicy *>(&p);
-            return r != nullptr ? r->block() : 1;
-        })
-        .def_property_readonly("probe_share", [](const Policy & p) {
-            const auto * r = dynamic_cast<const RankedPolicy *>(&p);
-            return r != nullptr ? r->probe_share() : 100;
-        })
+            return r != nullptr ? r->options().*o->field : o->unset;
+        }, py::arg("name"), "An option's value (policy_options()), resolved: its unset value when not given.")
+        .def_property_readonly("label", &policy_label)
         .def_property_readonly("per_head", &Policy::per_head)
         .def_property_readonly("name", &Policy::name)
         .def_property_readonly("bounded", &Policy::bounded)
@@ -313,7 +340,8 @@ PYBIND11_MODULE(_engine, m) {
     py::class_<RankedPolicy, PyRankedPolicy, Policy, std::shared_ptr<RankedPolicy>>(
         m, "RankedPolicy", "Subclass it and define rank(total, head, queries) to score entries in Python.")
         .def(py::init([](const std::string & name, int32_t budget, int32_t heavy, int32_t recent, int32_t sinks) {
-                 PolicyConfig cfg = policy_config(name, budget, heavy, recent, sinks, -1);
+                 PolicyConfig cfg;
+                 cfg.name = name; cfg.budget = budget; cfg.heavy = heavy; cfg.recent = recent; cfg.sinks = sinks;
                  return std::make_shared<PyRankedPolicy>(name, ranked_split(cfg, half_recent));
              }), py::arg("name"), py::arg("budget"), py::arg("heavy") = -1, py::arg("recent") = -1,
              py::arg("sinks") = -1);

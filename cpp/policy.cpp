@@ -22,7 +22,86 @@ std::string joined_names() {
     return out;
 }
 
+// each option given: a policy that ranks takes it, in its range
+void check_options(const PolicyConfig & cfg, const RankedPolicy * ranked) {
+    for (const PolicyOption & o : policy_options()) {
+        const int32_t v = cfg.*o.field;
+        if (v < 0 || (o.flag && v == 0)) {
+            continue; // not given, or a flag given as off
+        }
+        const std::string name = o.name;
+        check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no " + name);
+        if (o.flag) {
+            check_policy(v == 1, name + " is a flag (0 or 1), got " + std::to_string(v));
+        } else if (o.maximum == std::numeric_limits<int32_t>::max()) {
+            check_policy(v >= o.minimum, name + " must be >= " + std::to_string(o.minimum) + " (" + o.unit + "), got " +
+                         std::to_string(v));
+        } else {
+            check_policy(v >= o.minimum && v <= o.maximum, name + " is in [" + std::to_string(o.minimum) + ", " +
+                         std::to_string(o.maximum) + "] (" + o.unit + "), got " + std::to_string(v));
+        }
+    }
+}
+
+std::string label_number_suffix(const char * suffix, int32_t value) {
+    return std::string("+") + suffix + std::to_string(value);
+}
+
 } // namespace
+
+void RankedPolicy::set_options(const PolicyConfig & options) {
+    options_ = options;
+    for (const PolicyOption & o : policy_options()) {
+        options_.*o.field = option_value(options, o);
+    }
+}
+
+std::string policy_label(const Policy & p) {
+    if (!p.bounded()) {
+        return p.name();
+    }
+    const BudgetSplit split = p.split();
+    const auto * ranked = dynamic_cast<const RankedPolicy *>(&p);
+    std::string out = p.name() + "-" + std::to_string(split.total());
+    if (ranked != nullptr && split.sinks > 0) {
+        out += label_number_suffix("s", split.sinks);
+    }
+    if (registry().count(p.name()) == 0) {
+        return out; // a scorer written in Python: its name, budget and sinks
+    }
+    PolicyConfig own; // the policy's own defaults at this budget
+    own.name = p.name();
+    own.budget = split.total();
+    if (p.query_window() != make_policy(own)->query_window()) {
+        out += label_number_suffix("w", p.query_window());
+    }
+    const ProbeSpec probe = p.probe();
+    if (probe.source == ProbeSource::question) {
+        out += label_number_suffix("q", probe.question);
+    } else if (probe.source != ProbeSource::none) {
+        out += "+" + probe_source_name(probe.source);
+    }
+    if (ranked == nullptr) {
+        return out;
+    }
+    for (const PolicyOption & o : policy_options()) {
+        const int32_t v = ranked->options().*o.field;
+        if (!o.flag && v != o.unset) {
+            out += label_number_suffix(o.suffix, v);
+        }
+    }
+    own.sinks = split.sinks > 0 ? split.sinks : -1;
+    own.query_window = p.query_window();
+    if (make_policy(own)->split().recent != split.recent) {
+        out += label_number_suffix("r", split.recent);
+    }
+    for (const PolicyOption & o : policy_options()) {
+        if (o.flag && ranked->options().*o.field > 0) {
+            out += std::string("+") + o.suffix;
+        }
+    }
+    return out;
+}
 
 PolicyRegistration::PolicyRegistration(const char * name, PolicyFactory factory) {
     registry()[name] = factory;
@@ -46,34 +125,23 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
                      "the question probe needs question >= 1 (tokens), got " + std::to_string(question));
         ranked->set_probe({source, source == ProbeSource::question ? question : 0});
     }
-    if (cfg.pool >= 0) {
-        check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no pool");
-        check_policy(cfg.pool >= 1, "pool must be >= 1 (entries), got " + std::to_string(cfg.pool));
-        ranked->set_pool(cfg.pool);
-    }
-    if (cfg.follow >= 0) {
-        check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no follow");
-        ranked->set_follow(cfg.follow);
-    }
+    check_options(cfg, ranked);
     if (cfg.block >= 0) {
-        check_policy(ranked != nullptr, "policy '" + cfg.name + "' ranks nothing: it takes no block");
-        check_policy(cfg.block >= 1, "block must be >= 1 (positions), got " + std::to_string(cfg.block));
-        check_policy(!cfg.per_head, "per_head chooses entries per layer and head: it takes no block");
-        ranked->set_block(cfg.block);
+        check_policy(cfg.per_head <= 0, "per_head chooses entries per layer and head: it takes no block");
     }
     if (cfg.probe_share >= 0) {
         check_policy(source != ProbeSource::none, "probe_share is the share of the heavy entries a probe ranks: it "
                      "needs a probe");
-        check_policy(cfg.probe_share <= 100, "probe_share is a percent in [0, 100], got " + std::to_string(cfg.probe_share));
-        ranked->set_probe_share(cfg.probe_share);
     }
-    if (cfg.per_head) {
+    if (cfg.per_head > 0) {
         check_policy(!policy->needs_keys(), "policy '" + cfg.name + "' ranks by keys: per_head is built for the "
                      "attention scorers (h2o, tova, snapkv and their variants)");
         check_policy(ranked != nullptr && policy->needs_scores(),
                      "policy '" + cfg.name + "' ranks by no attention scores: it has no per-head choice");
         check_policy(source == ProbeSource::none, "per_head with a probe is not built yet: give one or the other");
-        ranked->set_per_head(true);
+    }
+    if (ranked != nullptr) {
+        ranked->set_options(cfg);
     }
     return policy;
 }
@@ -241,19 +309,20 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     const size_t n_heavy = std::min<size_t>(split.heavy, cand.size());
     std::vector<float> s = rank(scores);
     std::vector<float> first; // the probe's scores come before rank() when there is a probe
+    const int32_t pool = options_.pool, follow = options_.follow, block = options_.block;
     if (probe_.source != ProbeSource::none) {
-        first = pool_ > 1 || follow_ > 0 ? max_pool(scores.probe, pool_, follow_) : scores.probe;
-        if (block_ > 1) {
-            first = block_max(first, positions, block_);
+        first = pool > 1 || follow > 0 ? max_pool(scores.probe, pool, follow) : scores.probe;
+        if (block > 1) {
+            first = block_max(first, positions, block);
         }
         for (size_t i = 0; i < n; ++i) {
             if (scores.probe[i] == 0.0f) { // not judged by a probe yet (generated tokens): kept before the judged
                 first[i] = std::numeric_limits<float>::infinity();
             }
         }
-    } else if (pool_ > 1 || follow_ > 0 || block_ > 1) {
-        s = max_pool(s, pool_, follow_);
-        s = block_ > 1 ? block_max(s, positions, block_) : s;
+    } else if (pool > 1 || follow > 0 || block > 1) {
+        s = max_pool(s, pool, follow);
+        s = block > 1 ? block_max(s, positions, block) : s;
     }
     const auto by_rank = [&](size_t a, size_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
     if (first.empty() && cand.size() == n_heavy + 1) {
@@ -269,7 +338,7 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
         return keep;
     }
     // the probe's share of the heavy entries (all of them by default), then rank() alone for the rest
-    const size_t n_first = first.empty() ? 0 : (n_heavy*(size_t) probe_share_ + 50)/100;
+    const size_t n_first = first.empty() ? 0 : (n_heavy*(size_t) options_.probe_share + 50)/100;
     // the best n of a strict order form one set, in any order (sinks_middle_recent puts it in order): nth_element suffices
     if (n_first > 0 && n_first < cand.size()) {
         std::nth_element(cand.begin(), cand.begin() + n_first, cand.end(), [&](size_t a, size_t b) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "llama.h"
+#include "policy_config.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -14,27 +15,6 @@
 #include <vector>
 
 namespace h2o {
-
-// A policy as asked for: its registered name and the budget split as given (< 0: the policy's default).
-struct PolicyConfig {
-    std::string name = "h2o";
-    int32_t budget = -1; // KV entries kept per sequence; < 0: none (only unbounded policies accept that)
-    int32_t heavy  = -1;
-    int32_t recent = -1;
-    int32_t sinks  = -1;
-    int32_t query_window = -1; // queries at a prompt's end that score it (Policy::query_window); < 0: the policy's own
-    std::string probe;   // what ranks the prompt before it is evicted (probe_source_from_name): "" none, "question",
-                         // "repeat", "catalyst"
-    int32_t question = -1; // the question probe's length: a prompt's last N tokens; < 0: kDefaultQuestionTokens
-    int32_t pool   = -1; // rank an entry by the best of the `pool` entries centred on it (a fact's span); < 0: 1
-    int32_t follow = -1; // and by the best of the `follow` entries before it (a value after its key); < 0: 0
-    int32_t probe_share = -1; // percent of the heavy entries chosen by the probe's ranking, the rest by rank() alone
-                              // (what the newest query looks at, for tova); < 0: 100
-    bool per_head = false; // every scored layer and KV head keeps its own entries (H2O's published rule), inside the
-                           // same budget of cells (see HeadParts)
-    int32_t block = -1;  // and by the best entry of its block of `block` positions (p / block), so that what is
-                         // kept (and recalled) comes in whole blocks, as pages do; < 0: 1 (no blocks)
-};
 
 // A probe: tokens decoded after what a sequence holds, whose attention to it ranks it, and which are then removed
 // (cells, positions, scores, logits). It is run before an eviction that ends a piece of a prompt, at a prompt's end
@@ -223,28 +203,23 @@ public:
 // observes a decode (observe()).
 class RankedPolicy : public Policy {
 public:
-    RankedPolicy(std::string name, BudgetSplit split) : name_(std::move(name)), split_(split) {}
+    RankedPolicy(std::string name, BudgetSplit split) : name_(std::move(name)), split_(split) { set_options(PolicyConfig()); }
 
     std::string name() const override { return name_; }
     ProbeSpec probe() const override { return probe_; }
-    int32_t pool() const { return pool_; }
-    int32_t follow() const { return follow_; }
-    int32_t block() const { return block_; }
-    int32_t probe_share() const { return probe_share_; }
-    bool per_head() const override { return per_head_; }
+    // the options (policy_options()), each resolved: as given, or its unset value
+    const PolicyConfig & options() const { return options_; }
+    bool per_head() const override { return options_.per_head > 0; }
     // by make_policy, before the policy is shared
     void set_probe(ProbeSpec probe) { probe_ = probe; }
-    void set_pool(int32_t pool) { pool_ = pool; }
-    void set_follow(int32_t follow) { follow_ = follow; }
-    void set_block(int32_t block) { block_ = block; }
-    void set_probe_share(int32_t percent) { probe_share_ = percent; }
-    void set_per_head(bool per_head) { per_head_ = per_head; }
+    void set_options(const PolicyConfig & options);
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
     // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties, entries no probe
-    // has judged yet first of all), each entry taking the best of the pool() entries centred on it and of the
-    // follow() entries before it, then the best entry of its block() of positions; ties go to the older position. With a probe_share() below 100, that share of the
-    // heavy entries is chosen so and the rest by rank() alone among the others
+    // has judged yet first of all), each entry taking the best of the `pool` entries centred on it and of the
+    // `follow` entries before it, then the best entry of its `block` of positions; ties go to the older position.
+    // With a `probe_share` below 100, that share of the heavy entries is chosen so and the rest by rank() alone
+    // among the others
     std::vector<size_t> select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                              const BudgetSplit & split) const override;
 
@@ -256,11 +231,7 @@ private:
     std::string name_;
     BudgetSplit split_;
     ProbeSpec   probe_;
-    int32_t     pool_ = 1;
-    int32_t     follow_ = 0; // entries before an entry whose score it takes (at least pool_/2)
-    int32_t     block_ = 1;  // positions per block whose entries take their best score
-    int32_t     probe_share_ = 100; // percent of the heavy entries ranked by the probe first
-    bool        per_head_ = false;
+    PolicyConfig options_;
 };
 
 // A scorer that only ranks differently is one function: `make_ranked<RankedBy<mean_per_query>, half_recent>`
@@ -315,6 +286,10 @@ using PolicyPtr = std::shared_ptr<const Policy>;
 // throws std::invalid_argument for an unknown name or an impossible split
 std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg);
 std::vector<std::string> policy_names(); // sorted
+// the short name of a resolved policy ("full", "local-256", "tova-256+s4+q32+p9+f12+r32"): its budget, then what
+// differs from the policy's own defaults (sinks, query window, probe, options, recent window); parse_policy_label
+// reads it back
+std::string policy_label(const Policy & policy);
 
 // helpers for policy files
 void check_policy(bool ok, const std::string & msg);

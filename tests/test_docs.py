@@ -44,3 +44,21 @@ def test_the_readme_keyword_table_names_every_llama_keyword_with_its_default():
               if name not in ("self", "model_path") and not name.startswith("_")}
     assert sorted(documented) == sorted(params)
     assert documented == params
+
+
+def test_the_policy_options_table_names_every_option_with_its_suffix_and_unset_value():
+    """docs/policies.md's options table: one row per row of cpp/policy_config.cpp's policy_options()."""
+    from h2o_local.policies import OPTIONS
+
+    text = (ROOT / "docs" / "policies.md").read_text(encoding="utf-8")
+    table = text.split("| option | label | not given | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for row in table.strip().splitlines()[1:]:
+        name, label, unset = (cell.strip().strip("`") for cell in row.split("|")[1:4])
+        rows[name] = (label, int(unset))
+    assert sorted(rows) == sorted(o["name"] for o in OPTIONS)
+    for o in OPTIONS:
+        label, unset = rows[o["name"]]
+        assert unset == o["unset"], o["name"]
+        suffix = "\\+" + o["suffix"] + ("" if o["flag"] else "[0-9]+")
+        assert re.fullmatch(suffix, label), (o["name"], label)

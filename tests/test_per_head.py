@@ -151,7 +151,7 @@ def test_label_round_trips_and_options_are_checked():
         TOVA(budget=64, probe="question", per_head=True)
     with pytest.raises(ValueError, match="keys"):
         KeyDiff(budget=64, per_head=True)
-    with pytest.raises(ValueError, match="no attention scores"):
+    with pytest.raises(ValueError, match="ranks nothing: it takes no per_head"):
         parse("sink-64+ph")
     with pytest.raises(TypeError, match="per_head"):
         H2O(budget=64, per_head=1)

@@ -102,7 +102,7 @@ def test_sampling_params_are_one_value_for_every_entry_point(tiny_model):
 
 
 def test_the_default_policy_is_the_suites_winner_and_h2o_stays_by_name(tiny_model):
-    from h2o_local.policies import TOVA, default_recent, default_sinks
+    from h2o_local.policies import TOVA
 
     llm = Llama(tiny_model, budget=64)
     assert llm.policy == TOVA(budget=64, sinks=4, probe="question", pool=9, follow=12, recent=32)
@@ -114,11 +114,38 @@ def test_the_default_policy_is_the_suites_winner_and_h2o_stays_by_name(tiny_mode
     assert policies.resolve(None, 64, probe="catalyst").probe == "catalyst"
     assert policies.resolve(None, 64, sinks=0) == TOVA(budget=64, probe="question", pool=9, follow=12, recent=32)
     for budget in (1, 2, 3, 8, 40):
-        assert default_recent(budget) == max(1, min(32, budget // 2))
-        assert default_sinks(budget) == min(4, budget // 8)
-        assert policies.resolve(None, budget).split == (default_sinks(budget),
-                                                        budget - default_sinks(budget) - default_recent(budget),
-                                                        default_recent(budget))
+        sinks, recent = min(4, budget // 8), max(1, min(32, budget // 2))  # the default's split (C++'s to choose)
+        assert policies.resolve(None, budget).split == (sinks, budget - sinks - recent, recent)
         small = Llama(tiny_model, budget=budget, n_batch=16)
         small.generate("a prompt longer than every one of these budgets", max_tokens=6, temperature=0)
         assert small.kv_state().n_cells <= budget
+
+
+def test_every_option_row_gives_a_field_a_label_suffix_a_cli_flag_and_a_checked_range():
+    """An option is one C++ field and one row (cpp/policy_config.cpp): its faces come from the row."""
+    import argparse
+    import dataclasses
+
+    from h2o_local.cli.common import add_model_args
+    from h2o_local.policies import OPTIONS, Scored
+
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    fields = {f.name for f in dataclasses.fields(Scored)}
+    for o in OPTIONS:
+        name = o["name"]
+        value = True if o["flag"] else min(max(o["minimum"], 2), o["maximum"])
+        assert name in fields, name
+        flag = ["--" + name.replace("_", "-")] + ([] if o["flag"] else [str(value)])
+        assert getattr(ap.parse_args(flag), name) == value
+        policy = TOVA(budget=64, probe=None if name == "per_head" else "question", **{name: value})
+        assert getattr(policy, name) == value
+        suffix = o["suffix"] + ("" if o["flag"] else str(value))
+        assert "+" + suffix in policy.label and policies.parse(policy.label) == policy
+        assert policies.suffix_fields(suffix) == {name: value}
+        assert getattr(policies.resolve("tova", 64), name) is None  # left out: shown as None, runs as `unset`
+        if not o["flag"] and o["minimum"] > 0:
+            with pytest.raises(ValueError, match=f"{name} must be >= {o['minimum']}"):
+                TOVA(budget=64, probe="question", **{name: o["minimum"] - 1})
+        with pytest.raises(ValueError, match=f"ranks nothing: it takes no {name}"):
+            policies.resolve("sink", 64, **{name: value})

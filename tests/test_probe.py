@@ -299,7 +299,7 @@ def test_labels_and_refusals():
     class Mean(PythonRanked):
         name = "mean"
 
-    with pytest.raises(ValueError, match="no probe, pool, follow, block or per_head"):
+    with pytest.raises(ValueError, match="takes no probe, pool, follow"):
         Mean(budget=64, probe="catalyst")
 
 

@@ -14,7 +14,6 @@ in KV entries (tokens) per sequence. How to add a policy: docs/policies.md.
 """
 from __future__ import annotations
 
-import re
 
 import dataclasses
 import functools
@@ -26,13 +25,17 @@ import numpy as np
 from . import _engine
 
 REGISTRY: Dict[str, Type["Policy"]] = {}
-# the fields a policy value passes to its C++ factory (PolicyConfig), in order
-ENGINE_FIELDS = ("budget", "heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow",
-                 "probe_share", "per_head", "block")
-# the optional fields beside the split; a name with none of them and no budget is the full cache
-OPTION_FIELDS = ("query_window", "probe", "question", "pool", "follow", "probe_share", "per_head", "block")
+# the options of a scoring policy, declared once in C++ (cpp/policy_config.cpp: a PolicyConfig field and a row each):
+# dicts of name, suffix (the label's), unset (what leaving it out means), minimum, maximum, unit, flag, help
+OPTIONS: Tuple[Dict[str, Any], ...] = tuple(_engine.POLICY_OPTIONS)
+OPTION_NAMES: Tuple[str, ...] = tuple(o["name"] for o in OPTIONS)
+# the fields a policy value may give its C++ policy (PolicyConfig)
+CONFIG_FIELDS = ("budget", "heavy", "recent", "sinks", "query_window", "probe", "question") + OPTION_NAMES
+# what ranks a prompt besides the split; a name with none of them (nor the options) and no budget is the full cache
+PROBE_FIELDS = ("query_window", "probe", "question")
 # what a probe decodes after a piece of a prompt to rank it before eviction (cpp/policy.h ProbeSource)
 PROBES = ("question", "repeat", "catalyst")
+_FLAGS = frozenset(o["name"] for o in OPTIONS if o["flag"])
 
 
 INT32_MAX = 2**31 - 1  # the C++ side takes 32-bit ints
@@ -52,15 +55,38 @@ def check_int(name: str, value: Any, minimum: Optional[int] = None, maximum: Opt
         raise ValueError(f"{name} must be >= {-INT32_MAX - 1}, got {value}")
 
 
-def _engine_int(value: Optional[int]) -> int:
-    return -1 if value is None else int(value)
+def _config(name: str, fields: Dict[str, Any]) -> "_engine.PolicyConfig":
+    """The C++ PolicyConfig of `name` with `fields` (None: not given; a flag as 1 or 0)."""
+    cfg = _engine.PolicyConfig()
+    cfg.name = name
+    for key, value in fields.items():
+        if value is not None:
+            setattr(cfg, key, value if key == "probe" else int(value))
+    return cfg
 
 
-def _engine_args(values: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    """ENGINE_FIELDS' values as the C++ factory takes them: -1 for an int left out, "" for no probe, False for no
-    per-head choice."""
-    return tuple(("" if v is None else v) if k == "probe" else bool(v) if k == "per_head" else _engine_int(v)
-                 for k, v in zip(ENGINE_FIELDS, values))
+def _config_fields(cfg: "_engine.PolicyConfig") -> Dict[str, Any]:
+    """The fields `cfg` gives (a flag as True or False), by name."""
+    out: Dict[str, Any] = {}
+    for key in CONFIG_FIELDS:
+        value = getattr(cfg, key)
+        if key == "probe":
+            if value:
+                out[key] = value
+        elif value >= 0:
+            out[key] = bool(value) if key in _FLAGS else value
+    return out
+
+
+def check_field(name: str, value: Any) -> None:
+    """A policy field's type (and an int's sign); C++ checks what the numbers may be."""
+    if name == "probe":
+        check_probe(value)
+    elif name in _FLAGS:
+        if value is not None and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True, False or None, got {value!r}")
+    else:
+        check_int(name, value, minimum=1 if name == "budget" else 0)
 
 
 def check_per_head(per_head: Any) -> None:
@@ -86,30 +112,21 @@ class Policy:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if f.name == "probe":
-                check_probe(self.probe)  # type: ignore[attr-defined]
-            elif f.name == "per_head":
-                check_per_head(self.per_head)  # type: ignore[attr-defined]
-            else:
-                check_int(f.name, getattr(self, f.name), minimum=0)
-        self._adopt(_engine.Policy(self.name, *_engine_args(self._request())))
+            check_field(f.name, getattr(self, f.name))
+        self._adopt(_engine.Policy(_config(self.name, self._given())))
 
     def _adopt(self, cpp: "_engine.Policy") -> None:
-        """Hold the resolved C++ policy and show its resolution (the split, the query window) in the fields."""
-        for key in ("sinks", "heavy", "recent"):
-            if key in self._field_names():
-                object.__setattr__(self, key, getattr(cpp, key))
-        if "query_window" in self._field_names():
-            object.__setattr__(self, "query_window", cpp.query_window)
-        if "probe" in self._field_names():
-            object.__setattr__(self, "probe", cpp.probe or None)
-            object.__setattr__(self, "question", cpp.question or None)
-            object.__setattr__(self, "pool", cpp.pool if cpp.pool > 1 else None)
-            object.__setattr__(self, "follow", cpp.follow or None)
-            object.__setattr__(self, "block", cpp.block if cpp.block > 1 else None)
-            object.__setattr__(self, "probe_share", cpp.probe_share if cpp.probe_share < 100 else None)
-        if "per_head" in self._field_names():
-            object.__setattr__(self, "per_head", True if cpp.per_head else None)
+        """Hold the resolved C++ policy and show its resolution (the split, the query window, the probe, the
+        options: None where an option is left at its unset value) in the fields."""
+        fields = self._field_names()
+        resolved = {"sinks": cpp.sinks, "heavy": cpp.heavy, "recent": cpp.recent, "query_window": cpp.query_window,
+                    "probe": cpp.probe or None, "question": cpp.question or None}
+        for o in OPTIONS:
+            value = cpp.option(o["name"])
+            resolved[o["name"]] = None if value == o["unset"] else True if o["flag"] else value
+        for key, value in resolved.items():
+            if key in fields:
+                object.__setattr__(self, key, value)
         object.__setattr__(self, "_cpp", cpp)
 
     @classmethod
@@ -125,9 +142,9 @@ class Policy:
     def _field_names(cls) -> Tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def _request(self) -> Tuple[Optional[int], ...]:
-        """ENGINE_FIELDS as given; None where the policy has no such field or it was left out."""
-        return tuple(getattr(self, k, None) for k in ENGINE_FIELDS)
+    def _given(self) -> Dict[str, Any]:
+        """The PolicyConfig fields this value gives (not None)."""
+        return {k: getattr(self, k) for k in CONFIG_FIELDS if getattr(self, k, None) is not None}
 
     @property
     def cpp(self) -> "_engine.Policy":
@@ -158,38 +175,11 @@ class Policy:
 
     @functools.cached_property
     def label(self) -> str:
-        """A short name for reports: "full", "local-256", "h2o-128", "h2o-128+s4", "tova-256+s4+r192" (a recent
-        window other than the policy's default split), "tova-256+q32" / "+repeat" / "+catalyst" (a probe), "+p7" (a
-        pool), "+f12" (a follow), "+b16" (blocks), "+m50" (the probe's share of the heavy entries), "+ph" (per-head choice); `parse`
-        reads it back."""
-        if not self.bounded:
-            return self.name
-        sinks = getattr(self, "sinks", 0)
-        extra = f"+s{sinks}" if isinstance(self, Scored) and sinks else ""
-        window = self.query_window if "query_window" in self._field_names() else None
-        if window is not None and window != _engine.Policy(self.name, self.budget).query_window:  # C++'s default
-            extra += f"+w{window}"
-        probe = getattr(self, "probe", None)
-        if probe == "question":
-            extra += f"+q{self.question}"  # type: ignore[attr-defined]
-        elif probe:
-            extra += f"+{probe}"
-        if getattr(self, "pool", None):
-            extra += f"+p{self.pool}"  # type: ignore[attr-defined]
-        if getattr(self, "follow", None):
-            extra += f"+f{self.follow}"  # type: ignore[attr-defined]
-        if getattr(self, "block", None):
-            extra += f"+b{self.block}"  # type: ignore[attr-defined]
-        if getattr(self, "probe_share", None) is not None:
-            extra += f"+m{self.probe_share}"  # type: ignore[attr-defined]
-        recent = getattr(self, "recent", None)
-        if isinstance(self, Scored) and recent is not None:
-            default = resolve(self.name, self.budget, sinks=sinks or None, query_window=window)  # probes split nothing
-            if default.recent != recent:  # type: ignore[attr-defined]
-                extra += f"+r{recent}"
-        if getattr(self, "per_head", None):
-            extra += "+ph"
-        return f"{self.name}-{self.budget}{extra}"  # type: ignore[attr-defined]
+        """A short name for reports, written by C++ (`policy_label`): "full", "local-256", "h2o-128", "h2o-128+s4",
+        "tova-256+s4+r192" (a recent window other than the policy's default split), "tova-256+q32" / "+repeat" /
+        "+catalyst" (a probe), then each option that is not at its unset value ("+p9", "+f12", "+b16", "+m50", "+ph";
+        OPTIONS); `parse` reads it back."""
+        return str(self.cpp.label)
 
 
 @dataclass(frozen=True)
@@ -236,23 +226,12 @@ class Scored(Policy):
     # about twice the prefill); "catalyst": a short generic instruction (query-agnostic, cheap). None: no probe.
     probe: Optional[str] = None
     question: Optional[int] = None
-    # rank each entry by the best of the `pool` entries centred on it, so a fact's neighbours go with it
-    pool: Optional[int] = None
-    # and by the best of the `follow` entries before it: what follows an entry a probe found (a value after its
-    # key) is kept with it
-    follow: Optional[int] = None
-    # and by the best entry of its block of `block` positions: what is kept (and recalled) comes in whole blocks,
-    # as the pages of paged caches do
-    block: Optional[int] = None
-    # with a probe: the percent of the heavy entries the probe's ranking chooses (default 100); the rest are chosen
-    # by the scorer's own rank (tova: what the newest query looks at), so that a chat's continuation keeps what it
-    # reads besides what the question found
-    probe_share: Optional[int] = None
-    # H2O's published rule: every layer and KV head keeps its own `budget` entries by its own scores (the paper's
-    # per-head heavy hitters), inside the same `budget` cells per sequence ("composite cells": a cell holds a
-    # different token in each layer and head). Sinks, recent window and keep= stay shared by all heads. Attention
-    # scorers only (not keydiff), no probe, no position_rolling. Label suffix `+ph`.
-    per_head: Optional[bool] = None
+    # the options (OPTIONS: pool, follow, block, probe_share, per_head, ...), fields declared from their C++ rows,
+    # None by default; their meaning: `h2o_local.policies.OPTIONS` or docs/policies.md
+    for _option in OPTIONS:
+        __annotations__[_option["name"]] = "Optional[bool]" if _option["flag"] else "Optional[int]"
+        locals()[_option["name"]] = None
+    del _option
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -355,15 +334,11 @@ class PythonRanked(Scored):
             if self.heavy is None or self.recent is None:
                 raise ValueError(f"policy {self.name!r} needs a budget (KV entries kept per sequence), or heavy and recent")
             object.__setattr__(self, "budget", (self.sinks or 0) + self.heavy + self.recent)
-        if any(getattr(self, k) is not None for k in ("probe", "question", "pool", "follow", "probe_share", "per_head",
-                                                       "block")):
-            raise ValueError("a PythonRanked policy takes no probe, pool, follow, block or per_head (yet)")
+        if any(getattr(self, k) is not None for k in ("probe", "question") + OPTION_NAMES):
+            raise ValueError(f"a PythonRanked policy takes no probe, {', '.join(OPTION_NAMES)} (yet)")
         # resolved once, in C++ (the split), as a RankedPolicy whose rank() is this value's
-        self._adopt(_PythonRank(self, self.name, *map(_engine_int, (self.budget, self.heavy, self.recent, self.sinks))))
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}-{self.budget}" + (f"+s{self.sinks}" if self.sinks else "")
+        split = (-1 if v is None else int(v) for v in (self.budget, self.heavy, self.recent, self.sinks))
+        self._adopt(_PythonRank(self, self.name, *split))
 
 
 class _PythonRank(_engine.RankedPolicy):
@@ -377,131 +352,79 @@ class _PythonRank(_engine.RankedPolicy):
         return self._rank(total, head, queries)
 
 
-# The default policy of `Llama(path, budget=B)`, `h2o-local chat` and `serve`: the best mean score relative to the
-# full cache over the whole quality suite (docs/quality-log.md, "The default"): heavy hitters ranked by TOVA's score and
-# by the prompt's own question (the question probe, pooled over 9 entries and the 12 before each), a recent window
-# of min(32, B // 2) and min(4, B // 8) attention sinks. Plain H2O stays available by name ("h2o").
-DEFAULT_POLICY = "tova"
-DEFAULT_FIELDS: Dict[str, Any] = {"probe": "question", "pool": 9, "follow": 12}
-DEFAULT_RECENT = 32
-DEFAULT_SINKS = 4
-
-
-def default_recent(budget: int) -> int:
-    """The default policy's recent window for a budget of `budget` entries."""
-    return max(1, min(DEFAULT_RECENT, budget // 2))
-
-
-def default_sinks(budget: int) -> int:
-    """The default policy's attention sinks (the first entries, always kept) for a budget of `budget` entries: the
-    question probe ranks by lift over the attention an entry usually gets, so the sinks, which get the most, would
-    rank last."""
-    return min(DEFAULT_SINKS, budget // 8)
+# The default policy of `Llama(path, budget=B)`, `h2o-local chat` and `serve` is chosen in C++
+# (cpp/policy_config.h, default_policy_config): TOVA ranked by the newest query and by the prompt's own question (the
+# question probe, pooled over 9 entries and the 12 before each), min(32, B // 2) recent entries and min(4, B // 8)
+# attention sinks, the best mean score relative to the full cache over the whole quality suite (docs/quality-log.md,
+# "The default"). Plain H2O stays available by name ("h2o").
 
 
 def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = None, *, heavy: Optional[int] = None,
             recent: Optional[int] = None, sinks: Optional[int] = None, query_window: Optional[int] = None,
-            probe: Optional[str] = None, question: Optional[int] = None, pool: Optional[int] = None,
-            follow: Optional[int] = None, probe_share: Optional[int] = None, per_head: Optional[bool] = None,
-            block: Optional[int] = None) -> Policy:
+            probe: Optional[str] = None, question: Optional[int] = None, **options: Any) -> Policy:
     """The policy value meant by `Llama`'s arguments: a value as it is, or a registered name with a budget split
     (and, for snapkv, a `query_window` in tokens; for a scorer, a `probe` (one of PROBES; `question` tokens for
-    the question probe), a `pool` width and a `follow` reach in entries, and the `probe_share` of the heavy entries
-    the probe chooses, in percent).
+    the question probe) and the OPTIONS by name: `pool` and `follow` in entries, `block` in positions,
+    `probe_share` in percent, `per_head`).
 
     A label (`"tova-256+s4"`, as `Policy.label` writes it) is parsed as `parse` does.
 
-    `policy=None` is the default policy (DEFAULT_POLICY with DEFAULT_FIELDS; fields given override them; with
+    `policy=None` is the default policy (cpp/policy_config.h: fields given override its choices; with
     `per_head=True` and no probe asked for, without the default's probe, which per-head choice does not take). None or
     "h2o" with no budget, heavy or recent means the full cache (`Llama(path)` keeps everything).
     """
-    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "query_window": query_window, "probe": probe,
-             "question": question, "pool": pool, "follow": follow, "probe_share": probe_share, "per_head": per_head,
-             "block": block}
-    if policy is None:
-        if budget is None and heavy is None and recent is None and not sinks and \
-                all(given[k] is None for k in OPTION_FIELDS):
-            return Full()
-        fields = {k: v for k, v in given.items() if k != "budget"}
-        for key, value in DEFAULT_FIELDS.items():
-            fields[key] = value if fields[key] is None else fields[key]
-        if per_head and probe is None and question is None and probe_share is None:
-            fields["probe"] = None  # per-head choice takes no probe yet: the default's probe gives way to it
-        if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-            if sinks is None and heavy is None and recent is None:
-                fields["sinks"] = sinks = default_sinks(budget)
-            if recent is None and heavy is None:
-                fields["recent"] = min(default_recent(budget), budget - (sinks or 0)) if (sinks or 0) < budget else None
-        return resolve(DEFAULT_POLICY, budget, **fields)
+    for key in options:
+        if key not in OPTION_NAMES:
+            raise TypeError(f"unknown policy option {key!r} (expected one of: {', '.join(OPTION_NAMES)})")
+    given = {"budget": budget, "heavy": heavy, "recent": recent, "sinks": sinks, "query_window": query_window,
+             "probe": probe, "question": question, **options}
+    asks_nothing = budget is None and heavy is None and recent is None and not sinks and \
+        all(given[k] is None for k in PROBE_FIELDS + tuple(options))
     if isinstance(policy, Policy):
         if any(v is not None for v in given.values()):
             raise ValueError("give budget, heavy, recent and sinks inside the policy value, not beside it")
         return policy
-    if not isinstance(policy, str):
+    if policy is not None and not isinstance(policy, str):
         raise TypeError(f"policy must be a name or a policy value (h2o_local.policies), got {policy!r}")
-    if policy not in REGISTRY and "-" in policy:  # a label, as the CLI and the server print them: "tova-256+s4"
+    if isinstance(policy, str) and policy not in REGISTRY and "-" in policy:  # a label: "tova-256+s4"
         if any(v is not None for v in given.values()):
             raise ValueError(f"the label {policy!r} carries its budget and fields: give none beside it")
         return parse(policy)
-    if policy not in REGISTRY:
+    if policy is not None and policy not in REGISTRY:
         raise ValueError(f"unknown policy {policy!r} (expected one of: {', '.join(sorted(REGISTRY))})")
-    for key, value in given.items():
-        if key == "probe":
-            check_probe(value)
-        elif key == "per_head":
-            check_per_head(value)
-        else:
-            check_int(key, value, minimum=1 if key == "budget" else 0)
-    if policy == "h2o" and budget is None and heavy is None and recent is None and not sinks and \
-            all(given[k] is None for k in OPTION_FIELDS):
+    if policy in (None, "h2o") and asks_nothing:
         return Full()
+    for key, value in given.items():
+        check_field(key, value)
+    cfg = _config(policy or "", given)
+    if policy is None:
+        cfg = _engine.default_policy_config(cfg)
     # the C++ policy validates every combination (with its own messages) and resolves it, once
-    cpp = _engine.Policy(policy, *_engine_args(tuple(given.values())))
-    cls = REGISTRY[policy]
-    return cls._of(cpp, {k: v for k, v in given.items() if k in cls._field_names() and v is not None})
-
-
-_DIGITS = re.compile(r"[0-9]{1,9}")  # ASCII digits only ("²".isdigit() is True), and below 2^31
-
-
-_SUFFIX_FIELDS = {"s": "sinks", "w": "query_window", "r": "recent", "q": "question", "p": "pool", "f": "follow",
-                  "m": "probe_share", "b": "block"}
+    cls = REGISTRY[cfg.name]
+    given = _config_fields(cfg)
+    return cls._of(_engine.Policy(cfg), {k: v for k, v in given.items() if k in cls._field_names()})
 
 
 def suffix_fields(suffix: str) -> Optional[Dict[str, Any]]:
     """The policy fields one label suffix stands for ("s4" -> sinks=4, "q32" -> the question probe of 32 tokens,
-    "repeat" -> the repeat probe, "p7" -> pool=7, "f12" -> follow=12, "b16" -> block=16, "m50" -> probe_share=50); None when it is not a
-    policy suffix."""
-    if suffix in PROBES:
-        return {"probe": suffix}
-    if suffix == "ph":
-        return {"per_head": True}
-    key = _SUFFIX_FIELDS.get(suffix[:1])
-    if key is None or not _DIGITS.fullmatch(suffix[1:]):
+    "repeat" -> the repeat probe, and each option's: "p7" -> pool=7, "ph" -> per_head=True); None when it is not a
+    policy suffix. C++ reads it (apply_label_suffix)."""
+    cfg = _engine.PolicyConfig()
+    if not isinstance(suffix, str) or not _engine.apply_label_suffix(cfg, suffix):
         return None
-    return {key: int(suffix[1:]), **({"probe": "question"} if key == "question" else {})}
+    return {k: v for k, v in _config_fields(cfg).items() if k != "budget"}
 
 
 def parse(text: str) -> Policy:
     """A policy from its short label: "full", "local-256", "sink-64", "h2o-128", "h2o-128+s4" (4 sinks),
     "snapkv-256+w64" (a query window of 64), "tova-256+s4+r192" (192 recent entries), "tova-256+q32" (the question
-    probe, 32 tokens), "tova-256+repeat" / "+catalyst" (the query-agnostic probes), "tova-256+p7" (a pool of 7), "tova-256+p9+f12" (and a follow of 12), "tova-256+q32+m50" (half the heavy entries by the probe), "h2o-128+ph" (per-head choice)."""
+    probe, 32 tokens), "tova-256+repeat" / "+catalyst" (the query-agnostic probes), and the options' suffixes:
+    "tova-256+p7" (a pool of 7), "+f12" (a follow of 12), "+b16" (blocks), "tova-256+q32+m50" (half the heavy entries
+    by the probe), "h2o-128+ph" (per-head choice). C++ reads it (parse_policy_label)."""
     if not isinstance(text, str) or not text:
         raise ValueError(f"not a policy label: {text!r}")
-    if text == "full":
+    cfg = _engine.parse_policy_label(text)
+    if cfg.name == "full":
         return Full()
-    name, _, rest = text.partition("-")
-    budget_text, *suffixes = rest.split("+")
-    extra: Dict[str, Any] = {}
-    for suffix in suffixes:
-        fields = suffix_fields(suffix)
-        if fields is None or any(k in extra for k in fields):
-            budget_text = ""  # not a label
-            break
-        extra.update(fields)
-    if not _DIGITS.fullmatch(budget_text):
-        raise ValueError(f"not a policy label: {text!r} (expected NAME-BUDGET with optional +sN (sinks), +wN "
-                         "(query window), +rN (recent entries), +qN (the question probe), +repeat or +catalyst (the "
-                         "query-agnostic probes), +pN (pool), +fN (follow), +mN (the probe's share) and +ph (per head), for example h2o-128, h2o-128+s4, snapkv-256+w64, "
-                         "tova-256+s4+r192, tova-256+repeat+p5)")
-    return resolve(name, int(budget_text), **extra)
+    fields = _config_fields(cfg)
+    return resolve(cfg.name, fields.pop("budget"), **fields)

@@ -8,7 +8,7 @@ from typing import Any, Dict
 from ..llama import ENGINE_DEFAULTS, Llama
 from ..cpu import physical_cores
 from ..models import default_model_path
-from ..policies import PROBES, REGISTRY, parse, resolve
+from ..policies import OPTION_NAMES, OPTIONS, PROBE_FIELDS, PROBES, REGISTRY, parse, resolve
 from ..sampling import SamplingParams
 
 
@@ -33,16 +33,14 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    "tokens decoded after it and then removed: its own last tokens (question), the context repeated "
                    "(repeat, about twice the prefill) or a short generic instruction (catalyst) (default: none)")
     g.add_argument("--question", type=int, help="tokens of the question probe (default: 32)")
-    g.add_argument("--pool", type=int, help="scorers: rank each entry by the best of the N entries centred on it")
-    g.add_argument("--probe-share", type=int, help="with a probe: the percent of the heavy entries its ranking "
-                   "chooses, the rest by the scorer's own (default: 100)")
-    g.add_argument("--follow", type=int, help="scorers: and by the best of the N entries before it (a value after "
-                   "the key a probe found)")
-    g.add_argument("--block", type=int, help="scorers: and by the best entry of its block of N positions, so that "
-                   "what is kept and recalled comes in whole blocks")
-    g.add_argument("--per-head", action="store_true", default=None, help="attention scorers: every layer and KV head "
-                   "keeps its own heavy hitters (H2O's published rule) inside the same budget of cells; no probe, no "
-                   "--position-rolling")
+    for option in OPTIONS:  # declared once, in C++ (cpp/policy_config.cpp)
+        default = "" if option["flag"] or option["unset"] in (0, 1) else f", default {option['unset']}"
+        if option["flag"]:
+            g.add_argument("--" + option["name"].replace("_", "-"), action="store_true", default=None,
+                           help="scorers: " + option["help"])
+        else:
+            g.add_argument("--" + option["name"].replace("_", "-"), type=int, metavar="N",
+                           help=f"scorers: {option['help']} (N in {option['unit']}{default})")
     g.add_argument("--keep", default=keep_default, type=_keep_value,
                    help="protected prefix inside the budget: N tokens, 'system' (the system prompt) or 'none'"
                         + (f" (default: {keep_default})" if keep_default else ""))
@@ -110,8 +108,7 @@ def _policy_value(text: str) -> str:
     return text
 
 
-_POLICY_OPTIONS = ("heavy", "recent", "sinks", "query_window", "probe", "question", "pool", "follow", "probe_share",
-                   "per_head", "block")
+_POLICY_OPTIONS = ("heavy", "recent", "sinks") + PROBE_FIELDS + OPTION_NAMES
 
 
 def _recall_value(text: str) -> Any:
@@ -156,12 +153,8 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
             policy = resolve(label)
             budget = policy.budget if policy.bounded else None
         else:
-            policy = "full" if budget is None else resolve(args.policy, budget, heavy=args.heavy, recent=args.recent,
-                                                           sinks=args.sinks, query_window=args.query_window,
-                                                           probe=args.probe, question=args.question, pool=args.pool,
-                                                           follow=args.follow, probe_share=args.probe_share,
-                                                           block=args.block,
-                                                           per_head=args.per_head)
+            policy = "full" if budget is None else resolve(args.policy, budget,
+                                                           **{k: getattr(args, k) for k in _POLICY_OPTIONS})
         llm = Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                     position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                     n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
