@@ -37,9 +37,8 @@ llama_token end_of_generation(const llama_vocab * vocab) {
     return eos != LLAMA_TOKEN_NULL ? eos : llama_vocab_eot(vocab);
 }
 
-} // namespace
-
-Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_vocab * vocab) : n_vocab_(n_vocab) {
+// params' numbers checked (ValueError in Python); the logit biases with the banned tokens' -inf added
+std::vector<llama_logit_bias> checked_bias(const SamplerParams & params, int32_t n_vocab) {
     std::vector<llama_logit_bias> bias = params.logit_bias;
     for (const llama_logit_bias & b : bias) {
         check_token(b.token, n_vocab, "logit_bias");
@@ -61,6 +60,13 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_voca
                                 std::isfinite(params.frequency_penalty) && std::isfinite(params.presence_penalty))) {
         throw std::invalid_argument("repeat_penalty must be > 0 and the penalties finite");
     }
+    return bias;
+}
+
+} // namespace
+
+Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_vocab * vocab) : n_vocab_(n_vocab) {
+    const std::vector<llama_logit_bias> bias = checked_bias(params, n_vocab);
     llama_sampler * grammar = nullptr;
     if (!params.grammar.empty()) {
         if (vocab == nullptr) {

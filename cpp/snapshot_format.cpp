@@ -122,6 +122,53 @@ bool consistent(const SeqScores & s, size_t n) {
            s.head.size() == n*s.n_head && (s.seen.empty() || s.seen.size() == n*s.n_head);
 }
 
+// reads the magic (and checks the checksum of a format that has one, leaving it out of r); returns whether it has one
+bool read_magic(ByteReader & r, const uint8_t * data, size_t size) {
+    char magic[sizeof(kSnapshotMagic)] = {};
+    const bool checksummed = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic)) == 0;
+    const bool unchecked = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic) - 1) == 0 &&
+                           data[sizeof(magic) - 1] == kFormatWithoutChecksum;
+    if (checksummed) {
+        uint32_t stored = 0;
+        if (size < sizeof(magic) + sizeof(stored)) {
+            throw std::invalid_argument("not a session snapshot: the data ends early");
+        }
+        r.left -= sizeof(stored);
+        memcpy(&stored, data + r.left, sizeof(stored));
+        if (crc32(data, r.left) != stored) {
+            throw std::invalid_argument("the session snapshot is damaged: its checksum does not match its data");
+        }
+    }
+    if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), !checksummed && !unchecked)) {
+        const char version = magic[sizeof(magic) - 1];
+        if (size >= sizeof(magic) && memcmp(magic, kSnapshotMagic, sizeof(magic) - 1) == 0 && version >= '0' &&
+            version <= '9') {
+            throw std::invalid_argument(std::string("a session snapshot of format ") + version +
+                                        ", this build reads formats " + kFormatWithoutChecksum + " and " +
+                                        kSnapshotMagic[sizeof(magic) - 1] + " (it was saved by another version of h2o_local)");
+        }
+        throw std::invalid_argument("not a session snapshot (wrong magic)");
+    }
+    return checksummed;
+}
+
+// each per-head part holds every cell once, its positions ascending, its scores aligned
+void check_parts(const SeqState & st) {
+    const size_t n = st.positions.size();
+    for (size_t k = 0; k < st.parts.pos.size(); ++k) {
+        std::vector<int32_t> cells = st.parts.cell[k];
+        std::sort(cells.begin(), cells.end());
+        bool each_cell_once = cells.size() == n;
+        for (size_t i = 0; each_cell_once && i < n; ++i) {
+            each_cell_once = cells[i] == (int32_t) i;
+        }
+        if (st.parts.pos[k].size() != n || !each_cell_once || !consistent(st.parts.scores[k], n) ||
+            !std::is_sorted(st.parts.pos[k].begin(), st.parts.pos[k].end())) {
+            throw std::invalid_argument("not a session snapshot: its per-head parts do not agree");
+        }
+    }
+}
+
 } // namespace
 
 std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
@@ -155,31 +202,7 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
 
 SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     ByteReader r {data, size};
-    char magic[sizeof(kSnapshotMagic)] = {};
-    const bool checksummed = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic)) == 0;
-    const bool unchecked = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic) - 1) == 0 &&
-                           data[sizeof(magic) - 1] == kFormatWithoutChecksum;
-    if (checksummed) {
-        uint32_t stored = 0;
-        if (size < sizeof(magic) + sizeof(stored)) {
-            throw std::invalid_argument("not a session snapshot: the data ends early");
-        }
-        r.left -= sizeof(stored);
-        memcpy(&stored, data + r.left, sizeof(stored));
-        if (crc32(data, r.left) != stored) {
-            throw std::invalid_argument("the session snapshot is damaged: its checksum does not match its data");
-        }
-    }
-    if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), !checksummed && !unchecked)) {
-        const char version = magic[sizeof(magic) - 1];
-        if (size >= sizeof(magic) && memcmp(magic, kSnapshotMagic, sizeof(magic) - 1) == 0 && version >= '0' &&
-            version <= '9') {
-            throw std::invalid_argument(std::string("a session snapshot of format ") + version +
-                                        ", this build reads formats " + kFormatWithoutChecksum + " and " +
-                                        kSnapshotMagic[sizeof(magic) - 1] + " (it was saved by another version of h2o_local)");
-        }
-        throw std::invalid_argument("not a session snapshot (wrong magic)");
-    }
+    const bool checksummed = read_magic(r, data, size);
     SeqSnapshot snap;
     const std::vector<char> origin = r.array<char>();
     snap.origin.assign(origin.begin(), origin.end());
@@ -216,18 +239,7 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
         }
     }
     const size_t n = st.positions.size();
-    for (size_t k = 0; k < st.parts.pos.size(); ++k) {
-        std::vector<int32_t> cells = st.parts.cell[k];
-        std::sort(cells.begin(), cells.end());
-        bool each_cell_once = cells.size() == n;
-        for (size_t i = 0; each_cell_once && i < n; ++i) {
-            each_cell_once = cells[i] == (int32_t) i;
-        }
-        if (st.parts.pos[k].size() != n || !each_cell_once || !consistent(st.parts.scores[k], n) ||
-            !std::is_sorted(st.parts.pos[k].begin(), st.parts.pos[k].end())) {
-            throw std::invalid_argument("not a session snapshot: its per-head parts do not agree");
-        }
-    }
+    check_parts(st);
     const bool ascending = std::adjacent_find(st.positions.begin(), st.positions.end(),
                                               [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();
     if (r.left != 0 || !consistent(st.scores, n) || st.tokens.size() != n || !ascending || (n > 0 && (st.positions.front() < 0 ||
