@@ -2,6 +2,8 @@
 
 #include "ggml.h"
 
+#include <algorithm>
+#include <numeric>
 #include <stdexcept>
 
 namespace h2o {
@@ -52,6 +54,65 @@ void HostStore::set_encoding(bool q8, size_t raw_bytes) {
     }
     q8_0 = q8;
     entry_bytes = q8 ? q8_0_entry_bytes(raw_bytes) : raw_bytes;
+}
+
+void HostStore::spill(const std::vector<llama_pos> & pos, const std::vector<llama_token> & toks,
+                      const SeqScores & entry_scores, const std::vector<uint8_t> & raw, size_t raw_bytes, size_t cap) {
+    append_rows(raw, raw_bytes);
+    positions.insert(positions.end(), pos.begin(), pos.end());
+    tokens.insert(tokens.end(), toks.begin(), toks.end());
+    scores.extend(entry_scores);
+    n_spilled += (int64_t) pos.size();
+    if (size() > cap) { // the oldest text goes first
+        std::vector<size_t> order(size());
+        std::iota(order.begin(), order.end(), 0);
+        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return positions[a] > positions[b]; });
+        order.resize(cap);
+        std::sort(order.begin(), order.end());
+        n_dropped += (int64_t) (size() - order.size());
+        keep_only(order);
+    }
+}
+
+HostStore::Entries HostStore::entries(const std::vector<size_t> & indices, size_t raw_bytes) const {
+    return {gather_rows(positions, 1, indices), gather_rows(tokens, 1, indices), scores.gather(indices),
+            raw_rows(indices, raw_bytes)};
+}
+
+void HostStore::remove(const std::vector<size_t> & indices) {
+    std::vector<bool> gone(size(), false);
+    for (const size_t i : indices) {
+        gone[i] = true;
+    }
+    std::vector<size_t> rest;
+    for (size_t i = 0; i < size(); ++i) {
+        if (!gone[i]) {
+            rest.push_back(i);
+        }
+    }
+    keep_only(rest);
+}
+
+HostStore HostStore::adopted(const HostStore & saved, size_t raw_bytes, int32_t n_head) {
+    // a saved store says how it kept its entries by their size: the cache's own rows, or their q8_0 blocks
+    HostStore h = saved.without_kv();
+    // with room to grow: the next spills append without first copying the whole store (one entry per decode step)
+    h.kv.reserve(saved.kv.size() + saved.kv.size()/2);
+    h.kv.assign(saved.kv.begin(), saved.kv.end());
+    if (h.size() > 0) {
+        if (h.entry_bytes != raw_bytes && h.entry_bytes != q8_0_entry_bytes(raw_bytes)) {
+            throw std::invalid_argument("the snapshot's host entries have another size than this cache's");
+        }
+        h.q8_0 = h.entry_bytes != raw_bytes;
+    }
+    h.scores.n_head = n_head;
+    return h;
+}
+
+bool HostStore::consistent() const {
+    const size_t n = size();
+    return tokens.size() == n && scores.covers(n) && (n == 0 || (entry_bytes > 0 && kv.size() == n*entry_bytes)) &&
+           n_spilled >= 0 && n_recalled >= 0 && n_dropped >= 0;
 }
 
 size_t q8_0_entry_bytes(size_t raw_bytes) {

@@ -37,6 +37,26 @@ struct HostStore {
     std::vector<uint8_t> raw_rows(const std::vector<size_t> & indices, size_t raw_bytes) const;
     // keep the entries as q8_0 blocks or as the cache's rows from now on, converting those held
     void set_encoding(bool q8, size_t raw_bytes);
+
+    // evicted entries in: their positions, tokens, scores and rows (raw_bytes each, as the cache has them); counted
+    // as spilled. Then, above `cap` entries, the oldest text goes first (counted as dropped).
+    void spill(const std::vector<llama_pos> & pos, const std::vector<llama_token> & toks, const SeqScores & entry_scores,
+               const std::vector<uint8_t> & raw, size_t raw_bytes, size_t cap);
+    // the entries at `indices`: their positions, tokens, scores and rows as the cache's (raw_bytes each)
+    struct Entries {
+        std::vector<llama_pos>   positions;
+        std::vector<llama_token> tokens;
+        SeqScores                scores;
+        std::vector<uint8_t>     raw;
+    };
+    Entries entries(const std::vector<size_t> & indices, size_t raw_bytes) const;
+    // the entries at `indices` (ascending) leave the store (recalled)
+    void remove(const std::vector<size_t> & indices);
+    // a saved store adopted by a cache whose entries are raw_bytes (with room for the next spills; how it keeps
+    // them read from their size); throws std::invalid_argument when they are neither that size nor its q8_0 blocks
+    static HostStore adopted(const HostStore & saved, size_t raw_bytes, int32_t n_head);
+    // its parts agree (sizes, bytes, counters): what a snapshot's store must be
+    bool consistent() const;
 };
 
 // bytes of one entry of raw_bytes F16 bytes as q8_0 blocks

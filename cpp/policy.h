@@ -90,6 +90,11 @@ struct SeqScores {
                                   // probe's baseline (kept only for a policy with a probe; empty otherwise)
 
     size_t size() const { return total.size(); }
+    // every array covers n entries (what a snapshot's scores must do)
+    bool covers(size_t n) const {
+        return n_head >= 0 && total.size() == n && queries.size() == n && probe.size() == n &&
+               head.size() == n*n_head && (seen.empty() || seen.size() == n*n_head);
+    }
 
     // n_new entries fed after the others: each older one is attended by their n_new queries, new one i by the
     // n_new - i from itself on (causal)

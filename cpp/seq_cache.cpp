@@ -212,41 +212,16 @@ void SeqCache::spill(const std::vector<size_t> & indices) {
     if (rc != 0) {
         throw std::runtime_error("llama_kv_entries_get failed with status " + std::to_string(rc));
     }
-    host_.append_rows(rows, raw_bytes);
-    host_.positions.insert(host_.positions.end(), pos.begin(), pos.end());
-    const std::vector<llama_token> toks = gather_rows(st_.tokens, 1, indices);
-    host_.tokens.insert(host_.tokens.end(), toks.begin(), toks.end());
-    host_.scores.extend(st_.scores.gather(indices));
-    host_.n_spilled += (int64_t) n;
-    if ((int64_t) host_.size() > spill_cap_) { // the oldest text goes first
-        std::vector<size_t> order(host_.size());
-        std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return host_.positions[a] > host_.positions[b]; });
-        order.resize((size_t) spill_cap_);
-        std::sort(order.begin(), order.end());
-        host_.n_dropped += (int64_t) (host_.size() - order.size());
-        host_.keep_only(order);
-    }
+    host_.spill(pos, gather_rows(st_.tokens, 1, indices), st_.scores.gather(indices), rows, raw_bytes,
+                (size_t) spill_cap_);
 }
 
 void SeqCache::set_host(const HostStore & host) {
-    // a saved store says how it kept its entries by their size: the cache's own rows, or their q8_0 blocks
     const size_t raw_bytes = llama_kv_entry_size(ctx_);
-    HostStore h = host.without_kv();
-    // with room to grow: the next spills append without first copying the whole store (one entry per decode step)
-    h.kv.reserve(host.kv.size() + host.kv.size()/2);
-    h.kv.assign(host.kv.begin(), host.kv.end());
-    if (h.size() > 0) {
-        if (h.entry_bytes != raw_bytes && h.entry_bytes != q8_0_entry_bytes(raw_bytes)) {
-            throw std::invalid_argument("the snapshot's host entries have another size than this cache's");
-        }
-        h.q8_0 = h.entry_bytes != raw_bytes;
+    host_ = HostStore::adopted(host, raw_bytes, st_.scores.n_head);
+    if (host_.size() > 0 || spill_cap_ > 0) {
+        host_.set_encoding(spill_q8_, raw_bytes);
     }
-    if (h.size() > 0 || spill_cap_ > 0) {
-        h.set_encoding(spill_q8_, raw_bytes);
-    }
-    h.scores.n_head = st_.scores.n_head;
-    host_ = std::move(h);
 }
 
 void SeqCache::readmit(const std::vector<size_t> & indices) {
@@ -254,10 +229,10 @@ void SeqCache::readmit(const std::vector<size_t> & indices) {
     if (n == 0) {
         return;
     }
-    const std::vector<llama_pos>   pos  = gather_rows(host_.positions, 1, indices);
-    const std::vector<llama_token> toks = gather_rows(host_.tokens, 1, indices);
-    const std::vector<uint8_t>     kv   = host_.raw_rows(indices, llama_kv_entry_size(ctx_));
-    const int32_t rc = llama_kv_entries_put(ctx_, seq_, (int32_t) n, pos.data(), toks.data(), kv.data());
+    const HostStore::Entries taken = host_.entries(indices, llama_kv_entry_size(ctx_));
+    const std::vector<llama_pos> & pos = taken.positions;
+    const std::vector<llama_token> & toks = taken.tokens;
+    const int32_t rc = llama_kv_entries_put(ctx_, seq_, (int32_t) n, pos.data(), toks.data(), taken.raw.data());
     if (rc != 0) {
         throw std::runtime_error("llama_kv_entries_put failed with status " + std::to_string(rc) +
                                  (rc == -3 ? " (no free cells for the recalled entries)" : ""));
@@ -273,21 +248,10 @@ void SeqCache::readmit(const std::vector<size_t> & indices) {
     all_tokens.insert(all_tokens.end(), toks.begin(), toks.end());
     st_.positions = gather_rows(all, 1, order);
     st_.tokens    = gather_rows(all_tokens, 1, order);
-    st_.scores.extend(host_.scores.gather(indices));
+    st_.scores.extend(taken.scores);
     st_.scores    = st_.scores.gather(order);
     st_.peak_cells = std::max(st_.peak_cells, size());
-
-    std::vector<bool> gone(host_.size(), false);
-    for (const size_t i : indices) {
-        gone[i] = true;
-    }
-    std::vector<size_t> rest;
-    for (size_t i = 0; i < host_.size(); ++i) {
-        if (!gone[i]) {
-            rest.push_back(i);
-        }
-    }
-    host_.keep_only(rest);
+    host_.remove(indices);
 }
 
 void SeqCache::keep_entries(const std::vector<size_t> & keep) {

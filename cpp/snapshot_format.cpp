@@ -116,12 +116,6 @@ struct ByteReader {
     }
 };
 
-// the scores' arrays all cover n entries
-bool consistent(const SeqScores & s, size_t n) {
-    return s.n_head >= 0 && s.total.size() == n && s.queries.size() == n && s.probe.size() == n &&
-           s.head.size() == n*s.n_head && (s.seen.empty() || s.seen.size() == n*s.n_head);
-}
-
 // reads the magic (and checks the checksum of a format that has one, leaving it out of r); returns whether it has one
 bool read_magic(ByteReader & r, const uint8_t * data, size_t size) {
     char magic[sizeof(kSnapshotMagic)] = {};
@@ -162,7 +156,7 @@ void check_parts(const SeqState & st) {
         for (size_t i = 0; each_cell_once && i < n; ++i) {
             each_cell_once = cells[i] == (int32_t) i;
         }
-        if (st.parts.pos[k].size() != n || !each_cell_once || !consistent(st.parts.scores[k], n) ||
+        if (st.parts.pos[k].size() != n || !each_cell_once || !st.parts.scores[k].covers(n) ||
             !std::is_sorted(st.parts.pos[k].begin(), st.parts.pos[k].end())) {
             throw std::invalid_argument("not a session snapshot: its per-head parts do not agree");
         }
@@ -231,10 +225,7 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     snap.pending  = r.array<llama_token>();
     if (checksummed) { // format 4: what the sequence spilled (recall)
         snap.host = r.host();
-        const HostStore & h = snap.host;
-        const size_t n = h.positions.size();
-        if (h.tokens.size() != n || !consistent(h.scores, n) || (n > 0 && (h.entry_bytes == 0 ||
-            h.kv.size() != n*h.entry_bytes)) || h.n_spilled < 0 || h.n_recalled < 0 || h.n_dropped < 0) {
+        if (!snap.host.consistent()) {
             throw std::invalid_argument("not a session snapshot: its host entries do not agree");
         }
     }
@@ -242,7 +233,7 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     check_parts(st);
     const bool ascending = std::adjacent_find(st.positions.begin(), st.positions.end(),
                                               [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();
-    if (r.left != 0 || !consistent(st.scores, n) || st.tokens.size() != n || !ascending || (n > 0 && (st.positions.front() < 0 ||
+    if (r.left != 0 || !st.scores.covers(n) || st.tokens.size() != n || !ascending || (n > 0 && (st.positions.front() < 0 ||
         st.positions.back() >= st.next_pos)) || st.n_keep < 0 || st.n_seen < (int64_t) n || st.n_evicted < 0) {
         throw std::invalid_argument("not a session snapshot: its parts do not agree");
     }
