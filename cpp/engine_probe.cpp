@@ -87,7 +87,8 @@ void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
                false, {}, {seq});
     }
     sc.drop_newest((int32_t) toks.size());
-    sc.observe_probe(probe_sums_, (int32_t) toks.size(), policy_of(seq).probe().source == ProbeSource::repeat);
+    const Policy & policy = policy_of(seq);
+    sc.observe_probe(policy, probe_sums_, (int32_t) toks.size(), policy.probe().source == ProbeSource::repeat);
     if (had_logits) {
         last_logits_[seq] = logits;
     } else {

@@ -1,6 +1,7 @@
 #include "policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <stdexcept>
@@ -132,6 +133,10 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
     if (cfg.probe_share >= 0) {
         check_policy(source != ProbeSource::none, "probe_share is the share of the heavy entries a probe ranks: it "
                      "needs a probe");
+    }
+    if (cfg.reply > 0) {
+        check_policy(source != ProbeSource::none, "reply keeps the last answer against a probe's ranking: it needs a "
+                     "probe");
     }
     if (cfg.per_head > 0) {
         check_policy(!policy->needs_keys(), "policy '" + cfg.name + "' ranks by keys: per_head is built for the "
@@ -311,13 +316,17 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     std::vector<float> first; // the probe's scores come before rank() when there is a probe
     const int32_t pool = options_.pool, follow = options_.follow, block = options_.block;
     if (probe_.source != ProbeSource::none) {
-        first = pool > 1 || follow > 0 ? max_pool(scores.probe, pool, follow) : scores.probe;
+        std::vector<float> lift(n);
+        std::transform(scores.probe.begin(), scores.probe.end(), lift.begin(), [](float v) { return std::fabs(v); });
+        first = pool > 1 || follow > 0 ? max_pool(lift, pool, follow) : lift;
         if (block > 1) {
             first = block_max(first, positions, block);
         }
         for (size_t i = 0; i < n; ++i) {
             if (scores.probe[i] == 0.0f) { // not judged by a probe yet (generated tokens): kept before the judged
                 first[i] = std::numeric_limits<float>::infinity();
+            } else if (scores.probe[i] < 0.0f) { // the last answer (the reply option): then
+                first[i] = std::numeric_limits<float>::max();
             }
         }
     } else if (pool > 1 || follow > 0 || block > 1) {

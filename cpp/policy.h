@@ -84,7 +84,8 @@ struct SeqScores {
     std::vector<float>   total;   // [n]: the score the policy ranks by
     std::vector<float>   head;    // [n][n_head]: per query head
     std::vector<int64_t> queries; // [n]: queries that have attended the entry so far (its own included)
-    std::vector<float>   probe;   // [n]: the largest lift a probe gave the entry (observe_probe); 0: never probed
+    std::vector<float>   probe;   // [n]: the largest lift a probe gave the entry (observe_probe); 0: never probed;
+                                  // negative (-lift): the last answer, kept first (the reply option)
     std::vector<float>   seen;    // [n][n_head]: attention accumulated over the queries, per head, as if every query
                                   // gave the mean of those observed (the question probe's own tokens are not): the
                                   // probe's baseline (kept only for a policy with a probe; empty otherwise)

@@ -61,6 +61,10 @@ const std::vector<PolicyOption> & policy_options() {
         {"per_head", "ph", &PolicyConfig::per_head, 0, 0, 1, "", true,
          "H2O's published rule: every layer and KV head keeps its own entries by its own scores, inside the same "
          "budget of cells (attention scorers only, no probe, no position rolling)"},
+        {"reply", "reply", &PolicyConfig::reply, 0, 0, 1, "", true,
+         "with a probe: the entries generated since the previous prompt (the last answer) are kept before what a "
+         "new prompt's probe ranks, until another answer follows, so that a conversation's next answer still reads "
+         "the last one"},
     };
     return options;
 }

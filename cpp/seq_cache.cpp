@@ -3,6 +3,7 @@
 #include "llama-attn-scores.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <limits>
@@ -133,11 +134,35 @@ void SeqCache::observe_heads(const Policy & policy, int32_t n_new, bool in_query
     }
 }
 
-void SeqCache::observe_probe(const std::vector<float> & head_sums, int32_t n_queries, bool keep_best) {
+void SeqCache::observe_probe(const Policy & policy, const std::vector<float> & head_sums, int32_t n_queries,
+                             bool keep_best) {
     if (head_sums.size() != (size_t) size()*st_.scores.n_head) {
         throw std::logic_error("probe scores of sequence " + std::to_string(seq_) + " do not cover its entries");
     }
+    std::vector<float> & probe = st_.scores.probe;
+    for (float & v : probe) { // the lift itself for the probe's max
+        v = std::fabs(v);
+    }
     h2o::observe_probe(st_.scores, head_sums.data(), n_queries, keep_best);
+    const auto * ranked = dynamic_cast<const RankedPolicy *>(&policy);
+    if (ranked == nullptr || ranked->options().reply <= 0) {
+        return;
+    }
+    for (size_t i = 0; i < probe.size(); ++i) {
+        if (st_.positions[i] >= reply_from_ && st_.positions[i] < reply_to_) {
+            probe[i] = -std::max(probe[i], std::numeric_limits<float>::min());
+        }
+    }
+}
+
+void SeqCache::note_feed(size_t n) {
+    if (n == 1 && generated_from_ < 0) {
+        generated_from_ = st_.next_pos;
+    } else if (n > 1 && generated_from_ >= 0) {
+        reply_from_ = generated_from_;
+        reply_to_ = st_.next_pos;
+        generated_from_ = -1;
+    }
 }
 
 void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval) {
@@ -488,6 +513,7 @@ void SeqCache::clear() {
     host_ = HostStore();
     host_.entry_bytes = entry_bytes;
     host_.scores.n_head = n_head;
+    generated_from_ = reply_from_ = reply_to_ = -1;
 }
 
 std::vector<uint8_t> SeqCache::save_kv() const {
@@ -505,6 +531,7 @@ bool SeqCache::restore(const std::vector<uint8_t> & kv, const SeqState & state) 
         return false;
     }
     st_ = state;
+    generated_from_ = reply_from_ = reply_to_ = -1;
     return true;
 }
 

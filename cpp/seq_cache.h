@@ -79,8 +79,12 @@ public:
                  bool in_query_window, bool add_to_baseline = true);
     // fold each scored layer's scores of the last decode into its KV heads' part scores (a per-head policy)
     void observe_heads(const Policy & policy, int32_t n_new, bool in_query_window);
-    // a probe's attention to the entries: head_sums [size()][n_head] summed over its n_queries queries
-    void observe_probe(const std::vector<float> & head_sums, int32_t n_queries, bool keep_best);
+    // a probe's attention to the entries: head_sums [size()][n_head] summed over its n_queries queries; with the
+    // policy's reply option the last answer's entries are marked to be kept first (SeqScores::probe < 0)
+    void observe_probe(const Policy & policy, const std::vector<float> & head_sums, int32_t n_queries, bool keep_best);
+    // n tokens are about to be fed: one is a generation step, more a prompt, which makes what was generated since
+    // the previous prompt the last answer
+    void note_feed(size_t n);
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more
     void evict(const Policy & policy, bool rolling, int32_t roll_interval);
     // drop the entries at next_pos and above (a decode that failed half-way)
@@ -140,6 +144,12 @@ private:
     int64_t   spill_cap_ = 0;
     bool      spill_q8_  = false;
     HostStore host_;
+
+    // the last answer, [reply_from_, reply_to_): positions generated between the two latest prompts; and the first
+    // position generated since the latest (-1: none). Not saved with a snapshot (a loaded sequence has none).
+    llama_pos generated_from_ = -1;
+    llama_pos reply_from_ = -1;
+    llama_pos reply_to_   = -1;
 };
 
 } // namespace h2o

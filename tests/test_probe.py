@@ -340,3 +340,44 @@ def test_generation_runs_no_probe(tiny_model):
     assert st.peak_cells <= BUDGET + 16 + llm.probe_cells()
     assert st.probe_scores[-3:].tolist() == [0.0, 0.0, 0.0]  # the three generated entries, kept and unjudged
     assert all(before[p] == s for p, s in zip(st.positions.tolist(), st.probe_scores.tolist()) if p in before)
+
+
+def test_the_last_answer_is_kept_before_what_a_new_prompts_probe_ranks():
+    """The reply option: an entry marked as the last answer (a negative probe score) ranks after the entries no probe
+    has judged (the answer being generated) and before every judged one, whatever its lift; its lift still pools."""
+    cpp = _engine.Policy("tova", 4, heavy=3, recent=1, probe="question", reply=1)
+    probe = [0.9, 0.8, -0.01, -0.02, 0.7, 0.0, 0.5]
+    keep = cpp.select(list(range(7)), [0.0] * 7, np.zeros((7, 1), np.float32), [1] * 7, probe=probe)
+    assert keep == [2, 3, 5, 6]  # the two marked, the unjudged one, the newest; 0.9 and 0.8 go
+    pooled = _engine.Policy("tova", 4, heavy=3, recent=1, probe="question", reply=1, pool=3)
+    keep = pooled.select(list(range(7)), [0.0] * 7, np.zeros((7, 1), np.float32), [1] * 7,
+                         probe=[0.1, 0.1, -0.9, 0.1, 0.2, 0.1, 0.1])
+    assert keep == [1, 2, 3, 6]  # its neighbours take its lift (0.9, before 0.2), not its mark
+
+
+def test_a_conversation_keeps_its_last_answer_when_the_next_question_is_probed(tiny_model):
+    """Prompt, answer, next prompt: with reply every entry of the answer survives the next prompt's evictions and is
+    marked (negative probe score) until another answer follows; without it the probe ranks the answer like the rest."""
+    context = [5 + (7*i) % 250 for i in range(160)]
+    kept = {}
+    for reply in (None, True):
+        llm = Llama(tiny_model, policy=TOVA(budget=64, sinks=4, recent=8, probe="question", question=8, reply=reply),
+                    n_ctx=512, n_batch=32, n_threads=1)
+        llm.eval(context)
+        answer_from = llm.kv_state().positions[-1] + 1
+        for i in range(24):  # an answer, a token at a time
+            llm.eval([5 + (3*i) % 250])
+        llm.eval([5 + (11*i) % 250 for i in range(40)])  # the next question, in two pieces
+        st = llm.kv_state()
+        answer = (st.positions >= answer_from) & (st.positions < answer_from + 24)
+        kept[reply] = int(answer.sum())
+        if reply:
+            assert kept[reply] == 24 and (st.probe_scores[answer] < 0).all()
+            assert (st.probe_scores[~answer] >= 0).all()
+            for i in range(4):  # another answer: the first one is ranked as the rest again
+                llm.eval([5 + (13*i) % 250])
+            llm.eval([5 + (17*i) % 250 for i in range(20)])
+            st = llm.kv_state()
+            old = (st.positions >= answer_from) & (st.positions < answer_from + 24)
+            assert (st.probe_scores[old] > 0).all()
+    assert kept[None] < kept[True]
