@@ -35,7 +35,7 @@ for step in "${steps[@]}"; do
         ;;
     tests)
         H2O_LOCAL_SKIP_SLOW=1 H2O_LOCAL_TEST_N_GPU_LAYERS=-1 python -m pytest -q -p no:cacheprovider tests \
-            --ignore=tests/test_experiments.py > "$OUT/tests.log" 2>&1
+            --ignore=tests/experiments/test_experiments.py > "$OUT/tests.log" 2>&1
         tail -15 "$OUT/tests.log"
         ;;
     peer)

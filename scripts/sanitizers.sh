@@ -4,7 +4,7 @@
 #
 #   bash scripts/sanitizers.sh                       # the whole suite
 #   bash scripts/sanitizers.sh -m "not slow" tests   # without the real-model tests (about 10x slower under ASan)
-#   bash scripts/sanitizers.sh tests/test_reliability.py tests/test_state_machine.py
+#   bash scripts/sanitizers.sh tests/api/test_reliability.py tests/api/test_state_machine.py
 #
 # Needs gcc's libasan / libubsan (Debian: part of gcc). Leak detection is off: CPython itself keeps memory at exit.
 set -euo pipefail

@@ -2,11 +2,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 
-from tiny_model import write_tiny_llama
+# tests/ is laid out like the code: unit/ (no model: runs in seconds), engine/, api/, server/, experiments/; the
+# modules they share (a tiny model's writer, references, the device tolerance, the one view into the engine) are in
+# support/, importable by name from every folder
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from tiny_model import write_tiny_llama  # noqa: E402
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

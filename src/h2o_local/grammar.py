@@ -171,7 +171,7 @@ _JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-f
 
 
 class _SchemaConverter(_llama_grammar.SchemaConverter):
-    """llama-cpp-python's converter, with what it writes kept to JSON (each found by tests/test_bounded_work.py's
+    """llama-cpp-python's converter, with what it writes kept to JSON (each found by tests/server/test_bounded_work.py's
     random schemas): its literals escaped in full (it left backslashes as they were, so the JSON escape of an enum
     value or a property name, \\u001f for a control character, became a GBNF escape that wrote the raw
     character), and a string's characters (`char`, and a pattern's `.`) without raw control characters, as

@@ -41,7 +41,7 @@ RECALL_DEFAULT_BYTES = 256 * 2**20
 ENGINE_DEFAULTS = _engine.EngineParams()
 # Llama keywords that are EngineParams fields of the same name and meaning, with an int's minimum (None: any; a bool
 # is checked as one): checked and copied in one loop. Adding one: the C++ field and its binding, an entry here, the
-# keyword (its default read from ENGINE_DEFAULTS) and README's row (tests/test_docs.py checks it).
+# keyword (its default read from ENGINE_DEFAULTS) and README's row (tests/unit/test_docs.py checks it).
 _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
     "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_seq_max": 1, "kv_unified": None,
     "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None, "export_scores": None,

@@ -1,7 +1,7 @@
 """How close two runs must be when they add the same numbers in another order or on another backend: on the CPU
 backend, within itself, the float order's own rounding (each test states what it measured); on a device (Vulkan,
 CUDA, Metal), which computes attention in its own precision and order (F16 products, flash attention's blocked sums,
-on by default there), the device's, as tests/test_device.py compares it: logits within 2% of their spread, exported
+on by default there), the device's, as tests/engine/test_device.py compares it: logits within 2% of their spread, exported
 scores within 2% relative L1 (docs/gpu.md), rankings rather than bits. Measured on lavapipe with flash attention:
 moving cells changed the tiny model's logits by up to 1.3e-2 (spread ~5) and one small TOVA score by 2.4%."""
 from __future__ import annotations

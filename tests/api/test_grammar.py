@@ -85,7 +85,7 @@ def chat_llm(tmp_path_factory):
 
 
 def test_schema_text_with_escapes_and_long_strings_comes_out_as_json(llm):
-    """Found by random schemas (tests/test_bounded_work.py): the converter left backslashes unescaped (an enum value
+    """Found by random schemas (tests/server/test_bounded_work.py): the converter left backslashes unescaped (an enum value
     with a control character or a backslash gave text that is not JSON), let strings hold raw control characters,
     and wrote maxLength 1,000 as 1,000 nested groups (refused). Its output is JSON now."""
     weird = ["\x1f", "a\\b", 'q"', "é"]

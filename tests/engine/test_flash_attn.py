@@ -22,7 +22,7 @@ def tiny_hd64(tmp_path_factory) -> str:
 
 
 def test_flash_attention_is_auto_and_says_what_it_became(tiny_hd64):
-    """"auto" (the default) is off with every layer on the CPU (a GPU device turns it on: tests/test_device.py);
+    """"auto" (the default) is off with every layer on the CPU (a GPU device turns it on: tests/engine/test_device.py);
     "on" / True and "off" / False are kept; anything else is refused before a model is loaded."""
     assert Llama(tiny_hd64, n_ctx=256, n_gpu_layers=0).flash_attn is False
     for on in ("on", True):

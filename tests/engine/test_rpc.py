@@ -112,7 +112,7 @@ def test_the_handshake_accepts_the_real_server(rpc_server):
 def test_a_llama_whose_rpc_server_died_is_freed_without_aborting(tiny_model, tmp_path):
     """llama.cpp aborts on any command it cannot send to an RPC server, freeing a buffer included: a Llama whose
     server went away, freed later by the garbage collector (after another Llama was made), killed the process
-    (SIGABRT in ggml-rpc.cpp, seen on CUDA after tests/test_rpc.py, then reproduced on the CPU build). In a child
+    (SIGABRT in ggml-rpc.cpp, seen on CUDA after tests/engine/test_rpc.py, then reproduced on the CPU build). In a child
     process, so that an abort cannot take the test run with it."""
     script = tmp_path / "dead_server.py"
     script.write_text(f"""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_INCLUDE = ROOT / "vendor" / "llama.cpp" / "include"  # prepared by the build (vendor/prepare.py)
 
 

@@ -131,7 +131,7 @@ def test_each_head_keeps_what_the_per_head_reference_keeps(tiny_model):
 
 def test_a_budget_that_never_evicts_equals_the_full_cache(tiny_model):
     """Bit for bit on the CPU. On a device with F32 cells the per-layer export changes which kernels run (lavapipe:
-    7.9e-3 apart): compared at its tolerance here; tests/test_device.py demands exactness there with F16 cells."""
+    7.9e-3 apart): compared at its tolerance here; tests/engine/test_device.py demands exactness there with F16 cells."""
     tokens = Llama(tiny_model).tokenize(TEXT)
     full = Llama(tiny_model, kv_f32=True)
     ph = Llama(tiny_model, policy=H2O(budget=200, per_head=True), kv_f32=True)

@@ -2,7 +2,7 @@
 set_policy over two sequences, checked after every step against a small Python model of what the cache must hold.
 
 CI runs a small number of examples; a large run:
-    H2O_LOCAL_FUZZ_EXAMPLES=2000 H2O_LOCAL_FUZZ_STEPS=80 pytest tests/test_state_machine.py
+    H2O_LOCAL_FUZZ_EXAMPLES=2000 H2O_LOCAL_FUZZ_STEPS=80 pytest tests/api/test_state_machine.py
 """
 import os
 

@@ -392,7 +392,7 @@ def test_a_server_conversation_chooses_recall_for_itself(chat_model):
 def test_recall_ranks_what_comes_back_as_an_independent_numpy_reference_does(tiny_model):
     """With room for one page, recall puts every spilled entry back (bit for bit: the prompt fitted, so its K and V
     are a full cache's), ranks all entries by the new question's lift over each entry's baseline, and the policy keeps
-    its budget. The same ranking computed from a full cache's attention, read independently (tests/test_probe.py's
+    its budget. The same ranking computed from a full cache's attention, read independently (tests/engine/test_probe.py's
     rule), chooses the same entries with the same probe scores."""
     from h2o_local import TOVA
 

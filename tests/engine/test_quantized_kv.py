@@ -26,7 +26,7 @@ def test_a_quantized_k_cache_takes_the_bytes_its_type_says(tiny_hd64, type_k, ra
 
 @pytest.mark.parametrize("type_k", ["q8_0", "q4_0"])
 def test_eviction_rolling_and_snapshots_work_on_quantized_keys(tiny_hd64, type_k):
-    """On the CPU backend (on a device, rolling a quantized K cache is refused: tests/test_device.py)."""
+    """On the CPU backend (on a device, rolling a quantized K cache is refused: tests/engine/test_device.py)."""
     kw = dict(policy="h2o", budget=24, n_batch=32, position_rolling=True, n_gpu_layers=0)
     llm = Llama(tiny_hd64, type_k=type_k, **kw)
     llm.eval(llm.tokenize(TEXT))
