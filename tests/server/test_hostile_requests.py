@@ -13,7 +13,7 @@ from h2o_local import Llama, generation
 from h2o_local._engine import GrammarError
 from h2o_local.chat_session import ChatSession
 from h2o_local.grammar import GrammarLimits, GrammarTooLarge
-from h2o_local.server.scheduler import Mailbox, Viewed
+from h2o_local.server.scheduler import Mailbox, Started, Step
 from tiny_model import write_tiny_llama
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -256,17 +256,17 @@ def test_a_cache_salt_keeps_one_clients_sessions_from_another(server):
 def test_an_unread_stream_holds_a_few_merged_events_not_one_per_token(viewed):
     async def run():
         box = Mailbox(asyncio.get_running_loop())
-        box.put("started")
+        box.put(Started(0))
         for i in range(1_000):
             event = generation.Event(0, i, f"t{i} ")
-            box.put(Viewed(event, {"positions": list(range(100)), "piece": f"t{i} "}) if viewed else event)
-        box.put(generation.Event(0, None, "", "length"))
+            box.put(Step(event, {"positions": list(range(100)), "piece": f"t{i} "} if viewed else None))
+        box.put(Step(generation.Event(0, None, "", "length")))
         held = len(box)
-        return held, [await box.get() for _ in range(held)]
+        return held, [await box.started()] + [step async for step in box.steps()]
 
     held, items = asyncio.run(run())
-    assert held == 3 and items[0] == "started" and items[-1].finish_reason == "length"
-    merged = items[1].event if viewed else items[1]
+    assert held == 3 and items[0] == Started(0) and items[-1].event.finish_reason == "length"
+    merged = items[1].event
     assert merged.text == "".join(f"t{i} " for i in range(1_000)) and merged.token == 999
     if viewed:  # one piece per token, so that the page still maps pieces to positions
         assert items[1].view["pieces"] == [f"t{i} " for i in range(1_000)]

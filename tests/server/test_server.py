@@ -338,13 +338,20 @@ def test_an_answer_is_capped_by_the_server_when_the_request_sets_no_limit_or_a_l
     assert app.state.server.max_tokens == 4096  # by default the tiny model's trained context
 
 
+def unwrapped(result):
+    """A scheduler's result as the test reads it: a step's event, a failure's error, Started as it is."""
+    from h2o_local.server.scheduler import Failed, Step
+
+    return result.event if isinstance(result, Step) else result.error if isinstance(result, Failed) else result
+
+
 def recorded_jobs(log):
-    """Jobs whose events go to `log` as (name, event), in the order the scheduler thread gives them."""
+    """Jobs whose results go to `log` as (name, event or error), in the order the scheduler thread gives them."""
     from h2o_local.server.scheduler import Job
 
     def job(name, tokens, params):
         j = Job(tokens, params)
-        j.put = lambda item: log.append((name, item))
+        j.put = lambda item: log.append((name, unwrapped(item)))
         return j
 
     return job
@@ -385,7 +392,7 @@ def test_a_long_prompt_is_read_between_the_running_requests_tokens(chat_model):
         leaving = job("leaving", list(range(10, 10 + 16 * 12)), SamplingParams(max_tokens=1, temperature=0))
 
         def cancel_once_admitted(item):
-            log.append(("running", item))
+            log.append(("running", unwrapped(item)))
             if scheduler.holds_slot(leaving):
                 leaving.cancelled = True
 

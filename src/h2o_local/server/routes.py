@@ -20,7 +20,7 @@ from .. import tools as tools_mod
 from ..sampling import CHAT_SURFACE, COMPLETION
 from . import requests
 from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
-from .scheduler import Busy, Cancelled, Job, Mailbox, Started, Viewed
+from .scheduler import Busy, Cancelled, Job, Mailbox
 from .state import ServerState
 
 View = Optional[Dict[str, Any]]
@@ -168,31 +168,25 @@ async def _submit(state: ServerState, job: Job, request: Request) -> Job:
         raise APIError(429, str(e), kind="rate_limit_error", code="slots_busy") from None
     watcher = asyncio.ensure_future(_disconnected(state, request, job))  # a client may leave while it waits
     try:
-        first = await job.mailbox.get()  # the prompt is in (or it failed): only now does the response start
+        job.started = await job.mailbox.started()  # the prompt is in (or it failed): only now does the response start
+    except Cancelled:
+        raise APIError(499, "the client closed the request", code="client_closed") from None
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - said as the request's error
+        raise APIError(500, str(e), "server_error") from None
     finally:
         watcher.cancel()
-    if isinstance(first, Cancelled):
-        raise APIError(499, "the client closed the request", code="client_closed")
-    if isinstance(first, BaseException):
-        raise APIError(400, str(first)) if isinstance(first, ValueError) else APIError(500, str(first), "server_error")
-    assert isinstance(first, Started)
-    job.started = first
     return job
 
 
 async def _events(state: ServerState, job: Job) -> AsyncIterator[Tuple[generation.Event, View]]:
     """The job's events, each with the cache's view when the job asked for it (else None)."""
     try:
-        while True:
-            item = await job.mailbox.get()
-            if isinstance(item, Cancelled):
-                return
-            if isinstance(item, BaseException):
-                raise item
-            event, view = (item.event, item.view) if isinstance(item, Viewed) else (item, None)
-            yield event, view
-            if event.token is None:
-                return
+        async for step in job.mailbox.steps():
+            yield step.event, step.view
+    except Cancelled:
+        return
     finally:
         state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
 

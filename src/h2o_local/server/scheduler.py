@@ -25,7 +25,7 @@ import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Tuple, Union
 
 from .. import generation
 from .metrics import ServerMetrics
@@ -48,34 +48,48 @@ class Started:
 
 
 @dataclass(frozen=True)
-class Viewed:
-    """An event of a job that asked for the live view, with what its cache holds at that moment."""
+class Step:
+    """A generated token's event, or the last one (token None, with the finish reason); with the cache's view at that
+    moment when the job asked for it (Job.view)."""
 
     event: generation.Event
-    view: Dict[str, Any]
+    view: Optional[Dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job's end without a finish reason: its error (Cancelled when its client went away; ValueError when its own
+    input was at fault)."""
+
+    error: BaseException
+
+
+# what the decoding thread hands a request's handler, in order: Started (or Failed), then Steps up to the last (or
+# Failed); llama.cpp's server has the same shape (a task's typed results read from its queue)
+Result = Union[Started, Step, Failed]
 
 
 class Mailbox:
-    """What the decoding thread hands one request's handler, in order. While the reader is behind, a token's event
-    is merged into the token event waiting before it (its text appended, the newest view kept): a client that does
-    not read its stream holds a few events, never one per token."""
+    """The results of one request, in order. While the reader is behind, a token's step is merged into the token
+    step waiting before it (its text appended, the newest view kept): a client that does not read its stream holds a
+    few results, never one per token."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self._items: Deque[Any] = collections.deque()
+        self._items: Deque[Result] = collections.deque()
         self._lock = threading.Lock()
         self._ready = asyncio.Event()
 
-    def put(self, item: Any) -> None:
+    def put(self, item: Result) -> None:
         """From any thread."""
         with self._lock:
-            if self._items and _token_event(self._items[-1]) and _token_event(item):
-                item = _merged(self._items.pop(), item)
+            if self._items and _token_step(self._items[-1]) and _token_step(item):
+                item = _merged(self._items.pop(), item)  # type: ignore[arg-type]
             self._items.append(item)
         self._loop.call_soon_threadsafe(self._ready.set)
 
-    async def get(self) -> Any:
-        """On the loop: the next item (merged tokens count as one)."""
+    async def get(self) -> Result:
+        """On the loop: the next result (merged tokens count as one)."""
         while True:
             with self._lock:
                 if self._items:
@@ -83,25 +97,42 @@ class Mailbox:
                 self._ready.clear()
             await self._ready.wait()
 
+    async def started(self) -> Started:
+        """The first result: Started, or the job's failure raised (Cancelled: its client went away)."""
+        item = await self.get()
+        if isinstance(item, Failed):
+            raise item.error
+        assert isinstance(item, Started), item
+        return item
+
+    async def steps(self) -> AsyncIterator[Step]:
+        """The steps after Started, up to the last (whose event has no token); a failure is raised."""
+        while True:
+            item = await self.get()
+            if isinstance(item, Failed):
+                raise item.error
+            assert isinstance(item, Step), item
+            yield item
+            if item.event.token is None:
+                return
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
 
 
-def _token_event(item: Any) -> bool:
-    event = item.event if isinstance(item, Viewed) else item
-    return isinstance(event, generation.Event) and event.token is not None
+def _token_step(item: Result) -> bool:
+    return isinstance(item, Step) and item.event.token is not None
 
 
-def _merged(first: Any, then: Any) -> Any:
-    """Two token events as one: the texts joined, the later token and view, with both tokens' pieces (`pieces`, one
+def _merged(first: Step, then: Step) -> Step:
+    """Two token steps as one: the texts joined, the later token and view, with both tokens' pieces (`pieces`, one
     per token, so that a view still maps pieces to positions; `piece` their text)."""
-    if isinstance(then, Viewed):
-        event = dataclasses.replace(then.event, text=first.event.text + then.event.text)
-        pieces = first.view.get("pieces", [first.view.get("piece", "")]) + [then.view.get("piece", "")]
-        view = {**then.view, "piece": "".join(pieces), "pieces": pieces}
-        return Viewed(event, view)
-    return dataclasses.replace(then, text=first.text + then.text)
+    event = dataclasses.replace(then.event, text=first.event.text + then.event.text)
+    if then.view is None or first.view is None:
+        return Step(event, then.view)
+    pieces = first.view.get("pieces", [first.view.get("piece", "")]) + [then.view.get("piece", "")]
+    return Step(event, {**then.view, "piece": "".join(pieces), "pieces": pieces})
 
 
 class Cancelled(Exception):
@@ -124,7 +155,7 @@ class Job:
     params: SamplingParams
     n_keep: int = 0                     # the protected prefix (tokens)
     policy: Optional[Policy] = None     # its own policy (resolved, fits a slot), None: the server's
-    view: bool = False                  # deliver the cache's state with every event (Started.view, Viewed)
+    view: bool = False                  # deliver the cache's state with every result (Started.view, Step.view)
     time_limit_s: Optional[float] = None  # generation ends with "length" after this long (seconds)
     recall: Optional[bool] = None       # its own recall setting (None: the server's)
     cache_salt: Optional[str] = None    # saved sessions are shared only with requests of the same salt
@@ -137,9 +168,12 @@ class Job:
     kv_cache: Optional[Dict[str, Any]] = None  # what the cache did, set before the end event is delivered
     started: Optional[Started] = None   # its first event, once delivered
 
-    def put(self, item: Any) -> None:
+    def put(self, item: Result) -> None:
         if self.mailbox is not None:
             self.mailbox.put(item)
+
+    def fail(self, error: BaseException) -> None:
+        self.put(Failed(error))
 
 
 class Scheduler:
@@ -210,13 +244,13 @@ class Scheduler:
                     self._cv.wait()
                 if self._stop:
                     for job in list(self._waiting) + list(self._active.values()):
-                        job.put(RuntimeError("the server is shutting down"))
+                        job.fail(RuntimeError("the server is shutting down"))
                     return
                 admitted = []
                 while self._waiting and len(self._active) < self.n_slots:
                     job = self._waiting.popleft()
                     if job.cancelled:
-                        job.put(Cancelled())
+                        job.fail(Cancelled())
                         continue
                     slot = next(s for s in range(self.n_slots) if s not in self._active)
                     self._active[slot] = job
@@ -241,7 +275,7 @@ class Scheduler:
             if job is not None:
                 self._release(slot, save=False)
                 self.metrics.requests.labels("cancelled").inc()
-                job.put(Cancelled())
+                job.fail(Cancelled())
 
     def _decode_step(self, idle_wait_s: float = 0.05) -> None:
         self.peak_batch = max(self.peak_batch, self.slots.n_live)
@@ -267,7 +301,7 @@ class Scheduler:
     def _fail_active(self, error: Exception) -> None:
         for slot, job in list(self._active.items()):
             self.metrics.requests.labels("error").inc()
-            job.put(error)
+            job.fail(error)
             try:
                 self.slots.release(slot)
             finally:
@@ -289,12 +323,12 @@ class Scheduler:
                                       policy=job.policy, time_limit_s=job.time_limit_s, recall=job.recall,
                                       sampler=job.sampler)
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
-            job.put(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
+            job.fail(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)
             raise e.error
         except Exception as e:
             self.metrics.requests.labels("cancelled" if isinstance(e, Cancelled) else "error").inc()
-            job.put(e)
+            job.fail(e)
             self._release(slot, save=False)
             return
         job.reused_tokens = 0 if session is None else session.n_fed
@@ -335,7 +369,7 @@ class Scheduler:
                 continue
             if e.error is not None:  # its draw failed (its grammar): it alone ends, with the error
                 self.metrics.requests.labels("error").inc()
-                job.put(e.error)
+                job.fail(e.error)
                 self._release(e.index, save=False)
                 continue
             if e.token is not None:
@@ -347,10 +381,7 @@ class Scheduler:
                 if job.kv_cache["protected"] < job.n_keep:  # a system prompt longer than the budget lets protect
                     job.kv_cache["protected_asked"] = job.n_keep
                 self._count_finished(job)
-            if job.view:
-                job.put(Viewed(e, self._view(e.index, token=e.token)))
-            else:
-                job.put(e)
+            job.put(Step(e, self._view(e.index, token=e.token) if job.view else None))
             if e.token is None:
                 self._release(e.index, save=True)
 
