@@ -338,7 +338,7 @@ void Engine::eval(const TokenMap & tokens, bool logits_all, const std::function<
     for (const auto & kv : tokens) {
         n_evicted[kv.first] = seqs_.at(kv.first).state().n_evicted;
         mark_clean(clean, kv.first);
-        seqs_.at(kv.first).note_feed(kv.second.size());
+        seqs_.at(kv.first).note_feed(kv.second.size(), policy_of(kv.first).probe().question);
     }
     recall_prompts(clean, tokens); // a new prompt first brings back what it asks about of what its sequence spilled
     feed_steps(clean, plan, tokens, logits_all, between_chunks);

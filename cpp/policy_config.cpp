@@ -62,9 +62,9 @@ const std::vector<PolicyOption> & policy_options() {
          "H2O's published rule: every layer and KV head keeps its own entries by its own scores, inside the same "
          "budget of cells (attention scorers only, no probe, no position rolling)"},
         {"reply", "reply", &PolicyConfig::reply, 0, 0, 1, "", true,
-         "with a probe: the entries generated since the previous prompt (the last answer) are kept before what a "
-         "new prompt's probe ranks, until another answer follows, so that a conversation's next answer still reads "
-         "the last one"},
+         "with a probe: the last exchange (the previous prompt's question, its last `question` tokens, and the "
+         "answer generated after it) is kept before what a new prompt's probe ranks, until another answer follows, "
+         "so that a conversation's next answer still reads the last one"},
     };
     return options;
 }

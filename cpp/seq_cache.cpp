@@ -155,11 +155,11 @@ void SeqCache::observe_probe(const Policy & policy, const std::vector<float> & h
     }
 }
 
-void SeqCache::note_feed(size_t n) {
+void SeqCache::note_feed(size_t n, int32_t question) {
     if (n == 1 && generated_from_ < 0) {
         generated_from_ = st_.next_pos;
     } else if (n > 1 && generated_from_ >= 0) {
-        reply_from_ = generated_from_;
+        reply_from_ = std::max<llama_pos>(0, generated_from_ - std::max(question, 0));
         reply_to_ = st_.next_pos;
         generated_from_ = -1;
     }

@@ -83,8 +83,8 @@ public:
     // policy's reply option the last answer's entries are marked to be kept first (SeqScores::probe < 0)
     void observe_probe(const Policy & policy, const std::vector<float> & head_sums, int32_t n_queries, bool keep_best);
     // n tokens are about to be fed: one is a generation step, more a prompt, which makes what was generated since
-    // the previous prompt the last answer
-    void note_feed(size_t n);
+    // the previous prompt, with that prompt's last `question` tokens (what it asked), the last exchange
+    void note_feed(size_t n, int32_t question);
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more
     void evict(const Policy & policy, bool rolling, int32_t roll_interval);
     // drop the entries at next_pos and above (a decode that failed half-way)
@@ -145,8 +145,9 @@ private:
     bool      spill_q8_  = false;
     HostStore host_;
 
-    // the last answer, [reply_from_, reply_to_): positions generated between the two latest prompts; and the first
-    // position generated since the latest (-1: none). Not saved with a snapshot (a loaded sequence has none).
+    // the last exchange, [reply_from_, reply_to_): the question that ended the previous prompt and the answer
+    // generated before the latest; and the first position generated since the latest prompt (-1: none). Not saved
+    // with a snapshot (a loaded sequence has none).
     llama_pos generated_from_ = -1;
     llama_pos reply_from_ = -1;
     llama_pos reply_to_   = -1;

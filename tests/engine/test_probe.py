@@ -355,9 +355,10 @@ def test_the_last_answer_is_kept_before_what_a_new_prompts_probe_ranks():
     assert keep == [1, 2, 3, 6]  # its neighbours take its lift (0.9, before 0.2), not its mark
 
 
-def test_a_conversation_keeps_its_last_answer_when_the_next_question_is_probed(tiny_model):
-    """Prompt, answer, next prompt: with reply every entry of the answer survives the next prompt's evictions and is
-    marked (negative probe score) until another answer follows; without it the probe ranks the answer like the rest."""
+def test_a_conversation_keeps_its_last_exchange_when_the_next_question_is_probed(tiny_model):
+    """Prompt, answer, next prompt: with reply the answer and the previous prompt's question (its last `question`
+    tokens) survive the next prompt's evictions, marked (negative probe scores) until another answer follows; without
+    it the probe ranks them like the rest."""
     context = [5 + (7*i) % 250 for i in range(160)]
     kept = {}
     for reply in (None, True):
@@ -367,17 +368,20 @@ def test_a_conversation_keeps_its_last_answer_when_the_next_question_is_probed(t
         answer_from = llm.kv_state().positions[-1] + 1
         for i in range(24):  # an answer, a token at a time
             llm.eval([5 + (3*i) % 250])
+        before = llm.kv_state().positions
+        held = int(((before >= answer_from - 8) & (before < answer_from + 24)).sum())  # the answer, and what is left
+        assert held >= 24                                                              # of the question
         llm.eval([5 + (11*i) % 250 for i in range(40)])  # the next question, in two pieces
         st = llm.kv_state()
-        answer = (st.positions >= answer_from) & (st.positions < answer_from + 24)
-        kept[reply] = int(answer.sum())
+        exchange = (st.positions >= answer_from - 8) & (st.positions < answer_from + 24)
+        kept[reply] = int(exchange.sum())
         if reply:
-            assert kept[reply] == 24 and (st.probe_scores[answer] < 0).all()
-            assert (st.probe_scores[~answer] >= 0).all()
-            for i in range(4):  # another answer: the first one is ranked as the rest again
+            assert kept[reply] == held and (st.probe_scores[exchange] < 0).all()
+            assert (st.probe_scores[~exchange] >= 0).all()
+            for i in range(4):  # another answer: the first exchange is ranked as the rest again
                 llm.eval([5 + (13*i) % 250])
             llm.eval([5 + (17*i) % 250 for i in range(20)])
             st = llm.kv_state()
-            old = (st.positions >= answer_from) & (st.positions < answer_from + 24)
+            old = (st.positions >= answer_from - 8) & (st.positions < answer_from + 24)
             assert (st.probe_scores[old] > 0).all()
     assert kept[None] < kept[True]
