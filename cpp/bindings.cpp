@@ -36,29 +36,20 @@ py::array_t<T> to_numpy(const T * data, std::vector<py::ssize_t> shape) {
     return out;
 }
 
-// a PolicyConfig from keywords named as its fields (the options by their rows): what Python passes by name
+// a PolicyConfig from keywords named as its fields (through the bound class: each field, the options by their rows)
 PolicyConfig policy_config(const std::string & name, int32_t budget, const py::kwargs & fields) {
-    PolicyConfig cfg;
-    cfg.name = name;
-    cfg.budget = budget;
+    py::object cfg = py::cast(PolicyConfig());
+    cfg.attr("name") = name;
+    cfg.attr("budget") = budget;
     for (const auto & item : fields) {
         const std::string key = py::str(item.first);
-        if (key == "probe") {
-            cfg.probe = item.second.is_none() ? "" : item.second.cast<std::string>();
-            continue;
-        }
-        int32_t PolicyConfig::* field = key == "heavy" ? &PolicyConfig::heavy : key == "recent" ? &PolicyConfig::recent :
-            key == "sinks" ? &PolicyConfig::sinks : key == "query_window" ? &PolicyConfig::query_window :
-            key == "question" ? &PolicyConfig::question : nullptr;
-        if (const PolicyOption * o = find_policy_option(key)) {
-            field = o->field;
-        }
-        if (field == nullptr) {
+        if (key == "name" || key == "budget" || !py::hasattr(cfg, key.c_str())) {
             throw py::type_error("unexpected policy field '" + key + "'");
         }
-        cfg.*field = item.second.is_none() ? -1 : item.second.cast<int32_t>();
+        const bool unset = item.second.is_none();
+        cfg.attr(key.c_str()) = unset ? (key == "probe" ? py::object(py::str("")) : py::object(py::int_(-1))) : item.second;
     }
-    return cfg;
+    return cfg.cast<PolicyConfig>();
 }
 
 py::dict facts_dict(const ModelFacts & f) {
