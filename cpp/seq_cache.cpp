@@ -156,13 +156,25 @@ void SeqCache::observe_probe(const Policy & policy, const std::vector<float> & h
 }
 
 void SeqCache::note_feed(size_t n, int32_t question) {
-    if (n == 1 && generated_from_ < 0) {
-        generated_from_ = st_.next_pos;
-    } else if (n > 1 && generated_from_ >= 0) {
-        reply_from_ = std::max<llama_pos>(0, generated_from_ - std::max(question, 0));
-        reply_to_ = st_.next_pos;
-        generated_from_ = -1;
+    if (n == 1) {
+        generated_from_ = generated_from_ < 0 ? st_.next_pos : generated_from_;
+        return;
     }
+    llama_pos from = generated_from_;
+    if (from < 0 && reply_to_ < 0) {
+        // not seen here (a sequence restored from a snapshot): the answer is the newest entries no probe judged
+        // (generation's single tokens run none), when an older one was judged
+        size_t i = st_.positions.size();
+        while (i > 0 && st_.scores.probe[i - 1] == 0.0f) {
+            --i;
+        }
+        from = i > 0 && i < st_.positions.size() ? st_.positions[i] : -1;
+    }
+    if (from >= 0) {
+        reply_from_ = std::max<llama_pos>(0, from - std::max(question, 0));
+        reply_to_ = st_.next_pos;
+    }
+    generated_from_ = -1;
 }
 
 void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval) {

@@ -385,3 +385,23 @@ def test_a_conversation_keeps_its_last_exchange_when_the_next_question_is_probed
             old = (st.positions >= answer_from - 8) & (st.positions < answer_from + 24)
             assert (st.probe_scores[old] > 0).all()
     assert kept[None] < kept[True]
+
+
+def test_a_restored_conversation_still_keeps_its_last_answer(tiny_model):
+    """A snapshot does not carry the mark: a sequence loaded from one takes its newest entries that no probe judged
+    (the answer: generation runs no probe) as the last answer when the next prompt comes (the server's saved
+    sessions)."""
+    policy = TOVA(budget=64, sinks=4, recent=8, probe="question", question=8, reply=True)
+    llm = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=32, n_threads=1)
+    llm.eval([5 + (7*i) % 250 for i in range(160)])
+    answer_from = llm.kv_state().positions[-1] + 1
+    for i in range(24):
+        llm.eval([5 + (3*i) % 250])
+    restored = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=32, n_threads=1)
+    restored.load_state(llm.save_state())
+    for seq in (llm, restored):
+        seq.eval([5 + (11*i) % 250 for i in range(40)])
+    mine, theirs = llm.kv_state(), restored.kv_state()
+    answer = (theirs.positions >= answer_from) & (theirs.positions < answer_from + 24)
+    assert answer.sum() == 24 and (theirs.probe_scores[answer] < 0).all()
+    assert theirs.positions.tolist() == mine.positions.tolist()
