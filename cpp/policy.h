@@ -292,7 +292,7 @@ using PolicyPtr = std::shared_ptr<const Policy>;
 // throws std::invalid_argument for an unknown name or an impossible split
 std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg);
 std::vector<std::string> policy_names(); // sorted
-// the short name of a resolved policy ("full", "local-256", "tova-256+s4+q32+p9+f12+r32"): its budget, then what
+// the short name of a resolved policy ("full", "local-256", "tova-256+s4+q32+p9+f12+r32+reply"): its budget, then what
 // differs from the policy's own defaults (sinks, query window, probe, options, recent window); parse_policy_label
 // reads it back
 std::string policy_label(const Policy & policy);

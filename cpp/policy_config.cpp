@@ -168,6 +168,9 @@ PolicyConfig default_policy_config(PolicyConfig cfg) {
     if (cfg.probe.empty() && !(cfg.per_head == 1 && !probe_asked)) {
         cfg.probe = "question";
     }
+    if (cfg.reply < 0 && !cfg.probe.empty()) {
+        cfg.reply = 1; // a conversation's next answer reads the last one (docs/quality.md, "A conversation's next answer")
+    }
     cfg.pool = cfg.pool < 0 ? kDefaultPool : cfg.pool;
     cfg.follow = cfg.follow < 0 ? kDefaultFollow : cfg.follow;
     if (cfg.budget > 0) {

@@ -1,7 +1,7 @@
 // A policy as asked for, before make_policy resolves it (policy.h): its name, its budget split, its probe and the
 // options of a scoring policy. Each option is declared once, as a field of PolicyConfig and a row of
 // policy_options() (keyword, label suffix, what leaving it out means, range, meaning): the Python values, the
-// policy labels ("tova-256+s4+q32+p9+f12+r32"), the CLI's flags and the docs are made from the rows. What an option
+// policy labels ("tova-256+s4+q32+p9+f12+r32+reply"), the CLI's flags and the docs are made from the rows. What an option
 // does is the rule's business (RankedPolicy::select); the default policy's choice of them lives here too.
 //
 // A leaf: no llama.cpp, no Policy. Labels are written from a resolved policy in policy.cpp (policy_label).
@@ -61,8 +61,8 @@ bool apply_label_suffix(PolicyConfig & cfg, const std::string & suffix);
 PolicyConfig parse_policy_label(const std::string & text);
 
 // The default policy (Llama(path, budget=B)) with what was given: TOVA ranked by the prompt's own question (the
-// question probe, pooled over 9 entries and the 12 before each), min(4, B / 8) attention sinks and a recent window of
-// min(32, B / 2), the best of the quality suite (docs/quality.md). Fields given stay as given; per_head without a
+// question probe, pooled over 9 entries and the 12 before each), min(4, B / 8) attention sinks, a recent window of
+// min(32, B / 2) and the last exchange kept (reply), the best of the quality suite (docs/quality.md). Fields given stay as given; per_head without a
 // probe asked for drops the default's probe (per-head choice takes none). The name given is ignored.
 PolicyConfig default_policy_config(PolicyConfig given);
 

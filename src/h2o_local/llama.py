@@ -55,7 +55,7 @@ class Llama:
     Args:
         model_path: the GGUF file.
         budget: KV entries (tokens) kept per sequence; None keeps everything (the full cache).
-        policy: None (the default: `TOVA(budget, sinks=min(4, budget // 8), probe="question", pool=9, follow=12, recent=min(32, budget // 2))`,
+        policy: None (the default: `TOVA(budget, sinks=min(4, budget // 8), probe="question", pool=9, follow=12, recent=min(32, budget // 2), reply=True)`,
             heavy hitters ranked by the newest query and by the prompt's own question, the best of the quality
             suite, docs/quality.md), a policy value (`h2o_local.policies.H2O(...)`, `Sink(...)`, a `PythonRanked`
             subclass, ...) or a registered name (`h2o_local.policies.REGISTRY`): "h2o" (the published H2O: heavy

@@ -105,14 +105,17 @@ def test_the_default_policy_is_the_suites_winner_and_h2o_stays_by_name(tiny_mode
     from h2o_local.policies import TOVA
 
     llm = Llama(tiny_model, budget=64)
-    assert llm.policy == TOVA(budget=64, sinks=4, probe="question", pool=9, follow=12, recent=32)
-    assert llm.policy.label == "tova-64+s4+q32+p9+f12+r32" and policies.parse(llm.policy.label) == llm.policy
+    assert llm.policy == TOVA(budget=64, sinks=4, probe="question", pool=9, follow=12, recent=32, reply=True)
+    assert llm.policy.label == "tova-64+s4+q32+p9+f12+r32+reply" and policies.parse(llm.policy.label) == llm.policy
     assert isinstance(Llama(tiny_model).policy, policies.Full)  # no budget: the full cache, as before
     assert Llama(tiny_model, policy="h2o", budget=64).policy == policies.H2O(budget=64)  # heavy 32, recent 32
     # fields given override the default's; small budgets keep a recent window of half the budget
     assert policies.resolve(None, 64, recent=8).recent == 8
     assert policies.resolve(None, 64, probe="catalyst").probe == "catalyst"
-    assert policies.resolve(None, 64, sinks=0) == TOVA(budget=64, probe="question", pool=9, follow=12, recent=32)
+    assert policies.resolve(None, 64, sinks=0) == TOVA(budget=64, probe="question", pool=9, follow=12, recent=32,
+                                                       reply=True)
+    assert policies.resolve(None, 64, reply=False).reply is None  # an option of the default turned off
+    assert policies.resolve(None, 64, per_head=True).reply is None  # no probe, so no last exchange to keep
     for budget in (1, 2, 3, 8, 40):
         sinks, recent = min(4, budget // 8), max(1, min(32, budget // 2))  # the default's split (C++'s to choose)
         assert policies.resolve(None, budget).split == (sinks, budget - sinks - recent, recent)
