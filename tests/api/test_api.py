@@ -171,12 +171,12 @@ def test_cli_runs_per_head_h2o_and_refuses_what_it_cannot_do(tiny_model, capsys)
     assert main(["--model", tiny_model, "--no-chat", "--prompt", "Hello there " * 10, "--policy", "h2o", "--budget",
                  "16", "--per-head", "--max-tokens", "8"]) == 0
     err = capsys.readouterr().err
-    assert "policy=h2o budget=16 (sinks=0 heavy=8 recent=8 per-head)" in err and "kept=16" in err
+    assert "policy=h2o budget=16 (sinks=0 heavy=8 recent=8 per_head)" in err and "kept=16" in err
     # the default policy takes --per-head without its probe (per-head choice takes none); a probe asked for is refused
     assert main(["--model", tiny_model, "--no-chat", "--prompt", "Hello there " * 10, "--budget", "16", "--per-head",
                  "--max-tokens", "4"]) == 0
     err = capsys.readouterr().err
-    assert "policy=tova budget=16" in err and "per-head" in err and "probe=" not in err and "kept=16" in err
+    assert "policy=tova budget=16" in err and "per_head" in err and "probe=" not in err and "kept=16" in err
     for extra, says in ((["--policy", "h2o", "--position-rolling"], "position_rolling"), (["--probe", "question"], "probe")):
         with pytest.raises(SystemExit) as e:
             main(["--model", tiny_model, "--no-chat", "--prompt", "Hi", "--budget", "16", "--per-head", *extra])

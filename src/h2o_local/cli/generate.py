@@ -9,6 +9,7 @@ import sys
 import time
 
 from ..backends import where_layers_run
+from ..policies import OPTIONS
 from .common import add_model_args, add_penalty_args, load_llama, penalty_kwargs
 
 
@@ -50,8 +51,11 @@ def main(argv=None) -> int:
 
 
 def _probe_text(policy) -> str:
+    """The probe and each option given (OPTIONS: declared once in C++), as `probe=question/32 pool=9 reply`."""
     probe = getattr(policy, "probe", None)
     text = f" probe={probe}" + (f"/{policy.question}" if probe == "question" else "") if probe else ""
-    text += f" pool={policy.pool}" if getattr(policy, "pool", None) else ""
-    text += f" follow={policy.follow}" if getattr(policy, "follow", None) else ""
-    return text + (" per-head" if getattr(policy, "per_head", None) else "")
+    for option in OPTIONS:
+        value = getattr(policy, option["name"], None)
+        if value:
+            text += f" {option['name']}" + ("" if option["flag"] else f"={value}")
+    return text
