@@ -316,8 +316,12 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     std::vector<float> first; // the probe's scores come before rank() when there is a probe
     const int32_t pool = options_.pool, follow = options_.follow, block = options_.block;
     if (probe_.source != ProbeSource::none) {
-        std::vector<float> lift(n);
-        std::transform(scores.probe.begin(), scores.probe.end(), lift.begin(), [](float v) { return std::fabs(v); });
+        std::vector<float> unmarked; // the last exchange's entries (reply) are marked by a negative lift
+        if (options_.reply > 0) {
+            unmarked.resize(n);
+            std::transform(scores.probe.begin(), scores.probe.end(), unmarked.begin(), [](float v) { return std::fabs(v); });
+        }
+        const std::vector<float> & lift = options_.reply > 0 ? unmarked : scores.probe;
         first = pool > 1 || follow > 0 ? max_pool(lift, pool, follow) : lift;
         if (block > 1) {
             first = block_max(first, positions, block);

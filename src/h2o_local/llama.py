@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 import random
 import threading
@@ -21,7 +20,6 @@ from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .completions import Completions
 from .cpu import physical_cores
 from .kv_state import KVState, Snapshot
-from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
@@ -47,6 +45,17 @@ _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
     "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None, "export_scores": None,
     "verbose": None,
 }
+
+
+def _handed_to_completions(name: str) -> Callable[..., Any]:
+    """A `Llama` method that hands over to its `Completions`, with that method's signature and help."""
+    method = getattr(Completions, name)
+
+    @functools.wraps(method)
+    def call(self: "Llama", *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.completions, name)(*args, **kwargs)
+
+    return call
 
 
 class Llama:
@@ -805,19 +814,9 @@ class Llama:
         """The OpenAI-shaped calls on this `Llama` (create_completion, create_chat_completion)."""
         return Completions(self)
 
-    def create_completion(self, prompt: Prompt, **kwargs: Any) -> Union[Completion, Iterator[CompletionChunk]]:
-        return self.completions.create_completion(prompt, **kwargs)
-
-    def create_chat_completion(self, messages: Sequence[Dict[str, Any]],
-                               **kwargs: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
-        return self.completions.create_chat_completion(messages, **kwargs)
-
-    for _name in ("create_completion", "create_chat_completion"):  # the signature and help of Completions' own
-        locals()[_name].__doc__ = getattr(Completions, _name).__doc__
-        locals()[_name].__signature__ = inspect.signature(getattr(Completions, _name))
-    del _name
+    create_completion = _handed_to_completions("create_completion")
+    create_chat_completion = _handed_to_completions("create_chat_completion")
     __call__ = create_completion
-
 
     @property
     def chat_template(self) -> ChatTemplate:

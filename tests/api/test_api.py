@@ -204,3 +204,19 @@ def test_default_threads_are_the_physical_cores(tiny_model):
     assert 1 <= physical_cores() <= os.cpu_count()
     assert Llama(tiny_model, policy="h2o", budget=8).n_threads == physical_cores()
     assert Llama(tiny_model, policy="h2o", budget=8, n_threads=1).n_threads == 1
+
+
+def test_the_public_generation_calls_completions_stand_on(tiny_model):
+    """prompt_tokens, generate_events(logits=, prompt_logits=) and prompt_logits(): what Completions is built from."""
+    llm = Llama(tiny_model, n_threads=1)
+    ids = [5, 6, 7, 8]
+    assert llm.prompt_tokens(ids) == ids  # token ids as they are
+    assert llm.prompt_tokens("ab c") == llm.tokenize("ab c", add_bos=llm.info.add_bos, special=True)
+    events = list(llm.generate_events(ids, max_tokens=3, temperature=0, ignore_eos=True, logits=True,
+                                      prompt_logits=True))
+    rows = llm.prompt_logits()
+    ref = Llama(tiny_model, n_threads=1).eval(ids, logits_all=True)
+    assert rows.shape == (len(ids), llm.n_vocab()) and np.allclose(rows, ref, atol=1e-5)
+    tokens = [e for e in events if e.token is not None]
+    assert len(tokens) == 3 and all(e.logits.shape == (llm.n_vocab(),) and int(e.logits.argmax()) == e.token
+                                    for e in tokens)
