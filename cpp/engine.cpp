@@ -588,10 +588,7 @@ void Engine::compact(llama_seq_id seq) {
     if (!params_.compact_cells || (params_.kv_unified && params_.n_seq_max > 1)) {
         return;
     }
-    SeqCache & sc = seqs_.at(seq);
-    const SeqState state = sc.state();
-    const std::vector<uint8_t> kv = sc.save_kv();
-    if (!sc.restore(kv, state)) {
+    if (!seqs_.at(seq).compact_cells()) {
         seqs_.erase(seq);
         last_logits_.erase(seq);
         throw std::runtime_error("could not move the kept KV cells of sequence " + std::to_string(seq) +

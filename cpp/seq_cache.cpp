@@ -335,4 +335,16 @@ bool SeqCache::restore(const std::vector<uint8_t> & kv, const SeqState & state) 
     return true;
 }
 
+bool SeqCache::compact_cells() {
+    const SeqState state = st_;
+    const llama_pos generated_from = generated_from_, reply_from = reply_from_, reply_to = reply_to_;
+    if (!restore(save_kv(), state)) {
+        return false;
+    }
+    generated_from_ = generated_from;
+    reply_from_ = reply_from;
+    reply_to_ = reply_to;
+    return true;
+}
+
 } // namespace h2o

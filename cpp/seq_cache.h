@@ -110,8 +110,12 @@ public:
     void count_recalled(int64_t n) { host_.n_recalled += n; }
 
     std::vector<uint8_t> save_kv() const;
-    // returns false (and leaves the sequence empty) when llama.cpp cannot place the cells
+    // put back a saved sequence (a snapshot's cells and state; its last exchange is unknown); returns false (and
+    // leaves the sequence empty) when llama.cpp cannot place the cells
     bool restore(const std::vector<uint8_t> & kv, const SeqState & state);
+    // move the kept cells together at the bottom of the stream (save and restore them): the same entries, and the
+    // same place in the conversation; false as restore()
+    bool compact_cells();
 
     // protect the n oldest entries from eviction (0: none); throws std::invalid_argument when they leave the
     // policy no room for the newest token

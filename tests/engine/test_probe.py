@@ -387,6 +387,33 @@ def test_a_conversation_keeps_its_last_exchange_when_the_next_question_is_probed
     assert kept[None] < kept[True]
 
 
+@pytest.mark.parametrize("how", ["recall", "two prompts"])
+def test_the_last_exchange_outlives_the_cells_moving_together(tiny_model, how):
+    """Compaction (the kept cells moved together after a recall or a prompt that evicted) moves cells, not the
+    conversation: the next question brought back spilled entries first (recall), or came in two prompts, and the
+    answer with its question is still kept and marked."""
+    policy = TOVA(budget=64, sinks=4, recent=8, probe="question", question=8, reply=True)
+    llm = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=32, n_threads=1, recall=how == "recall")
+    llm.eval([5 + (7*i) % 250 for i in range(160)])
+    answer_from = llm.kv_state().positions[-1] + 1
+    for i in range(24):
+        llm.eval([5 + (3*i) % 250])
+    before = llm.kv_state().positions
+    held = int(((before >= answer_from - 8) & (before < answer_from + 24)).sum())  # the answer, what is left of the
+    assert held >= 24                                                              # question
+    question = [5 + (11*i) % 250 for i in range(40)]
+    if how == "recall":
+        llm.eval(question)
+        assert llm.kv_state().n_recalled > 0
+    else:
+        llm.eval(question[:20])
+        llm.eval(question[20:])
+    st = llm.kv_state()
+    exchange = (st.positions >= answer_from - 8) & (st.positions < answer_from + 24)
+    # recall brings back the question's tokens generation had evicted: the whole exchange
+    assert exchange.sum() == (32 if how == "recall" else held) and (st.probe_scores[exchange] < 0).all()
+
+
 def test_a_restored_conversation_still_keeps_its_last_answer(tiny_model):
     """A snapshot does not carry the mark: a sequence loaded from one takes its newest entries that no probe judged
     (the answer: generation runs no probe) as the last answer when the next prompt comes (the server's saved
