@@ -312,7 +312,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("budget", [](const Policy & p) { return p.bounded() ? p.split().total() : -1; })
         .def("select", [](const Policy & p, const std::vector<llama_pos> & positions, const std::vector<float> & total,
                         py::array_t<float, py::array::c_style | py::array::forcecast> head,
-                        const std::vector<int64_t> & queries, std::vector<float> probe) {
+                        const std::vector<int64_t> & queries, std::vector<float> probe, int32_t incoming) {
             SeqScores s;
             s.n_head  = head.ndim() == 2 ? (int32_t) head.shape(1) : 0;
             s.total   = total;
@@ -323,10 +323,11 @@ PYBIND11_MODULE(_engine, m) {
                 s.head.size() != positions.size()*(size_t) s.n_head || s.probe.size() != positions.size()) {
                 throw std::invalid_argument("positions, total, head [n, n_head], queries and probe must describe n entries");
             }
-            return p.select(positions, s, p.split());
+            return p.select(positions, s, p.split_before(incoming));
         }, py::arg("positions"), py::arg("total"), py::arg("head"), py::arg("queries"),
-           py::arg("probe") = std::vector<float>(),
-           "The indices the policy keeps of n entries with these scores (its rule alone, on synthetic scores).");
+           py::arg("probe") = std::vector<float>(), py::arg("incoming") = 0,
+           "The indices the policy keeps of n entries with these scores (its rule alone, on synthetic scores); "
+           "incoming: as recall ranks before a prompt of that many tokens (the handoff option).");
 
     py::class_<RankedPolicy, PyRankedPolicy, Policy, std::shared_ptr<RankedPolicy>>(
         m, "RankedPolicy", "Subclass it and define rank(total, head, queries) to score entries in Python.")

@@ -447,7 +447,7 @@ void Engine::recall_prompts(CleanState & clean, const TokenMap & tokens) {
     for (const auto & [seq, toks] : tokens) {
         if (toks.size() > 1 && seqs_.at(seq).spill_cap() > 0 && seqs_.at(seq).host().size() > 0) {
             try {
-                recall(seq, toks);
+                recall(seq, toks, true);
             } catch (...) {
                 evict_or_roll_back(clean, seq, nullptr); // never more than the budget on the device
                 throw;
@@ -576,8 +576,8 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
     }
 }
 
-void Engine::evict(llama_seq_id seq) {
-    seqs_.at(seq).evict(policy_of(seq), params_.position_rolling, params_.roll_interval);
+void Engine::evict(llama_seq_id seq, int32_t incoming) {
+    seqs_.at(seq).evict(policy_of(seq), params_.position_rolling, params_.roll_interval, incoming);
 }
 
 // llama.cpp attends cells [0, n_kv) with n_kv padded above the highest used cell, so kept entries spread over the

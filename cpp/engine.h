@@ -149,7 +149,7 @@ private:
     // probes: the sequences whose tokens in chunk are a probe's (observed into SeqScores::probe)
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
                 const std::set<llama_seq_id> & query_windows = {}, const std::set<llama_seq_id> & probes = {});
-    void evict(llama_seq_id seq);
+    void evict(llama_seq_id seq, int32_t incoming = 0); // incoming: SeqCache::evict's
     // before an eviction that will remove entries, the policy's probe ranks them; `prompt` is the prompt being fed
     // (the question probe's source; null in compress())
     void probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt);
@@ -162,7 +162,8 @@ private:
     // before a new prompt of seq: its spilled entries, a page at a time beside the kept ones, are ranked with the kept
     // ones by the question probe (the prompt's last tokens) and the policy keeps the best within its budget; the rest
     // go (back) to the host store
-    void recall(llama_seq_id seq, const std::vector<llama_token> & prompt);
+    // prompt: what ranks (its last `question` tokens); fed: whether it is fed right after (a prompt, not recall_for)
+    void recall(llama_seq_id seq, const std::vector<llama_token> & prompt, bool fed);
     int64_t recall_of(llama_seq_id seq) const; // seq's host store cap: its own or the engine's
     void check_host(const SeqSnapshot & snap) const; // a snapshot's host store fits this cache and its positions
     // throws when policy needs scores the engine does not export, or its budget and probe leave no room in a stream

@@ -44,7 +44,7 @@ void Engine::recall_for(llama_seq_id seq, const std::vector<llama_token> & quest
         throw std::invalid_argument("recall needs a question: at least one token");
     }
     try {
-        recall(seq, question);
+        recall(seq, question, false);
     } catch (...) {
         evict(seq); // never more than the budget on the device
         throw;
@@ -92,7 +92,7 @@ void Engine::check_recall(const Policy & policy, int64_t cap) const {
                                                 "layers, or no KV cache): recall is not available");
 }
 
-void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt) {
+void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, bool fed) {
     SeqCache & sc = seqs_.at(seq);
     const Policy & policy = policy_of(seq);
     if (sc.host().size() == 0 || !policy.bounded() || policy.probe().source != ProbeSource::question) {
@@ -120,7 +120,7 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt) {
         sc.readmit(indices);
         readmitted.insert(want.begin(), want.end());
         probe(seq, question);
-        evict(seq);
+        evict(seq, fed ? (int32_t) prompt.size() : 0);
     }
     int64_t kept = 0;
     for (const llama_pos p : sc.state().positions) {

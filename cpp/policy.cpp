@@ -138,6 +138,10 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
         check_policy(source != ProbeSource::none, "reply keeps the last answer against a probe's ranking: it needs a "
                      "probe");
     }
+    if (cfg.handoff > 0) {
+        check_policy(source == ProbeSource::question, "handoff gives the recent window to what a question recalls: "
+                     "it needs the question probe");
+    }
     if (cfg.per_head > 0) {
         check_policy(!policy->needs_keys(), "policy '" + cfg.name + "' ranks by keys: per_head is built for the "
                      "attention scorers (h2o, tova, snapkv and their variants)");
@@ -302,6 +306,16 @@ BudgetSplit BudgetSplit::after_prefix(int32_t n_keep) const {
     rest -= from_heavy;
     sp.recent -= rest;
     return sp;
+}
+
+BudgetSplit RankedPolicy::split_before(int32_t incoming) const {
+    BudgetSplit split = split_;
+    const int32_t given = std::min(split.recent - 1, incoming);
+    if (options_.handoff > 0 && given > 0) {
+        split.recent -= given;
+        split.heavy  += given;
+    }
+    return split;
 }
 
 std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & positions, const SeqScores & scores,

@@ -178,6 +178,8 @@ public:
     virtual bool bounded() const { return true; }
     virtual bool needs_scores() const { return false; }
     virtual BudgetSplit split() const = 0;
+    // the split while recall ranks before a prompt of `incoming` tokens is fed (those become the recent window)
+    virtual BudgetSplit split_before(int32_t /*incoming*/) const { return split(); }
 
     // > 0: the last N tokens of every prompt (an eval of more than one token) are decoded on their own, so observe()
     // sees their attention alone (ScoreUpdate::in_query_window); single tokens (generation) never form a window
@@ -221,6 +223,9 @@ public:
     void set_options(const PolicyConfig & options);
     bool needs_scores() const override { return true; }
     BudgetSplit split() const override { return split_; }
+    // with the handoff option: the recent window keeps only what the prompt will not replace (at least the newest
+    // entry) and the heavy part takes the rest
+    BudgetSplit split_before(int32_t incoming) const override;
     // by rank() (by the probe's scores first when the policy has a probe, rank() breaking ties, entries no probe
     // has judged yet first of all), each entry taking the best of the `pool` entries centred on it and of the
     // `follow` entries before it, then the best entry of its `block` of positions; ties go to the older position.

@@ -65,6 +65,10 @@ const std::vector<PolicyOption> & policy_options() {
          "with a probe: the last exchange (the previous prompt's question, its last `question` tokens, and the "
          "answer generated after it) is kept before what a new prompt's probe ranks, until another answer follows, "
          "so that a conversation's next answer still reads the last one"},
+        {"handoff", "handoff", &PolicyConfig::handoff, 0, 0, 1, "", true,
+         "with recall: while a new prompt's question ranks what comes back, the recent window protects only what the "
+         "prompt will not replace (recent - the prompt's tokens, at least 1): its place goes to what the question "
+         "finds, as the prompt's own tokens are the recent window after it"},
     };
     return options;
 }

@@ -107,7 +107,7 @@ void SeqCache::note_feed(size_t n, int32_t question) {
     generated_from_ = -1;
 }
 
-void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval) {
+void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval, int32_t incoming) {
     const size_t n = st_.positions.size();
     if (!policy.bounded() || n <= (size_t) policy.split().total()) {
         return;
@@ -126,7 +126,8 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval)
     if (policy.needs_keys()) {
         observe_keys(policy);
     }
-    const std::vector<size_t> keep = select(policy, st_.positions, st_.scores, (size_t) st_.n_keep);
+    const std::vector<size_t> keep = select(policy, policy.split_before(incoming), st_.positions, st_.scores,
+                                            (size_t) st_.n_keep);
     if (!std::is_sorted(keep.begin(), keep.end()) || std::adjacent_find(keep.begin(), keep.end()) != keep.end() ||
         keep.empty() || keep.back() >= n) {
         throw std::logic_error("policy '" + policy.name() + "' chose entries that are not ascending indices");
@@ -183,9 +184,14 @@ void SeqCache::keep_entries(const std::vector<size_t> & keep) {
 
 std::vector<size_t> SeqCache::select(const Policy & policy, const std::vector<llama_pos> & positions,
                                      const SeqScores & scores, size_t n_keep) {
+    return select(policy, policy.split(), positions, scores, n_keep);
+}
+
+std::vector<size_t> SeqCache::select(const Policy & policy, const BudgetSplit & split,
+                                     const std::vector<llama_pos> & positions, const SeqScores & scores, size_t n_keep) {
     n_keep = std::min(n_keep, positions.size());
     if (n_keep == 0) {
-        return policy.select(positions, scores, policy.split());
+        return policy.select(positions, scores, split);
     }
     // the policy decides over the entries after the prefix, within what the prefix leaves of the budget
     std::vector<size_t> after(positions.size() - n_keep);
@@ -194,7 +200,7 @@ std::vector<size_t> SeqCache::select(const Policy & policy, const std::vector<ll
 
     std::vector<size_t> keep(n_keep);
     std::iota(keep.begin(), keep.end(), 0);
-    for (const size_t k : policy.select(tail, scores.gather(after), policy.split().after_prefix((int32_t) n_keep))) {
+    for (const size_t k : policy.select(tail, scores.gather(after), split.after_prefix((int32_t) n_keep))) {
         keep.push_back(n_keep + k);
     }
     return keep;

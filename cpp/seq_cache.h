@@ -67,6 +67,9 @@ public:
     // the indices of positions to keep: a protected prefix of n_keep, then what the policy keeps of the rest
     static std::vector<size_t> select(const Policy & policy, const std::vector<llama_pos> & positions,
                                       const SeqScores & scores, size_t n_keep);
+    // the same within `split` (the policy's own, or its split_before a prompt)
+    static std::vector<size_t> select(const Policy & policy, const BudgetSplit & split,
+                                      const std::vector<llama_pos> & positions, const SeqScores & scores, size_t n_keep);
 
     const SeqState & state() const { return st_; }
     int32_t size() const { return (int32_t) st_.positions.size(); }
@@ -85,8 +88,9 @@ public:
     // n tokens are about to be fed: one is a generation step, more a prompt, which makes what was generated since
     // the previous prompt, with that prompt's last `question` tokens (what it asked), the last exchange
     void note_feed(size_t n, int32_t question);
-    // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more
-    void evict(const Policy & policy, bool rolling, int32_t roll_interval);
+    // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more.
+    // incoming: the tokens of a prompt fed right after (recall ranks before it): Policy::split_before
+    void evict(const Policy & policy, bool rolling, int32_t roll_interval, int32_t incoming = 0);
     // drop the entries at next_pos and above (a decode that failed half-way)
     void drop_unfinished();
     // back to `before`, a state of this sequence taken before its last chunk, whose cells are then dropped (an

@@ -355,6 +355,37 @@ def test_the_last_answer_is_kept_before_what_a_new_prompts_probe_ranks():
     assert keep == [1, 2, 3, 6]  # its neighbours take its lift (0.9, before 0.2), not its mark
 
 
+def test_handoff_gives_the_recent_window_to_what_the_question_finds_before_a_prompt():
+    """The handoff option: ranking before a prompt of n tokens (recall), the recent window protects only recent - n
+    of the newest entries (at least the newest), and the heavy part takes the rest; otherwise the split is the
+    policy's. Without the option, the prompt's length changes nothing."""
+    probe = [0.0, 0.9, 0.1, 0.8, 0.1, 0.7, 0.1, 0.1, 0.1, 0.1]  # entry 0: a sink; 7-9 the newest
+    args = (list(range(10)), [0.0] * 10, np.zeros((10, 1), np.float32), [1] * 10)
+    handoff = _engine.Policy("tova", 6, sinks=1, heavy=2, recent=3, probe="question", handoff=1)
+    plain = _engine.Policy("tova", 6, sinks=1, heavy=2, recent=3, probe="question")
+    assert handoff.select(*args, probe=probe) == plain.select(*args, probe=probe) == [0, 1, 3, 7, 8, 9]
+    assert plain.select(*args, probe=probe, incoming=8) == [0, 1, 3, 7, 8, 9]
+    assert handoff.select(*args, probe=probe, incoming=1) == [0, 1, 3, 5, 8, 9]
+    assert handoff.select(*args, probe=probe, incoming=8) == [0, 1, 2, 3, 5, 9]  # the newest always stays
+    assert handoff.option("handoff") == 1 and "+handoff" in handoff.label
+
+
+def test_with_handoff_a_question_brings_back_more_of_what_it_ranks(tiny_model):
+    """In a recall before a prompt, handoff lets what the question ranks take the recent window's place:
+    more spilled entries come back than without it, and the prompt still ends as the recent window."""
+    recalled = {}
+    for handoff in (None, True):
+        policy = TOVA(budget=48, sinks=4, recent=16, probe="question", question=8, handoff=handoff)
+        llm = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=32, n_threads=1, recall=True)
+        llm.eval([5 + (7*i) % 250 for i in range(200)])
+        question = [5 + (11*i) % 250 for i in range(24)]
+        llm.eval(question)
+        st = llm.kv_state()
+        assert st.positions[-16:].tolist() == list(range(200 + 24 - 16, 200 + 24))
+        recalled[handoff] = st.n_recalled
+    assert recalled[True] > recalled[None]  # the window's 15 places went to the question's choice
+
+
 def test_a_conversation_keeps_its_last_exchange_when_the_next_question_is_probed(tiny_model):
     """Prompt, answer, next prompt: with reply the answer and the previous prompt's question (its last `question`
     tokens) survive the next prompt's evictions, marked (negative probe scores) until another answer follows; without
