@@ -142,9 +142,7 @@ void Engine::check_host(const SeqSnapshot & snap) const {
             throw std::invalid_argument("the snapshot's host entries do not match its positions");
         }
     }
-    const size_t raw_bytes = llama_kv_entry_size(ctx_);
-    if ((h.entry_bytes != raw_bytes && h.entry_bytes != q8_0_entry_bytes(raw_bytes)) || h.kv.size() != h.size()*h.entry_bytes ||
-        h.tokens.size() != h.size() || h.scores.size() != h.size() || h.scores.n_head != n_head_) {
+    if (!h.fits(llama_kv_entry_size(ctx_), n_head_)) {
         throw std::invalid_argument("the snapshot's host entries do not match this model's cache");
     }
     for (const llama_token t : h.tokens) {

@@ -66,12 +66,14 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
     const std::vector<uint8_t> kv_before = sc.save_kv();
     const SeqState state_before = sc.state();
     const HostStore host_before = sc.host();
+    const Exchange exchange_before = sc.exchange();
     auto put_back = [&] {
         if (!sc.restore(kv_before, state_before)) {
             reset_seq(seq);
             return;
         }
         sc.set_host(host_before);
+        sc.set_exchange(exchange_before);
     };
     if (!sc.restore(snap.kv, snap.state)) {
         put_back();

@@ -109,6 +109,11 @@ HostStore HostStore::adopted(const HostStore & saved, size_t raw_bytes, int32_t 
     return h;
 }
 
+bool HostStore::fits(size_t raw_bytes, int32_t n_head) const {
+    return consistent() && scores.n_head == n_head &&
+           (size() == 0 || entry_bytes == raw_bytes || entry_bytes == q8_0_entry_bytes(raw_bytes));
+}
+
 bool HostStore::consistent() const {
     const size_t n = size();
     return tokens.size() == n && scores.covers(n) && (n == 0 || (entry_bytes > 0 && kv.size() == n*entry_bytes)) &&

@@ -57,6 +57,9 @@ struct HostStore {
     static HostStore adopted(const HostStore & saved, size_t raw_bytes, int32_t n_head);
     // its parts agree (sizes, bytes, counters): what a snapshot's store must be
     bool consistent() const;
+    // consistent, and its entries are what a cache of raw_bytes entries and n_head heads keeps (its rows or their
+    // q8_0 blocks)
+    bool fits(size_t raw_bytes, int32_t n_head) const;
 };
 
 // bytes of one entry of raw_bytes F16 bytes as q8_0 blocks

@@ -79,19 +79,20 @@ void SeqCache::observe_probe(const Policy & policy, const std::vector<float> & h
         return;
     }
     for (size_t i = 0; i < probe.size(); ++i) {
-        if (st_.positions[i] >= reply_from_ && st_.positions[i] < reply_to_) {
+        if (st_.positions[i] >= exchange_.reply_from && st_.positions[i] < exchange_.reply_to) {
             probe[i] = -std::max(probe[i], std::numeric_limits<float>::min());
         }
     }
 }
 
 void SeqCache::note_feed(size_t n, int32_t question) {
+    Exchange & ex = exchange_;
     if (n == 1) {
-        generated_from_ = generated_from_ < 0 ? st_.next_pos : generated_from_;
+        ex.generated_from = ex.generated_from < 0 ? st_.next_pos : ex.generated_from;
         return;
     }
-    llama_pos from = generated_from_;
-    if (from < 0 && reply_to_ < 0) {
+    llama_pos from = ex.generated_from;
+    if (from < 0 && ex.reply_to < 0) {
         // not seen here (a sequence restored from a snapshot): the answer is the newest entries no probe judged
         // (generation's single tokens run none), when an older one was judged
         size_t i = st_.positions.size();
@@ -101,10 +102,10 @@ void SeqCache::note_feed(size_t n, int32_t question) {
         from = i > 0 && i < st_.positions.size() ? st_.positions[i] : -1;
     }
     if (from >= 0) {
-        reply_from_ = std::max<llama_pos>(0, from - std::max(question, 0));
-        reply_to_ = st_.next_pos;
+        ex.reply_from = std::max<llama_pos>(0, from - std::max(question, 0));
+        ex.reply_to = st_.next_pos;
     }
-    generated_from_ = -1;
+    ex.generated_from = -1;
 }
 
 void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval, int32_t incoming) {
@@ -319,7 +320,7 @@ void SeqCache::clear() {
     host_ = HostStore();
     host_.entry_bytes = entry_bytes;
     host_.scores.n_head = n_head;
-    generated_from_ = reply_from_ = reply_to_ = -1;
+    exchange_ = Exchange();
 }
 
 std::vector<uint8_t> SeqCache::save_kv() const {
@@ -337,19 +338,17 @@ bool SeqCache::restore(const std::vector<uint8_t> & kv, const SeqState & state) 
         return false;
     }
     st_ = state;
-    generated_from_ = reply_from_ = reply_to_ = -1;
+    exchange_ = Exchange();
     return true;
 }
 
 bool SeqCache::compact_cells() {
     const SeqState state = st_;
-    const llama_pos generated_from = generated_from_, reply_from = reply_from_, reply_to = reply_to_;
+    const Exchange exchange = exchange_;
     if (!restore(save_kv(), state)) {
         return false;
     }
-    generated_from_ = generated_from;
-    reply_from_ = reply_from;
-    reply_to_ = reply_to;
+    exchange_ = exchange;
     return true;
 }
 

@@ -60,6 +60,15 @@ struct SeqSnapshot {
 };
 
 
+// Where a sequence stands in its conversation (the reply option): the last exchange, [reply_from, reply_to), the
+// question that ended the previous prompt and the answer generated before the latest; and the first position
+// generated since the latest prompt (-1: none). Not saved with a snapshot (a loaded sequence has none).
+struct Exchange {
+    llama_pos generated_from = -1;
+    llama_pos reply_from     = -1;
+    llama_pos reply_to       = -1;
+};
+
 class SeqCache {
 public:
     SeqCache(llama_context * ctx, llama_seq_id seq, int32_t n_head);
@@ -88,6 +97,8 @@ public:
     // n tokens are about to be fed: one is a generation step, more a prompt, which makes what was generated since
     // the previous prompt, with that prompt's last `question` tokens (what it asked), the last exchange
     void note_feed(size_t n, int32_t question);
+    const Exchange & exchange() const { return exchange_; }
+    void set_exchange(const Exchange & exchange) { exchange_ = exchange; }
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more.
     // incoming: the tokens of a prompt fed right after (recall ranks before it): Policy::split_before
     void evict(const Policy & policy, bool rolling, int32_t roll_interval, int32_t incoming = 0);
@@ -153,12 +164,7 @@ private:
     bool      spill_q8_  = false;
     HostStore host_;
 
-    // the last exchange, [reply_from_, reply_to_): the question that ended the previous prompt and the answer
-    // generated before the latest; and the first position generated since the latest prompt (-1: none). Not saved
-    // with a snapshot (a loaded sequence has none).
-    llama_pos generated_from_ = -1;
-    llama_pos reply_from_ = -1;
-    llama_pos reply_to_   = -1;
+    Exchange exchange_;
 };
 
 } // namespace h2o
