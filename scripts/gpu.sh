@@ -18,6 +18,11 @@ SHAPE=${SHAPE:-qwen2.5-1.5b}
 DEFAULT_BENCH=(--depths 8192 32768 65536 131072 --settings full full+fa h2o-256 tova-256+s4+q32+p9+f12+r32
                tova-256+s4+q32+p9+f12+r32+fa)
 mkdir -p "$OUT"
+# the image's python is python3 only
+command -v python >/dev/null || { mkdir -p /tmp/pybin; ln -sf "$(command -v python3)" /tmp/pybin/python; export PATH=/tmp/pybin:$PATH; }
+# the pruned, patched llama.cpp tree carried beside the repository (python vendor/prepare.py --out .devicetree/llama.cpp,
+# then the backends other than CPU, CUDA and RPC deleted from ggml/src: ../shared/docs/cuda.md)
+[ -d .devicetree/llama.cpp ] && export H2O_LOCAL_LLAMA_CPP_DIR=${H2O_LOCAL_LLAMA_CPP_DIR:-$PWD/.devicetree/llama.cpp}
 steps=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -25,7 +30,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
 for step in "${steps[@]}"; do
     case "$step" in
     deps)
-        python -m pip install -q --no-index --find-links .devicepkgs scikit-build-core pybind11 gguf hypothesis tqdm jinja2 pexpect fastapi uvicorn sse-starlette openai prometheus-client 2>&1 | tail -3
+        python -m pip install -q --no-index --find-links .devicepkgs scikit-build-core pybind11 gguf hypothesis tqdm jinja2 pexpect fastapi uvicorn sse-starlette openai pydantic-settings prometheus-client diskcache 2>&1 | tail -3
         ;;
     build)
         start=$(date +%s)
@@ -34,13 +39,19 @@ for step in "${steps[@]}"; do
         echo "build: $(( $(date +%s) - start )) s"
         ;;
     tests)
-        H2O_LOCAL_SKIP_SLOW=1 H2O_LOCAL_TEST_N_GPU_LAYERS=-1 python -m pytest -q -p no:cacheprovider tests \
-            --ignore=tests/experiments/test_experiments.py > "$OUT/tests.log" 2>&1
-        tail -15 "$OUT/tests.log"
+        # first the sequence that aborted (a Llama after an RPC server died), then the rest, a file per worker
+        export H2O_LOCAL_SKIP_SLOW=1 H2O_LOCAL_TEST_N_GPU_LAYERS=-1
+        python -m pytest -q -p no:cacheprovider tests/engine/test_rpc.py tests/engine/test_scores.py \
+            > "$OUT/tests-rpc-then-scores.log" 2>&1
+        echo "rpc then scores: rc $?"; tail -3 "$OUT/tests-rpc-then-scores.log"
+        timeout "${TESTS_TIMEOUT:-600}" python -m pytest -q -p no:cacheprovider -n "${TESTS_WORKERS:-4}" --dist loadfile \
+            tests --ignore=tests/experiments/test_experiments.py > "$OUT/tests.log" 2>&1
+        echo "suite: rc $?"; grep -E "^(FAILED|ERROR)|crashed|passed|failed" "$OUT/tests.log" | tail -40
         ;;
     peer)
         start=$(date +%s)
-        CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" python -m pip install --no-deps --no-build-isolation \
+        # without its multimodal library, which the benchmark never loads
+        CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" python -m pip install --no-deps --no-build-isolation \
             --no-index --find-links .devicepkgs "llama-cpp-python==0.3.36" > "$OUT/peer-build.log" 2>&1 \
             || { tail -20 "$OUT/peer-build.log"; echo "peer: not built (bench runs without it)"; }
         echo "peer build: $(( $(date +%s) - start )) s"
