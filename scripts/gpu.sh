@@ -44,9 +44,11 @@ for step in "${steps[@]}"; do
         python -m pytest -q -p no:cacheprovider tests/engine/test_rpc.py tests/engine/test_scores.py \
             > "$OUT/tests-rpc-then-scores.log" 2>&1
         echo "rpc then scores: rc $?"; tail -3 "$OUT/tests-rpc-then-scores.log"
-        timeout "${TESTS_TIMEOUT:-600}" python -m pytest -q -p no:cacheprovider -n "${TESTS_WORKERS:-4}" --dist loadfile \
-            tests --ignore=tests/experiments/test_experiments.py > "$OUT/tests.log" 2>&1
-        echo "suite: rc $?"; grep -E "^(FAILED|ERROR)|crashed|passed|failed" "$OUT/tests.log" | tail -40
+        # -v names each result as it comes (a run cut off at the lease's limit still says which failed); a test that
+        # hangs is stopped after 90 s (pytest-timeout, in the image)
+        timeout "${TESTS_TIMEOUT:-600}" python -m pytest -v -p no:cacheprovider -p no:benchmark -n "${TESTS_WORKERS:-4}" \
+            --dist loadfile --timeout 90 tests --ignore=tests/experiments/test_experiments.py > "$OUT/tests.log" 2>&1
+        echo "suite: rc $?"; grep -E " (FAILED|ERROR) |crashed|Timeout| passed| failed" "$OUT/tests.log" | tail -40
         ;;
     peer)
         start=$(date +%s)
