@@ -86,7 +86,7 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         kv_bytes = kv_cells * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * head_dim * 2 * 2
         cells = llm.n_tokens
         model_bytes = llama_cpp.llama_model_size(m)
-        evict_us = head_moves = None
+        evict_us = head_moves = prefill_parts = None
     else:
         from h2o_local import Llama
 
@@ -95,7 +95,8 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         n_ctx = depth + n_dec + 16 if setting.budget is None or setting.after_full else 0
         if setting.after_full:  # the whole prompt in the full cache (scores exported), then compressed to the policy
             kwargs.update(policy="full", export_scores=True)
-        llm = Llama(cfg["model"], **kwargs, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+        kwargs.setdefault("n_batch", n_batch)
+        llm = Llama(cfg["model"], **kwargs, n_ctx=n_ctx, n_threads=threads,
                     n_gpu_layers=cfg.get("n_gpu_layers", 0))
         prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
         t0 = time.perf_counter()
@@ -105,6 +106,9 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
             llm.compress()
         t_prefill = time.perf_counter() - t0
         before = llm.kv_state()
+        # where the prompt's time went: the probes' decodes and the evictions (choice and removal); the rest is the
+        # prompt's own decodes, compaction and the host's bookkeeping
+        prefill_parts = {"probe_s": before.probe_seconds, "evict_s": before.evict_seconds, "n_probes": before.n_probes}
         steps = []
         for _ in range(n_dec):
             tok = int(np.argmax(llm.last_logits()))
@@ -129,12 +133,33 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         "peak_rss": _peak_rss(),
         "evict_us_per_step": evict_us,     # eviction's own time per decode step (choice, moves, removal)
         "head_moves_per_step": head_moves,  # per-head cells: K/V slices moved per decode step
+        "prefill_s": t_prefill,
+        "prefill_parts": prefill_parts,     # seconds of the prompt's time in probes and evictions (ours only)
     }
 
 
 # ---------------------------------------------------------------------------------------------- the whole run
-def memory_bandwidth(size_mib: int = 512, repeats: int = 5) -> float:
-    """Bytes/s of a large array copy (read + write), the best of a few runs."""
+def memory_bandwidth(size_mib: int = 512, repeats: int = 5, device: bool = False) -> float:
+    """Bytes/s of a large array copy (read + write), the best of a few runs; `device`: on the first CUDA GPU (the
+    weights' memory when every layer is offloaded), through PyTorch where it is installed, else the host's."""
+    if device:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                x = torch.ones(size_mib * 2**20 // 4, device="cuda")
+                y = torch.empty_like(x)
+                best = 0.0
+                for _ in range(repeats + 1):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    y.copy_(x)
+                    end.record()
+                    torch.cuda.synchronize()
+                    best = max(best, 2 * x.numel() * 4 / (start.elapsed_time(end) / 1e3))
+                return best
+        except ImportError:
+            pass
     a = np.ones(size_mib * 2**20 // 8)
     b = np.empty_like(a)
     best = 0.0
@@ -204,7 +229,7 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
     lines = [f"# Benchmark: {Path(meta['model']).name}", "",
              f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; threads {meta['threads']}, "
              f"n_batch {meta['n_batch']}; load average before/after {meta['load_before']:.2f} / {meta.get('load_after', float('nan')):.2f}; "
-             f"copy bandwidth {bw / 1e9:.1f} GB/s; {meta['repeats']} repeats, medians; {meta['decode_tokens']} "
+             f"copy bandwidth {bw / 1e9:.1f} GB/s ({'the GPU' if meta.get('n_gpu_layers') else 'the host'}); {meta['repeats']} repeats, medians; {meta['decode_tokens']} "
              f"decode steps per run (median step).", ""]
     for metric, title in (("decode_tok_s", "Decode tokens/s (median step)"),
                           ("decode_mean_tok_s", "Decode tokens/s (mean over steps)"), ("prefill_tok_s", "Prompt tokens/s"),
@@ -227,6 +252,7 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
 
+    lines += _prefill_parts_table(records, names, depths)
     lines += ["## Ratios (same run)", "", "| depth | comparison | ratio |", "|---|---|---|"]
     for d in depths:
         def val(name, metric):
@@ -251,9 +277,9 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
                 if st.budget and st.policy not in ("h2o", "full", "local") and st.policy_label == name:
                     pairs += [(f"decode {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "decode_tok_s"),
                               (f"prefill {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "prefill_tok_s")]
-        for name in names:  # a bounded cache against the full one, both with flash attention or both without
+        for name in names:  # a bounded cache against the full one with the same flash attention and n_batch
             if not name.startswith("llama-cpp-python") and parse_setting(name).budget:
-                full = "full+fa" if name.endswith("+fa") else "full"
+                full = "+".join(["full"] + [x for x in name.split("+")[1:] if x == "fa" or x.startswith("batch")])
                 pairs += [(f"prefill {name} / {full}", name, full, "prefill_tok_s"),
                           (f"decode {name} / {full}", name, full, "decode_tok_s")]
         for name in names:  # a suffix against the same setting without it (+nocompact, +fa, +kq8_0, ...)
@@ -289,6 +315,29 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
         lines += ["", "## Errors", ""] + [f"- {r['name']} @ {r['depth']}: {r['error']}" for r in errors]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(out.with_suffix(".png"), summary, names, depths)
+
+
+def _prefill_parts_table(records: List[Dict[str, Any]], names: List[str], depths: List[int]) -> List[str]:
+    """The prompt's time by part (medians over repeats): the probes' decodes, the evictions, and the rest (the
+    prompt's own decodes, compaction, the host's bookkeeping), for the settings that evict."""
+    rows = []
+    for name in names:
+        for d in depths:
+            rs = [r for r in records if r["name"] == name and r["depth"] == d and "error" not in r
+                  and r.get("prefill_parts") and r["prefill_parts"]["n_probes"] + r["prefill_parts"]["evict_s"] > 0]
+            if not rs:
+                continue
+            total = statistics.median(r["prefill_s"] for r in rs)
+            probe = statistics.median(r["prefill_parts"]["probe_s"] for r in rs)
+            evict = statistics.median(r["prefill_parts"]["evict_s"] for r in rs)
+            n_probes = statistics.median(r["prefill_parts"]["n_probes"] for r in rs)
+            rows.append(f"| {name} | {d} | {total * 1e3:.0f} | {n_probes:.0f} | {probe * 1e3:.0f} ({probe / total:.0%}) | "
+                        f"{evict * 1e3:.0f} ({evict / total:.0%}) | {(total - probe - evict) * 1e3:.0f} |")
+    if not rows:
+        return []
+    return ["## The prompt's time by part, milliseconds", "",
+            "| setting | depth | prompt | probes run | in probes | in evictions | the rest |", "|---|---|---|---|---|---|---|"] \
+        + rows + [""]
 
 
 def _cells_allocated(records, name, depth) -> int:
@@ -376,7 +425,7 @@ def main(argv=None) -> int:
         todo = [s for s in todo if s["name"] in args.only]
     meta = {"model": model, "machine": machine(), "threads": args.threads, "n_batch": args.n_batch, "n_gpu_layers": args.n_gpu_layers,
             "repeats": args.repeats, "decode_tokens": args.decode_tokens, "budgets": args.budgets,
-            "depths": args.depths, "load_before": os.getloadavg()[0], "memory_bandwidth": memory_bandwidth()}
+            "depths": args.depths, "load_before": os.getloadavg()[0], "memory_bandwidth": memory_bandwidth(device=args.n_gpu_layers != 0)}
     records: List[Dict[str, Any]] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     total = len(todo) * len(args.depths) * args.repeats

@@ -6,6 +6,7 @@
 #include "llama-ext.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -79,6 +80,7 @@ void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
     const bool had_logits = it != last_logits_.end();
     const std::vector<float> logits = had_logits ? it->second : std::vector<float>();
     SeqCache & sc = seqs_.at(seq);
+    const auto t0 = std::chrono::steady_clock::now();
     const int32_t n_old = sc.size();
     probe_sums_.assign((size_t) n_old*n_head_, 0.0f);
     // a batch at a time; the sums of all its queries over the entries it probes, as one decode would give them
@@ -89,6 +91,7 @@ void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
     sc.drop_newest((int32_t) toks.size());
     const Policy & policy = policy_of(seq);
     sc.observe_probe(policy, probe_sums_, (int32_t) toks.size(), policy.probe().source == ProbeSource::repeat);
+    sc.note_probe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (had_logits) {
         last_logits_[seq] = logits;
     } else {

@@ -45,6 +45,8 @@ struct SeqState {
     int32_t   peak_cells = 0;           // most entries held at once (between a decode and its eviction)
     int32_t   n_keep     = 0;           // the oldest entries never evicted (a protected prefix, inside the budget)
     double    evict_seconds = 0.0;      // time spent choosing and removing what is evicted (moves included)
+    double    probe_seconds = 0.0;      // time spent in probe decodes (the device's work and the wait for it included)
+    int64_t   n_probes      = 0;        // probes run (a question probe: one per eviction of a prompt)
     int64_t   n_head_moves  = 0;        // per-head cells: K/V slices of one layer's KV head moved between cells
     HeadParts parts;                    // per-head cells (empty: every cell holds its own position everywhere)
 };
@@ -97,6 +99,7 @@ public:
     // n tokens are about to be fed: one is a generation step, more a prompt, which makes what was generated since
     // the previous prompt, with that prompt's last `question` tokens (what it asked), the last exchange
     void note_feed(size_t n, int32_t question);
+    void note_probe(double seconds) { st_.probe_seconds += seconds; ++st_.n_probes; }
     const Exchange & exchange() const { return exchange_; }
     void set_exchange(const Exchange & exchange) { exchange_ = exchange; }
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more.

@@ -245,7 +245,8 @@ def open_llama(model: str, label: str, prompt_len: int, n_batch: int, threads: O
     setting = parse_setting(label)
     kwargs = setting.llama_kwargs(prompt_len)
     n_ctx = prompt_len + 512 if setting.policy == "full" else 0  # 0: budget + a batch + the probe's cells
-    return Llama(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, **kwargs)
+    kwargs.setdefault("n_batch", n_batch)
+    return Llama(model, n_ctx=n_ctx, n_threads=threads, **kwargs)
 
 
 def run_row(llm: Llama, head: List[int], tail: List[int], later: List[List[int]], mode: str,

@@ -31,7 +31,7 @@ def make(model: str, setting: str, threads) -> Llama:
     s = parse_setting(setting)
     if s.policy == "full":
         return Llama(model, n_ctx=ModelInfo.load(model).n_ctx_train, n_threads=threads)
-    return Llama(model, **s.llama_kwargs(), n_batch=256, n_threads=threads)
+    return Llama(model, **{"n_batch": 256, **s.llama_kwargs()}, n_threads=threads)
 
 
 def session(llm: Llama, turns, max_tokens: int, transcript, on_progress=None) -> list:

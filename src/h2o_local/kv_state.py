@@ -36,6 +36,8 @@ class KVState:
     head_layers: Optional[np.ndarray] = None   # int32 [n_layers]: the layers of head_positions
     evict_seconds: float = 0.0  # time spent choosing and removing what is evicted, moves included (seconds)
     n_head_moves: int = 0       # per-head cells: K/V slices of one layer's KV head moved between cells so far
+    probe_seconds: float = 0.0  # time spent in probe decodes, the device's work included (seconds)
+    n_probes: int = 0           # probes run so far (the question probe: one per eviction while a prompt is read)
     # recall (`Llama(recall=...)`): the positions of the entries kept in host memory (in the order they left), their
     # K and V bytes there, entries spilled so far, brought back by a later prompt and kept, and dropped for the cap
     host_positions: Optional[np.ndarray] = None

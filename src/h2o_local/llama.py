@@ -410,6 +410,7 @@ class Llama:
                        n_keep=st["n_keep"], tokens=st["tokens"], probe_scores=st["probe_scores"],
                        head_positions=st["head_positions"], head_layers=st["head_layers"],
                        evict_seconds=st["evict_seconds"], n_head_moves=st["n_head_moves"],
+                       probe_seconds=st["probe_seconds"], n_probes=st["n_probes"],
                        host_positions=st["host_positions"], host_bytes=st["host_bytes"], n_spilled=st["n_spilled"],
                        n_recalled=st["n_recalled"], n_dropped=st["n_dropped"])
 
