@@ -34,7 +34,9 @@ case "${1:-1}" in
     TESTS_TIMEOUT=${TESTS_TIMEOUT:-200} TESTS_WORKERS=14 bash scripts/gpu.sh tests
     pack tests
     wait $model_pid
-    bash scripts/gpu.sh bench -- --depths 8192 32768 --no-peer --settings full+fa $DEFAULT+fa h2o-256 $DEFAULT
+    # the probe's cost (the default without it: tova-256+s4+r32) and the chunk size's (+batch2048) beside the rest
+    bash scripts/gpu.sh bench -- --depths 8192 32768 --no-peer --settings full+fa $DEFAULT+fa h2o-256 $DEFAULT \
+        tova-256+s4+r32+fa full+fa+batch2048 $DEFAULT+fa+batch2048
     pack bench-8k-32k
     ;;
 2)
