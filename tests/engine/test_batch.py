@@ -3,11 +3,10 @@ import pytest
 
 from h2o_local import Llama
 from engine_view import engine
+from device_tolerance import CPU_BACKEND as CPU
 
 # the batch-against-alone tests run on the CPU backend, whose results do not depend on a batch's size: a GPU's
 # matrix products round differently by batch size (CUDA: prefill column sums up to 8.8% of an entry apart), so that
-# a sampled or near-tied token forks there; what batching decides is the same logic on any backend
-CPU = dict(n_gpu_layers=0, op_offload=False)
 PROMPTS = ["Once upon a time", "The weather today is", "In the beginning there was", "Numbers: 1 2 3"]
 
 

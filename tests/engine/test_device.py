@@ -16,14 +16,12 @@ import pytest
 
 import h2o_local
 from attention_reference import LlamaReference
-from device_tolerance import DEVICE_LOGITS_REL
+from device_tolerance import CPU_BACKEND as CPU, DEVICE_LOGITS_REL
 from h2o_local import Llama
 from h2o_reference import H2OReference
 from tiny_model import write_tiny_llama
 from engine_view import engine
 
-# the CPU backend of the same build: layers on the CPU, and their large batches not sent to the device either
-CPU = dict(n_gpu_layers=0, op_offload=False)
 TEXT = ("The lighthouse keeper climbed the stairs at dusk, lit the great lamp and watched the ships pass the rocks "
         "until morning came over the grey sea.")
 # relative L1 distance of the exported scores between two backends; measured on the tiny model (F32 weights) on
@@ -184,8 +182,15 @@ def test_snapshots_round_trip_on_the_device_and_to_the_cpu(tiny_model, gpu):
         llm.load_state(snap)
         assert llm.kv_state().positions.tolist() == kept
     expected = a.generate(" The", max_tokens=12, temperature=0.0, reset=False)
-    assert on_device.generate(" The", max_tokens=12, temperature=0.0, reset=False) == expected
-    assert on_cpu.generate(" The", max_tokens=12, temperature=0.0, reset=False) == expected
+    assert on_device.generate(" The", max_tokens=12, temperature=0.0, reset=False) == expected  # one backend: exact
+    # the CPU reads the device's bytes: the next step's logits at the device's tolerance (a near tie of this random
+    # model may fork a greedy text between backends, so no text is compared)
+    a.reset()
+    a.load_state(snap)
+    for llm in (a, on_cpu):
+        llm.eval(llm.tokenize(" The", add_bos=False))
+    tolerance = DEVICE_LOGITS_REL * float(np.ptp(a.last_logits()))
+    np.testing.assert_allclose(on_cpu.last_logits(), a.last_logits(), atol=tolerance)
 
 
 def test_rolling_a_quantized_k_cache_on_the_device_is_refused_clearly(one_layer, gpu):

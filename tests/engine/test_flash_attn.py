@@ -9,9 +9,8 @@ import pytest
 from h2o_local import Llama
 from tiny_model import write_tiny_llama
 from engine_view import engine
+from device_tolerance import CPU_BACKEND as CPU
 
-# the CPU backend, for the tests of its own kernel's arithmetic (a device computes flash attention its own way)
-CPU = dict(n_gpu_layers=0, op_offload=False)
 TEXT = ("Flash attention forms no softmax, so the scores come from a pass of their own beside it, and every policy "
         "runs with it, the heavy hitters included. ")
 

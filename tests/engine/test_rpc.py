@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from h2o_local import Llama
+from device_tolerance import CPU_BACKEND as CPU
 
 TEXT = "Layers on another machine attend the same way as layers here. " * 6
 
@@ -43,7 +44,7 @@ def rpc_server():
 @pytest.mark.parametrize("policy", ["h2o", "keydiff"])
 def test_offloading_layers_over_rpc_changes_nothing(tiny_model, rpc_server, policy):
     # the CPU backend here against the one the RPC server runs there; no batch sent to this machine's GPU, if any
-    local = Llama(tiny_model, policy=policy, budget=24, n_batch=32, n_gpu_layers=0, op_offload=False)
+    local = Llama(tiny_model, policy=policy, budget=24, n_batch=32, **CPU)
     remote = Llama(tiny_model, policy=policy, budget=24, n_batch=32, rpc_servers=[rpc_server], n_gpu_layers=1,
                    op_offload=False)
     prompt = local.tokenize(TEXT)

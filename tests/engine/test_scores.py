@@ -5,13 +5,12 @@ import pytest
 from attention_reference import LlamaReference
 from h2o_local import Llama
 from engine_view import engine
+from device_tolerance import CPU_BACKEND as CPU
 
 # llama.cpp multiplies Q4_1 weights with activations quantized to 8 bits; the reference stays in float64. Measured on
 # SmolLM2 (51 tokens): largest relative difference 5%, 1.0% of the total mass, correlation 0.99998
 TOL_QUANTIZED = 0.1
 
-# the CPU backend, against the float64 reference at the CPU's tolerance (a device: tests/engine/test_device.py, at its own)
-CPU = dict(n_gpu_layers=0, op_offload=False)
 TEXT = "The lighthouse keeper climbed the stairs every evening to light the great lamp above the sea."
 
 

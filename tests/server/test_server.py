@@ -15,6 +15,7 @@ from h2o_local.sampling import CHAT_SURFACE
 from h2o_local.server import create_app, serve_in_background
 from tiny_model import write_tiny_llama
 from engine_view import engine
+from device_tolerance import CPU_BACKEND
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -98,8 +99,10 @@ def test_streaming_chat_gives_the_same_text(server):
 
 
 def test_concurrent_streams_are_decoded_together_and_equal_one_by_one(chat_model):
+    """On the CPU backend, whose results do not depend on a batch's size; a GPU's matrix products round differently
+    by batch size, so there a near tie of this random model forks a greedy text (tests/engine/test_batch.py)."""
     prompts = [f"Story number {i}:" for i in range(3)]
-    with serving(chat_model, slots=4, session_mib=0) as (port, client):
+    with serving(chat_model, slots=4, session_mib=0, **CPU_BACKEND) as (port, client):
         alone = [client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0).choices[0].text
                  for p in prompts]
         results, barrier = [None] * 3, threading.Barrier(3)

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# the CPU backend of the same build: layers on the CPU, and their large batches not sent to a device either
+# (llama.cpp's op_offload), for the checks of the CPU's own arithmetic
+CPU_BACKEND = dict(n_gpu_layers=0, op_offload=False)
+
 DEVICE_LOGITS_REL = 2e-2  # of the logits' spread (max - min)
 DEVICE_VALUES_REL_L1 = 2e-2  # sum |a - b| / sum |b|: exported scores, cached keys
 
