@@ -133,9 +133,10 @@ def test_concurrent_streams_are_decoded_together_and_equal_one_by_one(chat_model
 def test_a_continued_conversation_reuses_its_cache(chat_model):
     """A saved cache is continued only when the new prompt's tokens, tokenized as a fresh request tokenizes them,
     start with the tokens it holds: the whole first exchange when its answer tokenizes back to the tokens generated,
-    else the first prompt (saved on its own). With no eviction the answer is a fresh request's."""
-    llm = Llama(chat_model, policy="h2o", budget=1000, n_threads=1)
-    with serving(chat_model, budget=1000) as (port, client):  # a budget that never evicts
+    else the first prompt (saved on its own). With no eviction the answer is a fresh request's (on the CPU backend:
+    a GPU's products round differently when a prefix was computed in another batch, and a near tie forks)."""
+    llm = Llama(chat_model, policy="h2o", budget=1000, n_threads=1, **CPU_BACKEND)
+    with serving(chat_model, budget=1000, **CPU_BACKEND) as (port, client):  # a budget that never evicts
         first_messages = [USER[0], {"role": "user", "content": "Say something."}]
         first = client.chat.completions.create(model="tiny", messages=first_messages, max_tokens=20, temperature=0)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -170,7 +171,7 @@ def test_a_whole_exchange_is_continued_when_the_prompt_holds_its_tokens(chat_mod
 def test_no_request_changes_what_another_conversation_continues(chat_model):
     """Whatever the saved sessions hold (planted through the other endpoint, a text cut inside a word, special
     tokens in a completion), every greedy answer equals the one a server without sessions gives, and a chat keeps
-    its protected system prompt."""
+    its protected system prompt. On the CPU backend, as the test above."""
     def script(port, client):
         out = []
         chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0)
@@ -188,9 +189,9 @@ def test_no_request_changes_what_another_conversation_continues(chat_model):
             out.append((c.choices[0].text, c.usage.prompt_tokens))
         return out
 
-    with serving(chat_model, budget=1000, session_mib=0) as (port, client):
+    with serving(chat_model, budget=1000, session_mib=0, **CPU_BACKEND) as (port, client):
         fresh = script(port, client)
-    with serving(chat_model, budget=1000) as (port, client):
+    with serving(chat_model, budget=1000, **CPU_BACKEND) as (port, client):
         reused = script(port, client)
         _, health = get(port, "/health")
     assert reused == fresh
@@ -416,17 +417,19 @@ def test_a_long_prompt_is_read_between_the_running_requests_tokens(chat_model):
 def test_the_running_slots_tokens_are_decoded_with_the_prompts_chunks(chat_model):
     """Continuous batching: between two chunks of a long prompt every running slot draws its next token, and that
     token is decoded in the same llama_decode as the next chunk (one decode per chunk, not two), giving the tokens
-    the running slot gives alone."""
+    the running slot gives alone (on the CPU backend, whose results do not depend on a batch's size)."""
     from h2o_local.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    alone = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1)
+    alone = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1,
+                  **CPU_BACKEND)
     slots = alone.slots()
     with slots.owned():
         slots.start(0, [1, 5, 6, 7], params)
         expected = [e.token for _ in range(14) for e in slots.step()]
 
-    llm = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1)
+    llm = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, kv_unified=False, n_batch=16, n_threads=1,
+                **CPU_BACKEND)
     slots = llm.slots()
     got = []
 
@@ -512,12 +515,12 @@ def test_one_settings_declaration_for_the_cli_the_environment_and_create_app(cha
 @pytest.mark.parametrize("probe", ["question", "repeat"])
 def test_a_probing_policy_serves_concurrent_long_prompts_as_one_by_one(chat_model, probe):
     """Long prompts under a probing policy: each slot's prompt is probed and evicted in its stream, batching
-    changes nothing but speed, and a continued chat goes on from its cache."""
+    changes nothing but speed (on the CPU backend, as above), and a continued chat goes on from its cache."""
     from h2o_local import TOVA
 
     prompts = [f"Story {i}: " + "the lighthouse keeper wrote about ships. " * 6 + "What did he write?" for i in range(3)]
     policy = TOVA(budget=48, recent=8, probe=probe, pool=3)
-    with serving(chat_model, budget=None, policy=policy, session_mib=16) as (port, client):
+    with serving(chat_model, budget=None, policy=policy, session_mib=16, **CPU_BACKEND) as (port, client):
         alone = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
                  for p in prompts]
         results, barrier = [None] * 3, threading.Barrier(3)
@@ -630,16 +633,17 @@ def test_structured_output_through_the_official_client(server):
 
 
 def test_conversations_with_the_same_system_prompt_start_from_its_saved_cache(chat_model):
+    """The answer after a saved system prompt equals a fresh server's (on the CPU backend, as above)."""
     system = {"role": "system", "content": "You answer in the voice of a lighthouse keeper, briefly."}
     ask = lambda client, text: client.chat.completions.create(
         model="tiny", max_tokens=12, temperature=0, messages=[system, {"role": "user", "content": text}])
-    with serving(chat_model, slots=1, budget=256) as (_, client):
+    with serving(chat_model, slots=1, budget=256, **CPU_BACKEND) as (_, client):
         first = ask(client, "What do you see?")
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         second = ask(client, "Any ships tonight?")  # another conversation, same system prompt
         n_system = second.usage.model_extra["kv_cache"]["protected"]
         assert n_system > 0 and second.usage.prompt_tokens_details.cached_tokens == n_system
-    with serving(chat_model, slots=1, budget=256) as (_, fresh):  # the same request on a server that saved nothing
+    with serving(chat_model, slots=1, budget=256, **CPU_BACKEND) as (_, fresh):  # a server that saved nothing
         alone = ask(fresh, "Any ships tonight?")
         assert alone.usage.prompt_tokens_details.cached_tokens == 0
     assert second.choices[0].message.content == alone.choices[0].message.content
