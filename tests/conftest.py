@@ -60,15 +60,21 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-# H2O_LOCAL_TEST_N_GPU_LAYERS=-1 runs the whole suite with every layer offloaded (a CUDA or Metal build)
+# H2O_LOCAL_TEST_N_GPU_LAYERS=-1 runs the whole suite with every layer offloaded (a CUDA or Metal build);
+# H2O_LOCAL_TEST_FLASH_ATTN=1 with flash attention wherever a test does not choose (CUDA's and Metal's default: the V
+# cache untransposed under every cell move, snapshot and recall), on any build
 _TEST_GPU_LAYERS = os.environ.get("H2O_LOCAL_TEST_N_GPU_LAYERS")
-if _TEST_GPU_LAYERS:
+_TEST_FLASH_ATTN = os.environ.get("H2O_LOCAL_TEST_FLASH_ATTN")
+if _TEST_GPU_LAYERS or _TEST_FLASH_ATTN:
     import h2o_local.llama as _llama_module
 
     _plain_init = _llama_module.Llama.__init__
 
-    def _init_offloaded(self, *args, **kwargs):
-        kwargs.setdefault("n_gpu_layers", int(_TEST_GPU_LAYERS))
+    def _init_as_asked(self, *args, **kwargs):
+        if _TEST_GPU_LAYERS:
+            kwargs.setdefault("n_gpu_layers", int(_TEST_GPU_LAYERS))
+        if _TEST_FLASH_ATTN:
+            kwargs.setdefault("flash_attn", True)
         _plain_init(self, *args, **kwargs)
 
-    _llama_module.Llama.__init__ = _init_offloaded
+    _llama_module.Llama.__init__ = _init_as_asked
