@@ -68,8 +68,11 @@ _TEST_FLASH_ATTN = os.environ.get("H2O_LOCAL_TEST_FLASH_ATTN")
 if _TEST_GPU_LAYERS or _TEST_FLASH_ATTN:
     import h2o_local.llama as _llama_module
 
+    import functools
+
     _plain_init = _llama_module.Llama.__init__
 
+    @functools.wraps(_plain_init)  # its signature stays Llama's (tests/unit/test_docs.py reads it)
     def _init_as_asked(self, *args, **kwargs):
         if _TEST_GPU_LAYERS:
             kwargs.setdefault("n_gpu_layers", int(_TEST_GPU_LAYERS))
