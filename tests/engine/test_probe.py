@@ -342,6 +342,26 @@ def test_generation_runs_no_probe(tiny_model):
     assert all(before[p] == s for p, s in zip(st.positions.tolist(), st.probe_scores.tolist()) if p in before)
 
 
+def test_the_probes_run_and_their_time_are_counted(tiny_model):
+    """One question probe per eviction while a prompt is read in chunks, none for generation or a probeless policy;
+    their time (the benchmark's "time by part") is part of the prompt's."""
+    import time
+
+    llm = Llama(tiny_model, policy=TOVA(budget=BUDGET, recent=4, probe="question", question=8), n_batch=16, n_threads=1)
+    t0 = time.perf_counter()
+    llm.eval(PROMPT)
+    elapsed = time.perf_counter() - t0
+    st = llm.kv_state()
+    n_chunks = -(-len(PROMPT) // 16)
+    assert 1 <= st.n_probes <= n_chunks and 0.0 < st.probe_seconds < elapsed
+    for t in (7, 8, 9):
+        llm.eval([t])
+    assert llm.kv_state().n_probes == st.n_probes
+    plain = Llama(tiny_model, policy="h2o", budget=BUDGET, n_batch=16, n_threads=1)
+    plain.eval(PROMPT)
+    assert plain.kv_state().n_probes == 0 and plain.kv_state().probe_seconds == 0.0
+
+
 def test_the_last_answer_is_kept_before_what_a_new_prompts_probe_ranks():
     """The reply option: an entry marked as the last answer (a negative probe score) ranks after the entries no probe
     has judged (the answer being generated) and before every judged one, whatever its lift; its lift still pools."""
