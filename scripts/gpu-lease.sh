@@ -8,7 +8,7 @@
 #   bash scripts/gpu-lease.sh 1   # the peer's build started aside; our build, the suite (14 workers): ~9 minutes
 #   bash scripts/gpu-lease.sh 2   # the table at 8k / 32k beside the peer, then decode with and without CUDA graphs
 #
-# Carry .devicetree and .devicepkgs (scripts/gpu.sh says what they hold). The H100 lease of 2026-11-26 measured what
+# Carry .devicetree and .devicepkgs, made here first by scripts/gpu-carry.sh (again whenever vendor/patches change). The H100 lease of 2026-11-26 measured what
 # this is sized by: the machine's start about 1 minute, our CUDA build 328 s with the peer compiling beside it, the
 # suite not done with 6 workers in 170 s nor with 14 in 185 s, a table of four settings at 8k and 32k 30 s.
 set -uo pipefail
