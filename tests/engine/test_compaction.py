@@ -3,7 +3,7 @@ up to the highest used one). Moving cells must change nothing the model computes
 import numpy as np
 import pytest
 
-from device_tolerance import assert_logits_close, assert_values_close, on_device
+from device_tolerance import approximate, assert_logits_close, assert_values_close
 from h2o_local import Llama
 from engine_view import engine
 
@@ -29,7 +29,7 @@ def test_compacting_changes_no_token_no_decision_and_no_score(tiny_model, kwargs
     # attention sums over cells in cell order: moving cells changes the order of float additions only
     # (measured on the CPU 3.5e-4 on logits of magnitude 6 with this model, 1.5e-3 relative on a tova score, which is
     # one query's attention after every layer's reordered sums; thread counts change nothing)
-    device = on_device(llm)
+    device = approximate(llm)
     for (t1, l1, p1, s1), (t2, l2, p2, s2) in zip(moved, stayed):
         assert t1 == t2 and p1 == p2
         assert_logits_close(l1, l2, device=device, cpu_atol=2e-3)

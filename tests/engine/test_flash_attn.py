@@ -3,6 +3,8 @@ row's KQ values and writes the softmax's column sums beside its output (patch 00
 pass of its own computes KQ and its softmax beside the flash kernel (no V product, patch 0004), which
 `_scores_sum_rows=True` forces here. Both equal the non-flash export's sums to rounding. A quantized V cache (which
 llama.cpp allows only with flash attention) works with every policy."""
+import os
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,8 @@ def tiny_hd64(tmp_path_factory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("fa") / "tiny-hd64.gguf", n_embd=256))
 
 
+@pytest.mark.skipif(bool(os.environ.get("H2O_LOCAL_TEST_FLASH_ATTN")), reason="checks the default, which "
+                    "H2O_LOCAL_TEST_FLASH_ATTN replaces")
 def test_flash_attention_is_auto_and_says_what_it_became(tiny_hd64):
     """"auto" (the default) is off with every layer on the CPU (a GPU device turns it on: tests/engine/test_device.py);
     "on" / True and "off" / False are kept; anything else is refused before a model is loaded."""

@@ -5,7 +5,7 @@ import pytest
 
 from attention_reference import LlamaReference
 from h2o_local import KeyDiff, Llama, ModelInfo
-from device_tolerance import assert_values_close, on_device
+from device_tolerance import assert_values_close, approximate
 from engine_view import engine
 
 TEXT = "Keys that stand out are kept, keys like the others go. "
@@ -24,7 +24,7 @@ def test_exported_keys_are_the_keys_attention_reads(tiny_model):
     ref = LlamaReference(tiny_model).keys(tokens)
     for il, (pos, keys) in all_keys(llm).items():
         assert pos.tolist() == list(range(len(tokens)))
-        assert_values_close(keys, ref[il].reshape(len(tokens), -1), device=on_device(llm), cpu_rtol=1e-3,
+        assert_values_close(keys, ref[il].reshape(len(tokens), -1), device=approximate(llm), cpu_rtol=1e-3,
                             cpu_atol=1e-4)
 
 

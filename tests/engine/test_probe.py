@@ -5,7 +5,7 @@ what its ranking says: checked against the attention read independently from a f
 import numpy as np
 import pytest
 
-from device_tolerance import assert_logits_close, assert_values_close, on_device
+from device_tolerance import assert_logits_close, assert_values_close, approximate
 from h2o_local import H2O, TOVA, KeyDiff, Llama, SnapKV, _engine, policies
 from h2o_local.policies import PythonRanked
 from engine_view import engine
@@ -140,7 +140,7 @@ def test_a_probe_keeps_what_its_attention_ranks_first(tiny_model, source):
     st = llm.kv_state()
     keep = reference_keep(ref, policy.sinks, policy.recent, BUDGET)
     assert st.positions.tolist() == keep
-    assert_values_close(st.probe_scores, ref[keep], device=on_device(llm), cpu_rtol=1e-4, cpu_atol=1e-7)
+    assert_values_close(st.probe_scores, ref[keep], device=approximate(llm), cpu_rtol=1e-4, cpu_atol=1e-7)
 
 
 def test_the_cache_after_a_probe_equals_the_same_ranking_given_directly(tiny_model):
@@ -159,7 +159,7 @@ def test_the_cache_after_a_probe_equals_the_same_ranking_given_directly(tiny_mod
     direct = Llama(tiny_model, policy=Given(budget=BUDGET, heavy=BUDGET - 1, recent=1), n_ctx=512, n_threads=1)
     direct.eval(PROMPT)
     assert probed.kv_state().positions.tolist() == direct.kv_state().positions.tolist()
-    assert_logits_close(probed.last_logits(), direct.last_logits(), device=on_device(probed), cpu_atol=1e-5,
+    assert_logits_close(probed.last_logits(), direct.last_logits(), device=approximate(probed), cpu_atol=1e-5,
                         cpu_rtol=1e-5)
     for llm in (probed, direct):  # what follows evicts nothing: only the caches' contents decide
         llm.set_policy("local", 100)
@@ -313,7 +313,7 @@ def test_the_question_probe_s_baseline_leaves_out_the_question(tiny_model):
     st = llm.kv_state()
     keep = reference_keep(ref, 0, 1, BUDGET)
     assert st.positions.tolist() == keep
-    assert_values_close(st.probe_scores, ref[keep], device=on_device(llm), cpu_rtol=1e-4, cpu_atol=1e-6)
+    assert_values_close(st.probe_scores, ref[keep], device=approximate(llm), cpu_rtol=1e-4, cpu_atol=1e-6)
 
 
 @pytest.mark.parametrize("unified", [True, False])

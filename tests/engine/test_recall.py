@@ -5,7 +5,7 @@ import pytest
 
 from h2o_local import Llama
 from h2o_local.policies import resolve
-from device_tolerance import assert_logits_close, assert_values_close, on_device
+from device_tolerance import assert_logits_close, assert_values_close, approximate
 from engine_view import engine
 
 PROMPT = ("the keeper of the lighthouse wrote a letter to the harbour master about the storm and the ships that "
@@ -64,7 +64,7 @@ def test_with_room_for_everything_recall_gives_the_full_caches_logits(tiny_model
     assert len(st.host_positions) == 0
     assert engine(llm).kv_entries(0, list(range(len(tokens)))) == full_bytes
     got = llm.last_logits()
-    assert_logits_close(got, expected, device=on_device(llm), cpu_atol=1e-4 * float(np.ptp(expected)))
+    assert_logits_close(got, expected, device=approximate(llm), cpu_atol=1e-4 * float(np.ptp(expected)))
     assert int(np.argmax(got)) == int(np.argmax(expected))
 
 
@@ -412,7 +412,7 @@ def test_recall_ranks_what_comes_back_as_an_independent_numpy_reference_does(tin
     st = llm.kv_state()
     keep = reference_keep(ref, 0, 1, BUDGET)
     assert st.positions.tolist() == keep != kept_before  # the question chose other entries than the prompt's did
-    assert_values_close(st.probe_scores, ref[keep], device=on_device(llm), cpu_rtol=1e-4, cpu_atol=1e-6)
+    assert_values_close(st.probe_scores, ref[keep], device=approximate(llm), cpu_rtol=1e-4, cpu_atol=1e-6)
     assert sorted(st.host_positions.tolist()) == sorted(set(range(len(PROMPT))) - set(keep))
 
 
@@ -455,6 +455,6 @@ def test_a_recall_over_many_pages_equals_a_numpy_reference_of_its_page_tournamen
 
     st = paged.kv_state()
     assert st.positions.tolist() == kept
-    assert_values_close(st.probe_scores, lift[keep], device=on_device(paged), cpu_rtol=1e-4, cpu_atol=1e-6)
+    assert_values_close(st.probe_scores, lift[keep], device=approximate(paged), cpu_rtol=1e-4, cpu_atol=1e-6)
     assert sorted(st.host_positions.tolist()) == sorted(set(range(n)) - set(kept))
     assert st.n_recalled == len(set(kept) - set(whole.kv_state().positions.tolist())) > 0

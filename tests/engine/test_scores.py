@@ -5,7 +5,11 @@ import pytest
 from attention_reference import LlamaReference
 from h2o_local import Llama
 from engine_view import engine
-from device_tolerance import CPU_BACKEND as CPU
+from device_tolerance import CPU_BACKEND
+
+# the CPU backend's own export without flash attention (its flash kernel's sums: tests/engine/test_flash_attn.py; a
+# device's, both reductions: tests/engine/test_device.py)
+CPU = dict(flash_attn=False, **CPU_BACKEND)
 
 # llama.cpp multiplies Q4_1 weights with activations quantized to 8 bits; the reference stays in float64. Measured on
 # SmolLM2 (51 tokens): largest relative difference 5%, 1.0% of the total mass, correlation 0.99998
@@ -49,8 +53,8 @@ def test_decode_step_scores_equal_softmax_column_sums(tiny_model):
 
 def test_sum_rows_path_gives_the_same_scores(tiny_model):
     """The Metal path (transpose + sum_rows), forced on the CPU, against the out_prod path."""
-    a = Llama(tiny_model, policy="h2o", budget=1000)
-    b = Llama(tiny_model, policy="h2o", budget=1000, _scores_sum_rows=True)
+    a = Llama(tiny_model, policy="h2o", budget=1000, **CPU)
+    b = Llama(tiny_model, policy="h2o", budget=1000, _scores_sum_rows=True, **CPU)
     assert not engine(a).scores_sum_rows and engine(b).scores_sum_rows  # which reduction the engine chose
     tokens = a.tokenize(TEXT)
     for llm in (a, b):

@@ -21,6 +21,13 @@ def on_device(llm) -> bool:
     return any(d != "CPU" for d in llm.layer_devices)
 
 
+def approximate(llm) -> bool:
+    """True where `llm`'s attention adds in a device's precision: a layer on a device, or flash attention, whose CPU
+    kernel multiplies in F16 as a device does (the suite with H2O_LOCAL_TEST_FLASH_ATTN=1 runs CUDA's default on the
+    CPU): two of its runs that add in another order are compared at the device's tolerance."""
+    return on_device(llm) or bool(llm.flash_attn)
+
+
 def assert_logits_close(got: np.ndarray, expected: np.ndarray, *, device: bool, cpu_atol: float,
                         cpu_rtol: float = 0.0) -> None:
     if device:
