@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -139,9 +139,9 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- the whole run
-def memory_bandwidth(size_mib: int = 512, repeats: int = 5, device: bool = False) -> float:
-    """Bytes/s of a large array copy (read + write), the best of a few runs; `device`: on the first CUDA GPU (the
-    weights' memory when every layer is offloaded), through PyTorch where it is installed, else the host's."""
+def memory_bandwidth(size_mib: int = 512, repeats: int = 5, device: bool = False) -> Tuple[float, str]:
+    """Bytes/s of a large array copy (read + write), the best of a few runs, and whose: with `device`, the first CUDA
+    GPU's (the weights' memory when every layer is offloaded) through PyTorch where it is installed, else the host's."""
     if device:
         try:
             import torch
@@ -157,7 +157,9 @@ def memory_bandwidth(size_mib: int = 512, repeats: int = 5, device: bool = False
                     end.record()
                     torch.cuda.synchronize()
                     best = max(best, 2 * x.numel() * 4 / (start.elapsed_time(end) / 1e3))
-                return best
+                del x, y
+                torch.cuda.empty_cache()  # the runs are processes of their own: leave them the memory
+                return best, torch.cuda.get_device_name(0)
         except ImportError:
             pass
     a = np.ones(size_mib * 2**20 // 8)
@@ -167,7 +169,7 @@ def memory_bandwidth(size_mib: int = 512, repeats: int = 5, device: bool = False
         t0 = time.perf_counter()
         np.copyto(b, a)
         best = max(best, 2 * a.nbytes / (time.perf_counter() - t0))
-    return best
+    return best, "the host"
 
 
 def settings(budgets: List[int], peer: bool, labels: Optional[List[str]] = None) -> List[Dict[str, Any]]:
@@ -229,7 +231,7 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
     lines = [f"# Benchmark: {Path(meta['model']).name}", "",
              f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; threads {meta['threads']}, "
              f"n_batch {meta['n_batch']}; load average before/after {meta['load_before']:.2f} / {meta.get('load_after', float('nan')):.2f}; "
-             f"copy bandwidth {bw / 1e9:.1f} GB/s ({'the GPU' if meta.get('n_gpu_layers') else 'the host'}); {meta['repeats']} repeats, medians; {meta['decode_tokens']} "
+             f"copy bandwidth {bw / 1e9:.1f} GB/s ({meta.get('bandwidth_of', 'the host')}); {meta['repeats']} repeats, medians; {meta['decode_tokens']} "
              f"decode steps per run (median step).", ""]
     for metric, title in (("decode_tok_s", "Decode tokens/s (median step)"),
                           ("decode_mean_tok_s", "Decode tokens/s (mean over steps)"), ("prefill_tok_s", "Prompt tokens/s"),
@@ -423,9 +425,10 @@ def main(argv=None) -> int:
     todo = settings(args.budgets, peer, args.settings)
     if args.only:
         todo = [s for s in todo if s["name"] in args.only]
+    bandwidth, bandwidth_of = memory_bandwidth(device=args.n_gpu_layers != 0)
     meta = {"model": model, "machine": machine(), "threads": args.threads, "n_batch": args.n_batch, "n_gpu_layers": args.n_gpu_layers,
             "repeats": args.repeats, "decode_tokens": args.decode_tokens, "budgets": args.budgets,
-            "depths": args.depths, "load_before": os.getloadavg()[0], "memory_bandwidth": memory_bandwidth(device=args.n_gpu_layers != 0)}
+            "depths": args.depths, "load_before": os.getloadavg()[0], "memory_bandwidth": bandwidth, "bandwidth_of": bandwidth_of}
     records: List[Dict[str, Any]] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     total = len(todo) * len(args.depths) * args.repeats
