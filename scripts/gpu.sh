@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# On a CUDA machine with no registry, from a tree where vendor/llama.cpp is already prepared (python vendor/prepare.py
-# here, then carry vendor/llama.cpp): build the CUDA extension, run the suite with every layer offloaded, write a
+# On a CUDA machine with no registry, with .devicetree and .devicepkgs carried beside the repository (made here by
+# scripts/gpu-carry.sh: the patched tree, the wheels the machine lacks, and the peer, llama-cpp-python 0.3.36's sdist,
+# the same llama.cpp unpatched): build the CUDA extension, run the suite with every layer offloaded, write a
 # random-weight Qwen2.5-1.5B-shaped GGUF and benchmark the given settings on it. Results go to $OUT (or results/gpu).
-#
-# Build requirements the machine lacks come as wheels in .devicepkgs (pip download here, carry it; step deps), and so
-# does the peer: llama-cpp-python 0.3.36's sdist (the same llama.cpp commit, unpatched; step peer builds it for CUDA).
+# scripts/gpu-lease.sh runs these steps within one lease of the device tool.
 # SHAPE picks the random model (benchmarks/random_model.py: qwen2.5-1.5b by default, llama-3.1-8b the laptop case).
 #
 #   bash scripts/gpu.sh deps build tests peer bench                 # the default settings and depths below
@@ -20,8 +19,7 @@ DEFAULT_BENCH=(--depths 8192 32768 65536 131072 --settings full full+fa h2o-256 
 mkdir -p "$OUT"
 # the image's python is python3 only
 command -v python >/dev/null || { mkdir -p /tmp/pybin; ln -sf "$(command -v python3)" /tmp/pybin/python; export PATH=/tmp/pybin:$PATH; }
-# the pruned, patched llama.cpp tree carried beside the repository (python vendor/prepare.py --out .devicetree/llama.cpp,
-# then the backends other than CPU, CUDA and RPC deleted from ggml/src: ../shared/docs/cuda.md)
+# the pruned, patched llama.cpp tree carried beside the repository (scripts/gpu-carry.sh)
 [ -d .devicetree/llama.cpp ] && export H2O_LOCAL_LLAMA_CPP_DIR=${H2O_LOCAL_LLAMA_CPP_DIR:-$PWD/.devicetree/llama.cpp}
 steps=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
