@@ -90,7 +90,8 @@ class Setting:
     def llama_kwargs(self, prompt_tokens: Optional[int] = None) -> Dict[str, Any]:
         """Keyword arguments of `Llama(...)` for this setting (`n_batch` only where the label gives it: the caller's
         own n_batch is the default, `kwargs.setdefault`)."""
-        return {**({"n_batch": self.n_batch} if self.n_batch else {}),"policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
+        return {**({"n_batch": self.n_batch} if self.n_batch else {}),
+                "policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
                 "roll_interval": self.roll_interval, "export_scores": self.export_scores,
                 "compact_cells": self.compact, "type_k": self.type_k, "type_v": self.type_v,
                 "flash_attn": self.flash_attn, "_scores_sum_rows": self.portable_scores, "recall": self.recall,

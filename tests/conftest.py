@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -67,8 +68,6 @@ _TEST_GPU_LAYERS = os.environ.get("H2O_LOCAL_TEST_N_GPU_LAYERS")
 _TEST_FLASH_ATTN = os.environ.get("H2O_LOCAL_TEST_FLASH_ATTN")
 if _TEST_GPU_LAYERS or _TEST_FLASH_ATTN:
     import h2o_local.llama as _llama_module
-
-    import functools
 
     _plain_init = _llama_module.Llama.__init__
 

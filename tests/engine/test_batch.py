@@ -7,6 +7,7 @@ from device_tolerance import CPU_BACKEND as CPU
 
 # the batch-against-alone tests run on the CPU backend, whose results do not depend on a batch's size: a GPU's
 # matrix products round differently by batch size (CUDA: prefill column sums up to 8.8% of an entry apart), so that
+# a sampled or near-tied token forks there; what batching decides is the same logic on any backend
 PROMPTS = ["Once upon a time", "The weather today is", "In the beginning there was", "Numbers: 1 2 3"]
 
 

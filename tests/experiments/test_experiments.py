@@ -223,7 +223,11 @@ def test_setting_labels_give_the_split_they_name():
     assert parse_setting("snapkv-10%+w64").policy_value(1000).query_window == 64
     assert parse_setting("tova-25%+r50%+s4").family == "tova+r50%+s4"
     assert parse_setting("h2o-25%").is_plain and not parse_setting("h2o-25%+r10").is_plain
-    for bad in ("h2o-256+x3", "h2o-256+r", "h2o", "tova-256+r300"):
+    # n_batch only where the label gives it (the experiment's own otherwise)
+    batched = parse_setting("tova-256+s4+fa+batch2048")
+    assert batched.llama_kwargs()["n_batch"] == 2048 and batched.policy_label == "tova-256+s4" and batched.flash_attn
+    assert "n_batch" not in parse_setting("tova-256+s4+fa").llama_kwargs()
+    for bad in ("h2o-256+x3", "h2o-256+r", "h2o", "tova-256+r300", "h2o-256+batch0"):
         with pytest.raises(ValueError):
             parse_setting(bad)
 
