@@ -103,6 +103,14 @@ void check_memory(const Model & model, const Model::Offload & offload, const Eng
     check_device_memory(size, cell_bytes*offload.n_layer/n_layer, devices, offload.memory_bytes);
 }
 
+// With flash attention, a Vulkan device reduces the scores' separate pass with the transposed sum, not the out
+// product: lavapipe crashed in its out-product path (SmolLM2 with 7 or more layers there: a prompt of 64 tokens,
+// then one over more cells); the transposed sum ran. Cause not found (docs/gpu.md).
+bool sum_rows_on_vulkan(llama_context * ctx, const Model::Offload & offload) {
+    const auto vulkan = [](const std::string & d) { return d.rfind("Vulkan", 0) == 0; };
+    return llama_flash_attn_enabled(ctx) && std::any_of(offload.devices.begin(), offload.devices.end(), vulkan);
+}
+
 } // namespace
 
 Engine::Engine(const std::string & model_path, const EngineParams & params) : params_(params) {
@@ -142,7 +150,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
                                     "this model's cannot (M-RoPE, recurrent or sliding-window cache)");
     }
     if (policy_->needs_scores() || params.export_scores) {
-        scores_path_ = llama_attn_scores_enable(ctx_, true, params.scores_sum_rows);
+        scores_path_ = llama_attn_scores_enable(ctx_, true, params.scores_sum_rows || sum_rows_on_vulkan(ctx_, offload));
         if (scores_path_ < 0) {
             throw std::runtime_error("cannot export attention scores for this model" + llama_error_suffix());
         }

@@ -48,6 +48,20 @@ def test_the_full_cache_with_flash_attention_computes_the_same_logits_to_roundin
     assert (flash.argmax(1) == exact.argmax(1)).mean() >= 0.95
 
 
+def test_scores_with_flash_attention_after_a_short_prompt_then_a_longer_one(smol_model, long_text):
+    """A prompt of 64 tokens, a reset, then one over more cells: with 7 or more of SmolLM2's layers on a Vulkan device
+    (lavapipe) the scores' out-product reduction crashed the process here; a Vulkan device sums the transposed pass
+    instead. Every position is scored, and every query's probabilities sum to 1 per head and layer."""
+    llm = Llama(smol_model, n_ctx=1024, n_batch=512, export_scores=True, flash_attn=True)
+    tokens = llm.tokenize(long_text)[:300]
+    llm.eval(tokens[:64])
+    llm.reset()
+    llm.eval(tokens)
+    pos, sums = llm.last_scores()
+    np.testing.assert_array_equal(pos, np.arange(300))
+    np.testing.assert_allclose(sums.sum(), 300 * sums.shape[1] * llm.info.n_layer, rtol=1e-3)
+
+
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("fa1") / "tiny-1layer.gguf", n_embd=256, n_layer=1))
