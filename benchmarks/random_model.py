@@ -19,6 +19,9 @@ SHAPES = {
     # almost no arithmetic: a step's time is the host's per-token cost (graph building, scheduling, the score read
     # and eviction, Python), what a GPU that computes the step in no time still pays
     "host-cost": (64, 2, 4, 2, 128, 512, 32768),
+    # little arithmetic in Qwen2.5-1.5B's 28 layers (heads of 64, which flash attention takes on a device): what a
+    # prompt pays per layer besides arithmetic (the cache's transfers for compaction and recall, a set per layer)
+    "host-cost-28": (256, 28, 4, 2, 256, 512, 32768),
     # the laptop case of issue 51: 32k tokens of F16 KV take 4 GiB (16 GB of F16 weights written)
     "llama-3.1-8b": (4096, 32, 32, 8, 14336, 128256, 131072),
 }

@@ -47,5 +47,8 @@ case "${1:-1}" in
     pack bench-8k-32k
     bash scripts/gpu.sh graphs
     pack graphs
+    # what compaction and recall pay in transfers (patch 0013: a few per tensor; thousands per prompt before it)
+    python -m benchmarks.device_copies --model "$MODEL" --depth 8192 --repeats 2 --out "$OUT/device-copies"
+    pack device-copies
     ;;
 esac
