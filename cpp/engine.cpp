@@ -589,9 +589,9 @@ void Engine::evict(llama_seq_id seq, int32_t incoming) {
 }
 
 // llama.cpp attends cells [0, n_kv) with n_kv padded above the highest used cell, so kept entries spread over the
-// cells a long prompt went through cost what all those cells cost. Saving the sequence's cells and restoring them
-// puts them contiguous at the bottom of its stream (the restore needs a contiguous free run: only done when the
-// sequence has its stream to itself).
+// cells a long prompt went through cost what all those cells cost. Taking the kept entries out and putting them
+// back puts them contiguous at the bottom of its stream (only done when the sequence has its stream to itself, so
+// that the lowest free cells are its own).
 void Engine::compact(llama_seq_id seq) {
     if (!params_.compact_cells || (params_.kv_unified && params_.n_seq_max > 1)) {
         return;

@@ -346,13 +346,13 @@ bool SeqCache::restore(const std::vector<uint8_t> & kv, const SeqState & state) 
 // run of cells apart, a transfer each on a device), their cells freed, and put back at their own positions in the
 // lowest free cells. A cache whose entries cannot be taken apart (SWA layers) saves and restores the sequence.
 bool SeqCache::compact_cells() {
-    const SeqState state = st_;
-    const Exchange exchange = exchange_;
     llama_memory_update(ctx_); // a K-shift left by rolling goes into the keys first
     const size_t entry = llama_kv_entry_size(ctx_);
     const int32_t n = (int32_t) st_.positions.size();
     std::vector<uint8_t> kv((size_t) n*entry);
     if (entry == 0 || llama_kv_entries_get(ctx_, seq_, n, st_.positions.data(), kv.data()) != 0) {
+        const SeqState state = st_;
+        const Exchange exchange = exchange_;
         if (!restore(save_kv(), state)) {
             return false;
         }

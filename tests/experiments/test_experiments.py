@@ -17,6 +17,22 @@ def test_bench_measures_one_setting(tiny_model):
     assert r["cells_in_use"] == 32 and r["kv_cells"] == 256 and r["kv_bytes"] > 0 and r["peak_rss"] > 0
 
 
+def test_device_copies_times_each_setting_against_its_own_uncompacted_run(tiny_model, tmp_path):
+    from benchmarks.device_copies import DEFAULT, main
+
+    out = tmp_path / "copies"
+    assert main(["--model", tiny_model, "--depth", "600", "--repeats", "2", "--n-gpu-layers", "0", "--threads", "1",
+                 "--out", str(out)]) == 0
+    seconds = json.loads(out.with_suffix(".json").read_text())["seconds"]
+    assert set(seconds) == {DEFAULT + fa + s for fa in ("+fa", "") for s in ("+nocompact", "", "+recall")}
+    assert all(len(t) == 2 and min(t) > 0 for t in seconds.values())
+    rows = [line.split(" | ") for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("| tova")]
+    assert len(rows) == 6
+    for label, _, ratio in rows:
+        if label.endswith("+nocompact"):
+            assert ratio == "1.00x |"
+
+
 def test_streaming_nll_equals_a_direct_computation(tiny_model, tmp_path):
     """With a budget that never evicts, the chunked NLL equals -log softmax of one full pass."""
     from experiments.streaming import nll_run
