@@ -391,6 +391,14 @@ bool Engine::plan_bounded(const TokenMap & tokens) const {
     return true;
 }
 
+// whether feeding n tokens to seq can end in an eviction (recall may first bring entries back)
+bool Engine::feed_may_evict(llama_seq_id seq, size_t n, const Policy & policy) const {
+    const auto it = seqs_.find(seq);
+    const int64_t held = it == seqs_.end() ? 0 : it->second.size();
+    const bool recalls = it != seqs_.end() && it->second.host().size() > 0;
+    return recalls || held + (int64_t) n > (int64_t) policy.split().total();
+}
+
 PrefillPlan Engine::plan_for(const TokenMap & tokens, bool with_riders) const {
     // the capacity, not llama.cpp's padded n_ctx, decides: the same prompt is fed the same way whatever the padding
     PrefillInput in;
@@ -411,9 +419,13 @@ PrefillPlan Engine::plan_for(const TokenMap & tokens, bool with_riders) const {
         const ProbeSpec probe = policy.probe();
         n_probe = std::max(n_probe, policy.bounded() ? probe_cells(policy) : 0);
         budget  = std::max(budget, policy.bounded() ? policy.split().total() : 0);
-        // the question probe's tokens are the prompt's end: decoded on their own, so that the probe's baseline
-        // (the attention the entries usually get) leaves out the question's own queries
-        window  = std::max({window, policy.query_window(), probe.source == ProbeSource::question ? probe.question : 0});
+        // the query window (and the question probe's tokens, the prompt's end) is decoded on its own, so that its
+        // attention is seen apart from the rest of the prompt's (the probe's baseline leaves out the question's own
+        // queries); only where this feed ends in an eviction: another cut changes llama.cpp's arithmetic, and a
+        // budget that never evicts must give the full cache's output exactly
+        if (policy.bounded() && feed_may_evict(kv.first, kv.second.size(), policy)) {
+            window = std::max({window, policy.query_window(), probe.source == ProbeSource::question ? probe.question : 0});
+        }
     }
     in.capacity       = (int32_t) stream_capacity() - n_probe;
     in.kv_unified     = params_.kv_unified;

@@ -132,6 +132,7 @@ private:
     size_t check_tokens(const TokenMap & tokens, bool logits_all);
     bool plan_bounded(const TokenMap & tokens) const; // every fed sequence's policy is bounded
     PrefillPlan plan_for(const TokenMap & tokens, bool with_riders) const;
+    bool feed_may_evict(llama_seq_id seq, size_t n, const Policy & policy) const;
     // each fed sequence as it was after its last eviction: an eviction that fails (a policy written in Python that
     // raises) drops what was fed since, so every sequence stays within its budget and usable, as after a failed decode
     struct CleanState {

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from h2o_local import Llama
+from support.engine_view import engine
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old clockmaker."
 
@@ -30,6 +31,28 @@ def test_unreached_budget_gives_the_full_cache_logits_exactly(tiny_model, policy
     assert bounded.kv_state().n_evicted == 0
     assert t_bnd == t_full
     assert np.array_equal(l_bnd, l_full)  # bit for bit: score export only reads the softmax
+
+
+@pytest.mark.parametrize("policy", [None, "tova", "snapkv", "h2o"])
+def test_a_prompt_that_does_not_evict_is_cut_as_the_full_cache_cuts_it(tiny_model, policy):
+    """llama.cpp's arithmetic depends on how a prompt is cut into decodes (here the last token decoded alone moved
+    the logits by 1e-6; on Qwen2.5 and Gemma 3 Q4_K_M a 32-token last chunk moved them by up to 0.8), so a query
+    window (TOVA's last token, SnapKV's last tokens, the default's question) is decoded apart only where the prompt
+    ends in an eviction, which ranks by it: a prompt after which nothing is evicted goes in the full cache's cuts."""
+    prompt = [3 + i % 250 for i in range(600)]  # 512 + 88 tokens at n_batch 512
+    full = Llama(tiny_model, n_ctx=1536)
+    bounded = Llama(tiny_model, policy=policy, budget=1000, n_ctx=1536, export_scores=True)
+    for llm in (full, bounded):
+        llm.eval(prompt)
+    assert bounded.kv_state().n_evicted == 0
+    assert np.array_equal(bounded.last_logits(), full.last_logits())
+    # the last decode's queries: each adds a probability of 1 per head and layer (2 layers)
+    np.testing.assert_allclose(bounded.last_scores()[1].sum(0), 2 * 88, rtol=1e-4)
+    if policy is None:  # a prompt that evicts: the question is decoded on its own
+        small = Llama(tiny_model, budget=100, n_ctx=1536)
+        small.eval(prompt)
+        assert small.kv_state().n_evicted == 500
+        assert engine(small).n_decode == 1 + 2 + 1  # 512, then 56, the question's 32, and its probe
 
 
 def test_generate_matches_the_full_cache(tiny_model):
