@@ -80,11 +80,14 @@ void Engine::restore(llama_seq_id seq, const SeqSnapshot & snap) {
         throw std::invalid_argument("cannot restore the snapshot: llama.cpp refused its KV cells (damaged, or not "
                                     "enough free cells)" + llama_error_suffix());
     }
-    // what llama.cpp holds now must be what the snapshot's bookkeeping says (a file may have been tampered with)
+    // what llama.cpp holds now must be what the snapshot's bookkeeping says (a file may have been tampered with);
+    // a model with sliding-window layers reports the window's cells, which may have dropped the oldest entries
     llama_memory_t mem = llama_get_memory(ctx_);
     const auto & pos = snap.state.positions;
     const bool empty = llama_memory_seq_pos_max(mem, seq) < 0;
-    if (pos.empty() ? !empty : (empty || llama_memory_seq_pos_min(mem, seq) != pos.front() ||
+    const llama_pos pos_min = llama_memory_seq_pos_min(mem, seq);
+    const bool window = llama_model_n_swa(llama_get_model(ctx_)) > 0;
+    if (pos.empty() ? !empty : (empty || (window ? pos_min < pos.front() : pos_min != pos.front()) ||
                                 llama_memory_seq_pos_max(mem, seq) != pos.back())) {
         put_back();
         throw std::invalid_argument("the snapshot's KV cells do not match its positions");

@@ -13,7 +13,7 @@ import pytest
 # support/, importable by name from every folder
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from tiny_model import write_tiny_llama  # noqa: E402
+from tiny_model import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -29,6 +29,12 @@ def ctrl_c_raises():
 def tiny_model(tmp_path_factory) -> str:
     """A 2-layer random llama (4 heads, 2 KV heads, trained context 128)."""
     return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_swa_model(tmp_path_factory) -> str:
+    """A 6-layer random Gemma 3: five layers attend a 32-token sliding window, one all tokens (llama.cpp's iSWA)."""
+    return str(write_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3.gguf"))
 
 
 @pytest.fixture(scope="session")

@@ -75,3 +75,60 @@ def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_gemma3(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
+    """A tiny random Gemma 3 text model: 6 layers, the first 5 attend a sliding window of `n_swa` tokens, the 6th all
+    of them (llama.cpp's iSWA cache: a window cache beside the base cache; the scores come from the base layer)."""
+    import gguf
+
+    n_embd, n_head, n_head_kv, n_ff, n_layer, head_dim = 64, 4, 1, 128, 6, 16
+    rng = np.random.default_rng(seed)
+    tokens, types = byte_vocab()
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(1024)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(n_swa)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def t(name, *shape, scale=0.2):
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def norm(name, n):
+        w.add_tensor(name, np.zeros(n, np.float32))  # Gemma's norms scale by 1 + weight
+
+    t("token_embd.weight", len(tokens), n_embd, scale=0.5)
+    norm("output_norm.weight", n_embd)
+    for il in range(n_layer):
+        norm(f"blk.{il}.attn_norm.weight", n_embd)
+        t(f"blk.{il}.attn_q.weight", n_head * head_dim, n_embd)
+        t(f"blk.{il}.attn_k.weight", n_head_kv * head_dim, n_embd)
+        t(f"blk.{il}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        norm(f"blk.{il}.attn_q_norm.weight", head_dim)
+        norm(f"blk.{il}.attn_k_norm.weight", head_dim)
+        t(f"blk.{il}.attn_output.weight", n_embd, n_head * head_dim)
+        norm(f"blk.{il}.post_attention_norm.weight", n_embd)
+        norm(f"blk.{il}.ffn_norm.weight", n_embd)
+        t(f"blk.{il}.ffn_gate.weight", n_ff, n_embd)
+        t(f"blk.{il}.ffn_up.weight", n_ff, n_embd)
+        t(f"blk.{il}.ffn_down.weight", n_embd, n_ff)
+        norm(f"blk.{il}.post_ffw_norm.weight", n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
