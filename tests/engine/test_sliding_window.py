@@ -30,7 +30,7 @@ def test_a_snapshot_taken_past_the_window_loads_and_continues_as_the_original(ti
     assert llm.kv_state().positions.tolist() == kept
     again = continuation(llm)
     assert again[0] == first[0]
-    np.testing.assert_allclose(again[1], first[1], rtol=1e-5, atol=1e-5)  # restored cells: another order
+    np.testing.assert_allclose(again[1], first[1], rtol=1e-3, atol=1e-4)  # restored cells: sums in another order
 
 
 @pytest.mark.parametrize("policy", [None, "h2o", "tova"])

@@ -109,9 +109,9 @@ def write_tiny_gemma3(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
         w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
 
     def norm(name, n):
-        w.add_tensor(name, np.zeros(n, np.float32))  # Gemma's norms scale by 1 + weight
+        w.add_tensor(name, np.ones(n, np.float32))
 
-    t("token_embd.weight", len(tokens), n_embd, scale=0.5)
+    t("token_embd.weight", len(tokens), n_embd, scale=0.1)  # Gemma multiplies it by sqrt(n_embd)
     norm("output_norm.weight", n_embd)
     for il in range(n_layer):
         norm(f"blk.{il}.attn_norm.weight", n_embd)
