@@ -43,6 +43,14 @@ def byte_vocab(n_vocab: int = 0, special_tokens: Sequence[str] = ()):
     return tokens, types
 
 
+def add_byte_tokenizer(w, tokens, types) -> None:
+    """Write byte_vocab()'s tokens as an SPM ("llama") tokenizer with zero scores."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+
+
 def write_llama(path: Path, *, name: str, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
                 n_ctx_train: int, tensor: Callable[[Tuple[int, ...], float], np.ndarray], scales: Dict[str, float],
                 f16: bool, n_vocab: int = 0, rms_eps: float = 1e-5, add_bos: bool = True, chat_template: str = "",
@@ -65,10 +73,7 @@ def write_llama(path: Path, *, name: str, n_embd: int, n_layer: int, n_head: int
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_rope_dimension_count(head_dim)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types(types)
+    add_byte_tokenizer(w, tokens, types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)

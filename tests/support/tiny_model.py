@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from benchmarks.random_model import byte_vocab, write_llama
+from benchmarks.random_model import add_byte_tokenizer, byte_vocab, write_llama
 
 
 def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_layer: int = 2,
@@ -26,30 +26,35 @@ def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_lay
                        tensor=lambda shape, scale: (rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
-    """A tiny random Qwen2-VL text model: M-RoPE, whose KV positions llama.cpp cannot shift."""
+def tiny_writer(path: Path, arch: str, *, n_ctx_train: int, n_embd: int, n_layer: int, n_ff: int, n_head: int,
+                n_head_kv: int, rms_eps: float):
+    """A GGUF writer for `arch` with the shape keys every tiny model has, F32, and the byte vocabulary: (writer,
+    tokens)."""
     import gguf
 
-    n_embd, n_head, n_head_kv, n_ff, n_layer = 64, 4, 2, 128, 1
-    head_dim = n_embd // n_head
-    rng = np.random.default_rng(seed)
     tokens, types = byte_vocab()
-
-    w = gguf.GGUFWriter(str(path), "qwen2vl")
-    w.add_context_length(128)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(rms_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_byte_tokenizer(w, tokens, types)
+    return w, tokens
+
+
+def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL text model: M-RoPE, whose KV positions llama.cpp cannot shift."""
+    n_embd, n_head, n_head_kv, n_ff, n_layer = 64, 4, 2, 128, 1
+    head_dim = n_embd // n_head
+    rng = np.random.default_rng(seed)
+    w, tokens = tiny_writer(path, "qwen2vl", n_ctx_train=128, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
+                            n_head_kv=n_head_kv, rms_eps=1e-5)
+    w.add_rope_dimension_count(n_embd // n_head)
     w.add_rope_dimension_sections([2, 3, 3, 0])
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types(types)
 
     def t(name, *shape):
         w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
@@ -80,28 +85,13 @@ def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
 def write_tiny_gemma3(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
     """A tiny random Gemma 3 text model: 6 layers, the first 5 attend a sliding window of `n_swa` tokens, the 6th all
     of them (llama.cpp's iSWA cache: a window cache beside the base cache; the scores come from the base layer)."""
-    import gguf
-
     n_embd, n_head, n_head_kv, n_ff, n_layer, head_dim = 64, 4, 1, 128, 6, 16
     rng = np.random.default_rng(seed)
-    tokens, types = byte_vocab()
-
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_context_length(1024)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
+    w, tokens = tiny_writer(path, "gemma3", n_ctx_train=1024, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
+                            n_head_kv=n_head_kv, rms_eps=1e-6)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
     w.add_sliding_window(n_swa)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
