@@ -125,6 +125,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     const ContextSize size = context_size(params, *policy_, llama_model_n_ctx_train(model_->get()),
                                           probe_cells(*policy_));
     capacity_ = size.n_ctx;
+    check_evictable(*policy_);
     check_room(*policy_);
     if (policy_->bounded()) {
         policy_->split().after_prefix(params.n_keep);
@@ -152,7 +153,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     if (policy_->needs_scores() || params.export_scores) {
         scores_path_ = llama_attn_scores_enable(ctx_, true, params.scores_sum_rows || sum_rows_on_vulkan(ctx_, offload));
         if (scores_path_ < 0) {
-            throw std::runtime_error("cannot export attention scores for this model" + llama_error_suffix());
+            throw std::invalid_argument("cannot export attention scores for this model" + llama_error_suffix());
         }
     }
     use_per_head(*policy_);

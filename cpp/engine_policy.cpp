@@ -90,7 +90,18 @@ void Engine::use_per_head(const Policy & policy) {
     }
 }
 
+// a recurrent state (Mamba, RWKV; the recurrent layers of a hybrid) holds every token it read: nothing can leave it
+void Engine::check_evictable(const Policy & policy) const {
+    const llama_model * model = model_->get();
+    if (policy.bounded() && (llama_model_is_recurrent(model) || llama_model_is_hybrid(model))) {
+        throw std::invalid_argument("policy '" + policy.name() + "' evicts tokens from a KV cache; this model keeps a "
+                                    "recurrent state (Mamba, RWKV or a hybrid), from which no token can be removed: "
+                                    "use the full cache (budget=None; --budget 0 on the command line)");
+    }
+}
+
 void Engine::check_fits(const Policy & policy) const {
+    check_evictable(policy);
     if (policy.needs_scores() && scores_path_ < 0) {
         throw std::invalid_argument("policy '" + policy.name() + "' needs attention scores: create the engine with a "
                                     "scoring policy or export_scores=True");

@@ -231,3 +231,21 @@ def test_labels_take_ascii_digits_within_range(label):
 
     with pytest.raises(ValueError, match="not a policy label"):
         parse(label)
+
+
+def test_a_recurrent_model_refuses_a_budget_and_reads_with_the_full_cache(tmp_path):
+    """A recurrent state (Mamba, RWKV, hybrids) holds every token it read: a policy that evicts is a ValueError at once
+    (it used to report evictions that never happened), on creation and on set_policy, and the full cache works."""
+    from support.tiny_model import write_tiny_mamba
+
+    path = str(write_tiny_mamba(tmp_path / "mamba.gguf"))
+    for kwargs in ({"budget": 64}, {"policy": "local", "budget": 64}, {"policy": "h2o", "budget": 1000}):
+        with pytest.raises(ValueError, match="recurrent state"):
+            Llama(path, **kwargs)
+    llm = Llama(path, n_ctx=512)
+    prompt = [3 + i % 250 for i in range(200)]
+    llm.eval(prompt)
+    with pytest.raises(ValueError, match="recurrent state"):
+        llm.set_policy("local", 64)
+    assert llm.kv_state().n_seen == 200 and llm.kv_state().n_evicted == 0
+    assert len(llm.generate([], max_tokens=4, temperature=0, reset=False, ignore_eos=True)) > 0

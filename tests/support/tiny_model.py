@@ -122,3 +122,39 @@ def write_tiny_gemma3(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_mamba(path: Path, *, seed: int = 0) -> Path:
+    """A tiny random Mamba: a recurrent state instead of a KV cache (nothing can be evicted from it)."""
+    n_embd, n_layer, d_inner, d_state, d_conv, dt_rank = 64, 2, 128, 16, 4, 4
+    rng = np.random.default_rng(seed)
+    w, tokens = tiny_writer(path, "mamba", n_ctx_train=1024, n_embd=n_embd, n_layer=n_layer, n_ff=0, n_head=0,
+                            n_head_kv=0, rms_eps=1e-5)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def t(name, *shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+
+    t("token_embd.weight", len(tokens), n_embd)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    for il in range(n_layer):
+        w.add_tensor(f"blk.{il}.attn_norm.weight", np.ones(n_embd, np.float32))
+        t(f"blk.{il}.ssm_in.weight", 2 * d_inner, n_embd)
+        t(f"blk.{il}.ssm_conv1d.weight", d_inner, d_conv)
+        t(f"blk.{il}.ssm_conv1d.bias", d_inner)
+        t(f"blk.{il}.ssm_x.weight", dt_rank + 2 * d_state, d_inner)
+        t(f"blk.{il}.ssm_dt.weight", d_inner, dt_rank)
+        t(f"blk.{il}.ssm_dt.bias", d_inner)
+        w.add_tensor(f"blk.{il}.ssm_a", -np.exp(rng.standard_normal((d_inner, d_state))).astype(np.float32))
+        w.add_tensor(f"blk.{il}.ssm_d", np.ones(d_inner, np.float32))
+        t(f"blk.{il}.ssm_out.weight", n_embd, d_inner)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
