@@ -167,8 +167,9 @@ private:
     void recall(llama_seq_id seq, const std::vector<llama_token> & prompt, bool fed);
     int64_t recall_of(llama_seq_id seq) const; // seq's host store cap: its own or the engine's
     void check_host(const SeqSnapshot & snap) const; // a snapshot's host store fits this cache and its positions
-    // throws when policy needs scores the engine does not export, or its budget and probe leave no room in a stream
-    void check_evictable(const Policy & policy) const; // a bounded policy needs a KV cache
+    void check_evictable(const Policy & policy) const; // throws when policy is bounded and the model recurrent
+    // throws when policy cannot evict here, needs scores the engine does not export, or its budget and probe leave
+    // no room in a stream
     void check_fits(const Policy & policy) const;
     // throws when policy's budget and probe leave no room in a stream
     void check_room(const Policy & policy) const;
