@@ -46,11 +46,11 @@ def test_a_budget_that_never_evicts_gives_the_full_cache_output(tiny_swa_model, 
 
 
 @pytest.mark.parametrize("policy", [None, "h2o", "local"])
-def test_eviction_keeps_the_budget_and_the_caches_agree(tiny_swa_model, policy):
+def test_eviction_keeps_the_budget_through_the_prompt_and_generation(tiny_swa_model, policy):
     llm = Llama(tiny_swa_model, policy=policy, budget=48, n_batch=64)
     llm.eval(PROMPT)
     st = llm.kv_state()
     assert len(st.positions) == 48 and st.n_evicted == len(PROMPT) - 48
-    tokens, logits = continuation(llm, 40)  # generation past the budget evicts token by token
+    _, logits = continuation(llm, 40)  # generation past the budget evicts token by token
     assert len(llm.kv_state().positions) == 48 and np.isfinite(logits).all()
     assert llm.kv_state().positions[-1] == len(PROMPT) + 39
