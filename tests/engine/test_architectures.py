@@ -1,18 +1,20 @@
 """The attention designs a user's GGUF may bring, each as a tiny random model: Qwen3 (per-head q/k norms, heads wider
-than n_embd / n_head), Gemma 2 (a sliding window on every other layer, soft-capped logits), Phi-3 (fused q/k/v) and
-DeepSeek-V2's latent attention (MLA: the cache holds one compressed row per token and no V). On each, the engine's
+than n_embd / n_head), Gemma 2 (a sliding window on every other layer, soft-capped logits), Gemma 3 (five window
+layers to one global, llama.cpp's iSWA cache), Phi-3 (fused q/k/v) and DeepSeek-V2's latent attention (MLA: the cache holds one compressed row per token and no V). On each, the engine's
 contract holds as on a llama: a budget that never evicts is the full cache, the exported scores are each query's
 attention, eviction keeps the budget, and a bounded snapshot continues as the original."""
 import numpy as np
 import pytest
 
+from greedy import greedy_continuation
 from h2o_local import Llama
-from tiny_model import write_tiny_deepseek2, write_tiny_gemma2, write_tiny_phi3, write_tiny_qwen3
+from tiny_model import write_tiny_deepseek2, write_tiny_gemma2, write_tiny_gemma3, write_tiny_phi3, write_tiny_qwen3
 
 # writer, the layers that attend all tokens (the scored ones), and whether the cache can keep evicted entries apart
 ARCHITECTURES = {
     "qwen3": (write_tiny_qwen3, 2, True),
     "gemma2": (write_tiny_gemma2, 2, False),  # layers 1 and 3; 0 and 2 attend a 32-token window
+    "gemma3": (write_tiny_gemma3, 1, False),  # layer 5; 0-4 attend a 32-token window
     "phi3": (write_tiny_phi3, 2, True),
     "deepseek2-mla": (write_tiny_deepseek2, 2, True),
 }
@@ -27,16 +29,6 @@ def arch(request, tmp_path_factory):
     return str(path), n_scored, separable
 
 
-def greedy(llm: Llama, n: int = 12):
-    """The greedy tokens after what the cache holds, and the logits each was drawn from."""
-    tokens, logits = [], []
-    for _ in range(n):
-        logits.append(llm.last_logits().copy())
-        tokens.append(int(np.argmax(logits[-1])))
-        llm.eval([tokens[-1]])
-    return tokens, np.stack(logits)
-
-
 @pytest.mark.parametrize("policy", [None, "h2o", "tova"])
 def test_a_budget_that_never_evicts_gives_the_full_cache_output(arch, policy):
     path, _, _ = arch
@@ -45,7 +37,7 @@ def test_a_budget_that_never_evicts_gives_the_full_cache_output(arch, policy):
     for llm in (full, bounded):
         llm.eval(PROMPT)
     assert bounded.kv_state().n_evicted == 0
-    a, b = greedy(full), greedy(bounded)
+    a, b = greedy_continuation(full), greedy_continuation(bounded)
     assert b[0] == a[0]
     assert np.array_equal(b[1], a[1])
 
@@ -69,7 +61,7 @@ def test_eviction_keeps_the_budget_through_the_prompt_and_generation(arch, polic
     llm.eval(PROMPT)
     st = llm.kv_state()
     assert len(st.positions) == 48 and st.n_evicted == len(PROMPT) - 48
-    _, logits = greedy(llm, 24)  # generation past the budget evicts token by token
+    _, logits = greedy_continuation(llm, 24)  # generation past the budget evicts token by token
     assert len(llm.kv_state().positions) == 48 and np.isfinite(logits).all()
     assert llm.kv_state().positions[-1] == len(PROMPT) + 23
 
@@ -80,12 +72,12 @@ def test_a_bounded_snapshot_loads_and_continues_as_the_original(arch):
     llm.eval(PROMPT)
     kept = llm.kv_state().positions.tolist()
     snap = llm.save_state()
-    first = greedy(llm)
+    first = greedy_continuation(llm)
     llm.load_state(snap)
     assert llm.kv_state().positions.tolist() == kept
-    again = greedy(llm)
+    again = greedy_continuation(llm)
     llm.load_state(snap)
-    third = greedy(llm)
+    third = greedy_continuation(llm)
     assert again[0] == first[0] == third[0]
     assert np.array_equal(third[1], again[1])  # two restores: the same cells, bit for bit
     # against the original, the cells lie in another order (the new tokens' cells depend on the cache's history): the

@@ -2,23 +2,11 @@
 import numpy as np
 import pytest
 
+from greedy import greedy_trace
 from h2o_local import Llama
 from support.engine_view import engine
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old clockmaker."
-
-
-def greedy_trace(llm: Llama, prompt_tokens, n: int):
-    """(generated tokens, logits after each fed token) with greedy decoding, token by token."""
-    llm.reset()
-    llm.eval(prompt_tokens)
-    tokens, logits = [], [llm.last_logits().copy()]
-    for _ in range(n):
-        t = int(np.argmax(logits[-1]))
-        tokens.append(t)
-        llm.eval([t])
-        logits.append(llm.last_logits().copy())
-    return tokens, np.stack(logits)
 
 
 @pytest.mark.parametrize("policy,budget", [("h2o", 1000), ("local", 1000), ("sink", 1000)])

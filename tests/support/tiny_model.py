@@ -97,6 +97,26 @@ def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
     return finish(w, path)
 
 
+def add_gemma_layers(t, norm, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int, *,
+                     qk_norm: bool, qk_scale: float) -> None:
+    """A Gemma 2 / 3 block per layer: norms after attention and after the feed-forward too; Gemma 3 adds q/k norms."""
+    for il in range(n_layer):
+        norm(f"blk.{il}.attn_norm.weight", n_embd)
+        t(f"blk.{il}.attn_q.weight", n_head * head_dim, n_embd, scale=qk_scale)
+        t(f"blk.{il}.attn_k.weight", n_head_kv * head_dim, n_embd, scale=qk_scale)
+        t(f"blk.{il}.attn_v.weight", n_head_kv * head_dim, n_embd)
+        if qk_norm:
+            norm(f"blk.{il}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{il}.attn_k_norm.weight", head_dim)
+        t(f"blk.{il}.attn_output.weight", n_embd, n_head * head_dim)
+        norm(f"blk.{il}.post_attention_norm.weight", n_embd)
+        norm(f"blk.{il}.ffn_norm.weight", n_embd)
+        t(f"blk.{il}.ffn_gate.weight", n_ff, n_embd)
+        t(f"blk.{il}.ffn_up.weight", n_ff, n_embd)
+        t(f"blk.{il}.ffn_down.weight", n_embd, n_ff)
+        norm(f"blk.{il}.post_ffw_norm.weight", n_embd)
+
+
 def write_tiny_gemma3(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
     """A tiny random Gemma 3 text model: 6 layers, the first 5 attend a sliding window of `n_swa` tokens, the 6th all
     of them (llama.cpp's iSWA cache: a window cache beside the base cache; the scores come from the base layer)."""
@@ -111,20 +131,7 @@ def write_tiny_gemma3(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
     t, norm = random_tensors(w, seed)
     t("token_embd.weight", len(tokens), n_embd, scale=0.1)  # Gemma multiplies it by sqrt(n_embd)
     norm("output_norm.weight", n_embd)
-    for il in range(n_layer):
-        norm(f"blk.{il}.attn_norm.weight", n_embd)
-        t(f"blk.{il}.attn_q.weight", n_head * head_dim, n_embd)
-        t(f"blk.{il}.attn_k.weight", n_head_kv * head_dim, n_embd)
-        t(f"blk.{il}.attn_v.weight", n_head_kv * head_dim, n_embd)
-        norm(f"blk.{il}.attn_q_norm.weight", head_dim)
-        norm(f"blk.{il}.attn_k_norm.weight", head_dim)
-        t(f"blk.{il}.attn_output.weight", n_embd, n_head * head_dim)
-        norm(f"blk.{il}.post_attention_norm.weight", n_embd)
-        norm(f"blk.{il}.ffn_norm.weight", n_embd)
-        t(f"blk.{il}.ffn_gate.weight", n_ff, n_embd)
-        t(f"blk.{il}.ffn_up.weight", n_ff, n_embd)
-        t(f"blk.{il}.ffn_down.weight", n_embd, n_ff)
-        norm(f"blk.{il}.post_ffw_norm.weight", n_embd)
+    add_gemma_layers(t, norm, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, qk_norm=True, qk_scale=0.2)
     return finish(w, path)
 
 
@@ -206,18 +213,7 @@ def write_tiny_gemma2(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
     t, norm = random_tensors(w, seed)
     t("token_embd.weight", len(tokens), n_embd, scale=0.1)
     norm("output_norm.weight", n_embd)
-    for il in range(n_layer):
-        norm(f"blk.{il}.attn_norm.weight", n_embd)
-        t(f"blk.{il}.attn_q.weight", n_head * head_dim, n_embd, scale=0.5)
-        t(f"blk.{il}.attn_k.weight", n_head_kv * head_dim, n_embd, scale=0.5)
-        t(f"blk.{il}.attn_v.weight", n_head_kv * head_dim, n_embd)
-        t(f"blk.{il}.attn_output.weight", n_embd, n_head * head_dim)
-        norm(f"blk.{il}.post_attention_norm.weight", n_embd)
-        norm(f"blk.{il}.ffn_norm.weight", n_embd)
-        t(f"blk.{il}.ffn_gate.weight", n_ff, n_embd)
-        t(f"blk.{il}.ffn_up.weight", n_ff, n_embd)
-        t(f"blk.{il}.ffn_down.weight", n_embd, n_ff)
-        norm(f"blk.{il}.post_ffw_norm.weight", n_embd)
+    add_gemma_layers(t, norm, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, qk_norm=False, qk_scale=0.5)
     return finish(w, path)
 
 
