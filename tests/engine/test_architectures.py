@@ -1,8 +1,9 @@
 """The attention designs a user's GGUF may bring, each as a tiny random model: Qwen3 (per-head q/k norms, heads wider
 than n_embd / n_head), Gemma 2 (a sliding window on every other layer, soft-capped logits), Gemma 3 (five window
-layers to one global, llama.cpp's iSWA cache), Phi-3 (fused q/k/v) and DeepSeek-V2's latent attention (MLA: the cache holds one compressed row per token and no V). On each, the engine's
-contract holds as on a llama: a budget that never evicts is the full cache, the exported scores are each query's
-attention, eviction keeps the budget, and a bounded snapshot continues as the original."""
+layers to one global, llama.cpp's iSWA cache), Phi-3 (fused q/k/v) and DeepSeek-V2's latent attention (MLA: the
+cache holds one compressed row per token and no V). On each, the engine's contract holds as on a llama: a budget
+that never evicts is the full cache, the exported scores are each query's attention, eviction keeps the budget, and
+a bounded snapshot continues as the original."""
 import numpy as np
 import pytest
 
