@@ -7,6 +7,7 @@ a bounded snapshot continues as the original."""
 import numpy as np
 import pytest
 
+from device_tolerance import approximate, assert_logits_close
 from greedy import greedy_continuation
 from h2o_local import Llama
 from tiny_model import write_tiny_deepseek2, write_tiny_gemma2, write_tiny_gemma3, write_tiny_phi3, write_tiny_qwen3
@@ -82,10 +83,10 @@ def test_a_bounded_snapshot_loads_and_continues_as_the_original(arch):
     assert again[0] == first[0] == third[0]
     assert np.array_equal(third[1], again[1])  # two restores: the same cells, bit for bit
     # against the original, the cells lie in another order (the new tokens' cells depend on the cache's history): the
-    # attention sums run in another order, which the sliding-window models' random weights amplify to a few 1e-3
-    # in some logits (the tokens stay the same; a lost or extra entry would move them by ~1)
-    diff = np.abs(again[1] - first[1])
-    assert diff.max() < 2e-2 and diff.mean() < 1e-3
+    # attention sums run in another order, which the sliding-window models' random weights amplify to 7e-4 in some
+    # logits on the CPU (6e-3 with flash attention; the tokens stay the same; a lost or extra entry moves them by ~1)
+    assert_logits_close(again[1], first[1], device=approximate(llm), cpu_atol=2e-3)
+    assert np.abs(again[1] - first[1]).mean() < 1e-3
 
 
 def test_recall_keeps_evictions_in_host_memory_where_the_cache_can_part_them(arch):

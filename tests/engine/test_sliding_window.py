@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from greedy import greedy_continuation
+import h2o_local
 from h2o_local import Llama
 
 PROMPT = [3 + (7 * i) % 250 for i in range(160)]  # five times the 32-token window
@@ -26,14 +27,10 @@ def test_a_full_cache_snapshot_taken_past_the_window_loads_and_continues_as_the_
     np.testing.assert_allclose(again[1], first[1], rtol=1e-3, atol=1e-4)  # restored cells: sums in another order
 
 
-def on_vulkan(path: str) -> bool:
-    return any(d.startswith("Vulkan") for d in Llama(path, n_ctx=256).layer_devices)
-
-
 def test_flash_attention_scores_on_a_window_model_decode_after_a_prompt_of_512_cells(tiny_swa_model, request):
     # Mesa's lavapipe kills the process here (docs/gpu.md, "Sliding-window models with flash attention on Vulkan"):
     # a child process, so that the crash is a failed check and not the end of the run
-    if on_vulkan(tiny_swa_model):
+    if any(d.name.startswith("Vulkan") for d in h2o_local.devices()):  # where a tiny model's layers go
         request.applymarker(pytest.mark.xfail(reason="ggml-vulkan on lavapipe: SIGSEGV in its queue thread", strict=False))
     script = (f"from h2o_local import Llama\n"
               f"llm = Llama({tiny_swa_model!r}, policy='h2o', budget=600, flash_attn='on')\n"
