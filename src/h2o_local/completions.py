@@ -4,9 +4,8 @@ llama-cpp-python has them. `Completions` holds a `Llama` and shapes what its pub
 `Llama.create_chat_completion` hand over to it."""
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Union
-
-import numpy as np
 
 from . import responses
 from . import sampling as sampling_
@@ -20,6 +19,8 @@ if TYPE_CHECKING:
     from .llama import Llama
 
 Prompt = Union[str, bytes, Sequence[int]]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the top tokens given per position
 
 
 class Completions:
@@ -48,7 +49,7 @@ class Completions:
             return self._completion(events, meta, prompt_tokens, echo, logprobs)
 
     def _completion(self, events, meta, prompt_tokens, echo, logprobs) -> Completion:
-        pieces, tokens, gen_logits = [], [], []
+        pieces, tokens, entries = [], [], []
         finish = None
         for e in events:
             pieces.append(e.text)
@@ -57,49 +58,54 @@ class Completions:
                 continue
             tokens.append(e.token)
             if logprobs is not None:
-                gen_logits.append(e.logits)
+                entries.append(responses.token_logprob(e.logits, e.token, logprobs))
         text = "".join(pieces)
         lp_out = None
         if logprobs is not None:
-            lp_out = self._logprobs(prompt_tokens if echo else [], tokens, gen_logits, logprobs)
+            echoed = prompt_tokens if echo else []
+            lp_out = self._logprobs(list(echoed) + tokens, self._prompt_entries(echoed, logprobs) + entries)
         if echo:
             text = self.llm.detokenize(prompt_tokens).decode("utf-8", errors="replace") + text
         return responses.completion(meta, text, finish, responses.usage(len(prompt_tokens), len(tokens)), lp_out)
 
     def _completion_chunks(self, events, meta, prompt_tokens, echo, logprobs) -> Iterator[CompletionChunk]:
+        first = next(events, None)  # the prompt is read here: its logits are there for the echo
+        events = itertools.chain([] if first is None else [first], events)
         if echo:
-            yield responses.completion_chunk(meta, self.llm.detokenize(prompt_tokens).decode("utf-8", errors="replace"))
+            lp = None if logprobs is None else \
+                self._logprobs(prompt_tokens, self._prompt_entries(prompt_tokens, logprobs), offsets=False)
+            yield responses.completion_chunk(meta, self.llm.detokenize(prompt_tokens).decode("utf-8", errors="replace"),
+                                             logprobs=lp)
         for e in events:
             lp = None
             if e.token is not None and logprobs is not None:
-                lp = self._logprob_block([e.token], [None], [e.logits], logprobs)
+                lp = self._logprobs([e.token], [responses.token_logprob(e.logits, e.token, logprobs)], offsets=False)
             yield responses.completion_chunk(meta, e.text, e.finish_reason, lp)
 
     def _piece_text(self, token: int) -> str:
         return self.llm.token_to_piece(int(token)).decode("utf-8", errors="replace")
 
-    def _logprob_block(self, tokens: List[int], offsets: List[Optional[int]], logits: List[Optional[np.ndarray]],
-                       k: int) -> CompletionLogprobs:
-        return responses.logprobs(self._piece_text, tokens, offsets, logits, k)
+    def _prompt_entries(self, echoed: Sequence[int], k: int) -> List[Optional[responses.TokenLogprob]]:
+        """The echoed prompt's logprobs, from the prompt pass's logits (none for its first token)."""
+        rows = self.llm.prompt_logits() if len(echoed) else None
+        return [None if i == 0 else responses.token_logprob(rows[i - 1], t, k) for i, t in enumerate(echoed)]
 
-    def _logprobs(self, echoed: List[int], generated: List[int], gen_logits: List[np.ndarray], k: int) -> CompletionLogprobs:
-        """Echoed prompt tokens (logits of the prompt pass, none for the first), then the generated ones."""
-        rows = self.llm.prompt_logits() if echoed else np.zeros((0, self.llm.n_vocab()), np.float32)
-        tokens = list(echoed) + list(generated)
-        logits: List[Optional[np.ndarray]] = [None if i == 0 else rows[i - 1] for i in range(len(echoed))]
-        logits += list(gen_logits)
-        offsets, offset = [], 0
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(self._piece_text(tok))
-        return self._logprob_block(tokens, offsets, logits, k)
+    def _logprobs(self, tokens: Sequence[int], entries: List[Optional[responses.TokenLogprob]],
+                  offsets: bool = True) -> CompletionLogprobs:
+        """The logprobs block of `tokens`; with `offsets`, where each token's text starts (characters)."""
+        starts: Optional[List[int]] = None
+        if offsets:
+            starts = list(itertools.accumulate((len(self._piece_text(t)) for t in tokens[:-1]), initial=0)) \
+                if len(tokens) else []
+        return responses.completion_logprobs(self._piece_text, list(tokens), entries, starts)
 
     # ------------------------------------------------------------------ chat
     def create_chat_completion(self, messages: Sequence[Dict[str, Any]], *, stream: bool = False,
                                sampling: Optional[SamplingParams] = None,
                                response_format: Optional[Dict[str, Any]] = None,
                                tools: Optional[List[Dict[str, Any]]] = None, tool_choice: Any = None,
-                               special_in_content: bool = False,
+                               special_in_content: bool = False, logprobs: Optional[bool] = None,
+                               top_logprobs: Optional[int] = None,
                                **params: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
         as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`). `response_format`: `{"type":
@@ -108,7 +114,10 @@ class Completions:
         for templates that write calls as `<tool_call>` blocks (Hermes, Qwen2.5; `h2o_local.tools`): calls come
         back as `message.tool_calls` with `finish_reason` "tool_calls"; "required" or a named tool forces a call
         with a grammar. A template without that format raises ValueError. Messages' contents are text: their
-        special-token text stays text unless `special_in_content=True` (`Llama.chat_tokens`)."""
+        special-token text stays text unless `special_in_content=True` (`Llama.chat_tokens`). `logprobs=True`:
+        `choices[0]["logprobs"]["content"]` gives each answer token's log-probability, with the `top_logprobs`
+        (0-20) most likely tokens at its position, as OpenAI's."""
+        k = chat_logprobs_k(logprobs, top_logprobs)
         llm = self.llm
         plan = tools_mod.plan(llm.chat_template.source, tools, tool_choice)
         messages = plan.messages(messages)
@@ -119,27 +128,45 @@ class Completions:
                 params = {**params, "grammar": extra}
         p = sampling_.merge(sampling_.CHAT, sampling, params)
         tokens, n_keep = llm.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content)
-        events = llm.generate_events(tokens, keep=n_keep, sampling=p)
+        events = llm.generate_events(tokens, keep=n_keep, sampling=p, logits=k is not None)
         meta = responses.chat_meta(llm.model_path)
         if stream and not plan.parses:
-            return self._chat_chunks(events, meta)
-        text, n, finish = [], 0, None
+            return self._chat_chunks(events, meta, k)
+        text, entries, n, finish = [], [], 0, None
         with llm.lock:
             for e in events:
                 text.append(e.text)
                 if e.token is None:
                     finish = e.finish_reason
-                else:
-                    n += 1
+                    continue
+                n += 1
+                if k is not None:
+                    entries.append(responses.token_logprob(e.logits, e.token, k))
         content, calls = plan.parse("".join(text))
+        lp = None if k is None else responses.chat_logprobs(self.llm.token_to_piece, entries)
         out = responses.chat_completion(meta, content, "tool_calls" if calls else finish,
-                                        responses.usage(len(tokens), n), tool_calls=calls)
+                                        responses.usage(len(tokens), n), tool_calls=calls, logprobs=lp)
         return responses.chat_completion_chunks(meta, out) if stream else out
 
-    def _chat_chunks(self, events, meta) -> Iterator[ChatCompletionChunk]:
+    def _chat_chunks(self, events, meta, k: Optional[int]) -> Iterator[ChatCompletionChunk]:
         yield responses.chat_chunk(meta, {"role": "assistant", "content": ""})
         for e in events:
-            if e.text:
-                yield responses.chat_chunk(meta, {"content": e.text})
+            lp = None
+            if e.token is not None and k is not None:  # a token whose text is held back still shows its logprob
+                lp = responses.chat_logprobs(self.llm.token_to_piece, [responses.token_logprob(e.logits, e.token, k)])
+            if e.text or lp is not None:
+                yield responses.chat_chunk(meta, {"content": e.text}, logprobs=lp)
             if e.token is None:
                 yield responses.chat_chunk(meta, {}, e.finish_reason)
+
+
+def chat_logprobs_k(logprobs: Optional[bool], top_logprobs: Optional[int]) -> Optional[int]:
+    """OpenAI's chat fields as the number of top tokens to give per position (None: no logprobs): `top_logprobs`
+    (0-20) needs `logprobs` true."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise TypeError(f"logprobs is true or false, got {logprobs!r}")
+    if top_logprobs is not None:
+        check_int("top_logprobs", top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
+        if not logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+    return (top_logprobs or 0) if logprobs else None

@@ -39,6 +39,7 @@ class SeqRun:
     tokens: List[int] = field(default_factory=list)
     deadline: Optional[float] = None  # time.monotonic() after which it ends with "length" (a server's time limit)
     drawing: Optional[concurrent.futures.Future] = None  # its next token, being drawn aside (Batch.background)
+    want_logits: bool = False        # its events carry the logits each token was drawn from (as Batch.want_logits)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class Batch:
                 del self.live[seq_id]
                 out += self._finish(r, "error", token)
                 continue
-            logits = engine.last_logits(seq_id) if self.want_logits else None
+            logits = engine.last_logits(seq_id) if self.want_logits or r.want_logits else None
             finish = None
             if engine.is_eog(token):
                 r.eog_token = token

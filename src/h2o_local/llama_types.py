@@ -55,10 +55,25 @@ class ChatCompletionResponseMessage(TypedDict):
     content: Optional[str]
 
 
+class ChatCompletionTopLogprobToken(TypedDict):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]]
+
+
+class ChatCompletionLogprobToken(ChatCompletionTopLogprobToken):
+    top_logprobs: List[ChatCompletionTopLogprobToken]
+
+
+class ChatCompletionLogprobs(TypedDict):
+    content: Optional[List[ChatCompletionLogprobToken]]
+    refusal: Optional[List[ChatCompletionLogprobToken]]
+
+
 class ChatCompletionResponseChoice(TypedDict):
     index: int
     message: ChatCompletionResponseMessage
-    logprobs: None
+    logprobs: Optional[ChatCompletionLogprobs]
     finish_reason: Optional[FinishReason]
 
 
@@ -79,7 +94,7 @@ class ChatCompletionChunkDelta(TypedDict, total=False):
 class ChatCompletionChunkChoice(TypedDict):
     index: int
     delta: ChatCompletionChunkDelta
-    logprobs: None
+    logprobs: Optional[ChatCompletionLogprobs]
     finish_reason: Optional[FinishReason]
 
 

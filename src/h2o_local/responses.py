@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .llama_types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, CompletionLogprobs, CompletionUsage
+from .llama_types import (ChatCompletion, ChatCompletionChunk, ChatCompletionLogprobs, Completion, CompletionChunk,
+                          CompletionLogprobs, CompletionUsage)
 
 
 def completion_meta(model: str) -> Dict[str, Any]:
@@ -46,12 +48,13 @@ def completion_chunk(meta: Dict[str, Any], text: str, finish_reason: Optional[st
 
 
 def chat_completion(meta: Dict[str, Any], content: Optional[str], finish_reason: Optional[str],
-                    use: CompletionUsage, tool_calls: Optional[List[Dict[str, Any]]] = None) -> ChatCompletion:
+                    use: CompletionUsage, tool_calls: Optional[List[Dict[str, Any]]] = None,
+                    logprobs: Optional[ChatCompletionLogprobs] = None) -> ChatCompletion:
     message: Dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {**meta, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                          "finish_reason": finish_reason}], "usage": use}  # type: ignore[return-value]
 
 
@@ -68,11 +71,12 @@ def chat_completion_chunks(meta: Dict[str, Any], whole: Dict[str, Any]) -> Itera
     yield chat_chunk(meta, {}, choice["finish_reason"])
 
 
-def chat_chunk(meta: Dict[str, Any], delta: Dict[str, Any], finish_reason: Optional[str] = None) -> ChatCompletionChunk:
+def chat_chunk(meta: Dict[str, Any], delta: Dict[str, Any], finish_reason: Optional[str] = None,
+               logprobs: Optional[ChatCompletionLogprobs] = None) -> ChatCompletionChunk:
     """One streamed piece: the first has delta {"role": "assistant", "content": ""}, then {"content": text}, the
-    last {} with the finish reason."""
+    last {} with the finish reason; `logprobs`: those of the tokens drawn for this piece."""
     return {**meta, "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}  # type: ignore[return-value]
 
 
@@ -81,26 +85,49 @@ def usage_chunk(meta: Dict[str, Any], use: CompletionUsage, chat: bool) -> Dict[
     return {**meta, **({"object": "chat.completion.chunk"} if chat else {}), "choices": [], "usage": use}
 
 
-def logprobs(piece: Callable[[int], str], tokens: List[int], offsets: List[Optional[int]],
-             logits: List[Optional[np.ndarray]], k: int) -> CompletionLogprobs:
-    """llama-cpp-python's logprobs block for `tokens`, each drawn from its row of `logits` (None: no logprob), with
-    the `k` most likely tokens per position; `piece(token)` is a token's text."""
-    out: CompletionLogprobs = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-    for tok, offset, row in zip(tokens, offsets, logits):
-        out["tokens"].append(piece(tok))
-        if offset is not None:
-            out["text_offset"].append(offset)
-        if row is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        lp = _log_softmax(row)
-        top = np.argsort(-lp)[:k]
-        out["token_logprobs"].append(float(lp[tok]))
-        out["top_logprobs"].append({piece(int(t)): float(lp[t]) for t in top})
-    if not out["text_offset"]:
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities (natural log, of the model's distribution before any sampling setting):
+    the token's, and the `top` most likely tokens' (token id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: Tuple[Tuple[int, float], ...]
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """`token`'s log-probability under one row of logits, with the k most likely tokens (ties: the lower id first)."""
+    lp = _log_softmax(logits)
+    k = min(k, lp.size)
+    best = np.argpartition(-lp, k - 1)[:k] if k else np.zeros(0, np.int64)
+    best = sorted((int(t) for t in best), key=lambda t: (-lp[t], t))
+    return TokenLogprob(int(token), float(lp[token]), tuple((t, float(lp[t])) for t in best))
+
+
+def completion_logprobs(piece: Callable[[int], str], tokens: List[int], entries: List[Optional[TokenLogprob]],
+                        offsets: Optional[List[int]] = None) -> CompletionLogprobs:
+    """llama-cpp-python's logprobs block of a text completion: each token's text, its log-probability (None where
+    nothing came before it: a prompt's first token) and its top tokens as {text: logprob}; `offsets`: where each
+    token's text starts in the answer (characters), left out of streamed pieces. `piece(token)` is a token's text."""
+    out: CompletionLogprobs = {"tokens": [piece(t) for t in tokens], "text_offset": list(offsets or []),
+                               "token_logprobs": [None if e is None else e.logprob for e in entries],
+                               "top_logprobs": [None if e is None else {piece(t): lp for t, lp in e.top}
+                                                for e in entries]}
+    if offsets is None:
         del out["text_offset"]
     return out
+
+
+def chat_logprobs(piece: Callable[[int], bytes], entries: List[TokenLogprob]) -> ChatCompletionLogprobs:
+    """OpenAI's logprobs of a chat answer: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}, ...]}, ...], "refusal": None}; `piece(token)` is a token's bytes (a token that ends inside a
+    character shows U+FFFD in `token`; `bytes` is exact)."""
+    def one(token: int, logprob: float) -> Dict[str, Any]:
+        raw = piece(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}  # type: ignore[typeddict-item]
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

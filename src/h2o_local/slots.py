@@ -52,7 +52,8 @@ class Slots:
               save_prefix: Optional[Callable[[Any], None]] = None,
               policy: Optional[Policy] = None,
               time_limit_s: Optional[float] = None,
-              recall: Optional[bool] = None, sampler: Optional[Any] = None) -> List[generation.Event]:
+              recall: Optional[bool] = None, sampler: Optional[Any] = None, logits: bool = False,
+              prompt_logits: bool = False) -> List[generation.Event]:
         """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
         `policy`: the slot's own (a resolved value that fits the slot's cells), None: the `Llama`'s.
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
@@ -64,7 +65,11 @@ class Slots:
         `recall`: the slot's own recall setting (None: the `Llama`'s).
         `sampler`: made beforehand (`Llama.sampler(params, history=tokens)`: a grammar's parse kept out of the step
         the slots share), None: made here.
+        `logits`: each token's event carries the logits it was drawn from. `prompt_logits`: every prompt token's
+        logits are kept for `prompt_logits(slot)` (the whole prompt is fed: no `resume`, no prefix fed alone).
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
+        if prompt_logits and resume is not None:
+            raise ValueError("a prompt whose logits are kept is fed whole: it cannot resume a snapshot")
         if sampler is None:  # bad sampling input raises before the slot changes
             sampler = self.llm.sampler(params, history=tokens)
         self._engine.reset_seq(slot)
@@ -78,13 +83,14 @@ class Slots:
         if not feed:
             raise ValueError("the prompt is empty")
         hook = between_chunks if self.interleaves else None
-        if save_prefix is not None and resume is None and 0 < n_keep < len(tokens):
+        if save_prefix is not None and resume is None and not prompt_logits and 0 < n_keep < len(tokens):
             self._engine.eval({slot: tokens[:n_keep]}, False, hook)
             save_prefix(self._engine.snapshot(slot))
             feed = tokens[n_keep:]
-        self._engine.eval({slot: feed}, False, hook)
+        self._engine.eval({slot: feed}, prompt_logits, hook)
         run = generation.SeqRun(slot, slot, sampler, TextAssembler(params.stop), params.max_tokens,
-                                deadline=None if time_limit_s is None else time.monotonic() + time_limit_s)
+                                deadline=None if time_limit_s is None else time.monotonic() + time_limit_s,
+                                want_logits=logits)
         self._runs[slot] = run
         return self._batch.add(run)
 
@@ -103,6 +109,10 @@ class Slots:
         events = self._batch.sample()
         ends, riders = self._batch.ride()
         return events + ends, riders
+
+    def prompt_logits(self, slot: int) -> Any:
+        """float32 [n, n_vocab]: the logits after each token of the slot's prompt (`start(prompt_logits=True)`)."""
+        return self._engine.logits_all(slot)
 
     @property
     def n_live(self) -> int:

@@ -13,6 +13,7 @@ from h2o_local import Llama, generation
 from h2o_local._engine import GrammarError
 from h2o_local.chat_session import ChatSession
 from h2o_local.grammar import GrammarLimits, GrammarTooLarge
+from h2o_local.responses import TokenLogprob
 from h2o_local.server.scheduler import Mailbox, Started, Step
 from tiny_model import write_tiny_llama
 
@@ -259,7 +260,8 @@ def test_an_unread_stream_holds_a_few_merged_events_not_one_per_token(viewed):
         box.put(Started(0))
         for i in range(1_000):
             event = generation.Event(0, i, f"t{i} ")
-            box.put(Step(event, {"positions": list(range(100)), "piece": f"t{i} "} if viewed else None))
+            logprobs = (TokenLogprob(i, -1.0, ((i, -1.0),)),)
+            box.put(Step(event, {"positions": list(range(100)), "piece": f"t{i} "} if viewed else None, logprobs))
         box.put(Step(generation.Event(0, None, "", "length")))
         held = len(box)
         return held, [await box.started()] + [step async for step in box.steps()]
@@ -268,6 +270,7 @@ def test_an_unread_stream_holds_a_few_merged_events_not_one_per_token(viewed):
     assert held == 3 and items[0] == Started(0) and items[-1].event.finish_reason == "length"
     merged = items[1].event
     assert merged.text == "".join(f"t{i} " for i in range(1_000)) and merged.token == 999
+    assert [x.token for x in items[1].logprobs] == list(range(1_000))  # each token's logprobs, in order
     if viewed:  # one piece per token, so that the page still maps pieces to positions
         assert items[1].view["pieces"] == [f"t{i} " for i in range(1_000)]
         assert items[1].view["piece"] == merged.text and items[1].view["positions"] == list(range(100))

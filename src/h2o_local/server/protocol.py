@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 
 # the roles OpenAI's chat API knows
@@ -15,8 +15,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
 # many clients send them with their defaults); any other value is a 400 naming the field
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
-               "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1)}
+UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1)}
 
 
 # stop strings are searched in the text after every token: bounded, as OpenAI bounds them (it takes 4; clients that
@@ -108,9 +107,16 @@ class _Request(BaseModel):
                                code="unsupported_parameter")
 
 
+# the most top tokens a request may ask for at each position (OpenAI's bound for chat)
+MAX_TOP_LOGPROBS = 20
+
+
 class CompletionRequest(_Request):
     prompt: Union[str, List[str], List[StrictInt]]  # a JSON true is not token 1
     echo: bool = False
+    # each answer token's logprob and this many top tokens; with echo, the prompt's tokens' too (the prompt is then
+    # read whole, its logits kept: bounded by the server's echo_logprobs_mib)
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class ChatCompletionRequest(_Request):
@@ -122,6 +128,8 @@ class ChatCompletionRequest(_Request):
     # messages' contents are text (OpenAI): special-token text in them stays text, it cannot close a turn or open
     # another; true parses it (llama-server's and Ollama's behaviour), for a client that writes turns on purpose
     special_in_content: bool = False
+    logprobs: Optional[StrictBool] = None  # choices[0].logprobs.content: each answer token's logprob
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # with logprobs: true
 
 
 class APIError(Exception):

@@ -98,6 +98,15 @@ def check_prompt_bytes(state: ServerState, n_bytes: int, param: str) -> None:
                        param=param, code="context_length_exceeded")
 
 
+def check_echo_logprobs(state: ServerState, n_tokens: int) -> None:
+    """A prompt whose own logprobs are asked for keeps every token's logits while it is read: bounded in bytes."""
+    mib = n_tokens * state.llm.n_vocab() * 4 / 2**20
+    if mib > state.settings.echo_logprobs_mib:
+        raise APIError(400, f"echo with logprobs keeps the logits of every prompt token: {n_tokens} tokens of this "
+                            f"model take {mib:.0f} MiB, more than this server allows ({state.settings.echo_logprobs_mib:g}"
+                            f" MiB, --echo-logprobs-mib)", param="logprobs")
+
+
 async def sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int],
                     tokens: List[int]) -> Tuple[SamplingParams, Any]:
     """The request's sampling parameters, and with a grammar its sampler, made (the grammar parsed and checked

@@ -5,22 +5,25 @@ broken stream."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import time
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
-from .. import generation, policies, responses
+from .. import policies, responses
 from .. import tools as tools_mod
+from ..completions import chat_logprobs_k
+from ..responses import TokenLogprob
 from ..sampling import CHAT_SURFACE, COMPLETION
 from . import requests
 from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
-from .scheduler import Busy, Cancelled, Job, Mailbox
+from .scheduler import Busy, Cancelled, Job, Mailbox, Step
 from .state import ServerState
 
 View = Optional[Dict[str, Any]]
@@ -53,11 +56,26 @@ async def metrics(state: ServerState = Depends(server_state)) -> Response:
 
 @router.get("/v1/models")
 async def list_models(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """OpenAI's model retrieval: the one model this server runs, by its id."""
+    if model != state.model_id:
+        raise APIError(404, f"the model {model[:256]!r} does not exist; this server runs {state.model_id!r}",
+                       param="model", code="model_not_found")
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> Dict[str, Any]:
+    """The model as /v1/models shows it: OpenAI's fields, and the cache it runs with (policy, budget, the policies
+    a conversation may choose and the largest budget a slot takes)."""
     llm = state.llm
-    return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(time.time()),
-                                        "owned_by": "h2o_local", "policy": llm.policy.label, "budget": llm.budget,
-                                        "policies": ["default", *sorted(n for n in policies.REGISTRY if n != "full")],
-                                        "max_budget": requests.max_budget(state) if llm.policy.bounded else None}]}
+    return {"id": state.model_id, "object": "model", "created": int(time.time()), "owned_by": "h2o_local",
+            "policy": llm.policy.label, "budget": llm.budget,
+            "policies": ["default", *sorted(n for n in policies.REGISTRY if n != "full")],
+            "max_budget": requests.max_budget(state) if llm.policy.bounded else None}
 
 
 @router.post("/v1/completions")
@@ -80,19 +98,29 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                 raise ValueError(f"token ids must be in [0, {llm.n_vocab()})")
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="prompt") from None
+    echo_logprobs = body.echo and body.logprobs is not None
+    if echo_logprobs:
+        requests.check_echo_logprobs(state, len(tokens))
     policy, view, recall = requests.conversation_cache(state, body)
     params, sampler = await requests.sampling(state, COMPLETION, body, body.max_tokens, tokens)
     job = await _submit(state, Job(tokens, params, sampler=sampler,
                                    n_keep=state.default_keep, policy=policy, view=view, recall=recall,
-                                   time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt), request)
+                                   time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
+                                   logprobs=body.logprobs, echo_logprobs=echo_logprobs), request)
     meta = responses.completion_meta(state.model_id)
     if body.echo and text is None:  # token ids: their text, as llama-cpp-python echoes it
         text = llm.detokenize(tokens).decode("utf-8", errors="replace")
     echo = text if body.echo else ""
+    piece = _piece_text(llm)
     if body.stream:
-        return _event_stream(state, _completion_stream(state, job, meta, echo, _include_usage(body)))
-    pieces, finish = await _collect(state, job, request)
-    return responses.completion(meta, echo + "".join(pieces), finish, _usage(job))
+        return _event_stream(state, _completion_stream(state, job, meta, echo, _include_usage(body), piece))
+    pieces, finish, entries = await _collect(state, job, request)
+    logprobs = None
+    if body.logprobs is not None:
+        shown = (tokens if body.echo else []) + [e.token for e in entries]
+        offsets = list(itertools.accumulate((len(piece(t)) for t in shown[:-1]), initial=0)) if shown else []
+        logprobs = responses.completion_logprobs(piece, shown, list(job.started.prompt_logprobs) + entries, offsets)
+    return responses.completion(meta, echo + "".join(pieces), finish, _usage(job), logprobs)
 
 
 @router.post("/v1/chat/completions")
@@ -126,6 +154,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                             f"took more than {limit_s:g} s (--template-timeout-s)", param="messages") from None
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
+    try:
+        k = chat_logprobs_k(body.logprobs, body.top_logprobs)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="top_logprobs") from None
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     policy, view, recall = requests.conversation_cache(state, body)
     if view and plan.parses:
@@ -135,17 +167,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     job = await _submit(state, Job(tokens, params, sampler=sampler,
                                    n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
                                    recall=recall,
-                                   time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt),
-                        request)
+                                   time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
+                                   logprobs=k), request)
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
         return _event_stream(state, _chat_stream(state, job, meta, _include_usage(body)))
-    pieces, finish = await _collect(state, job, request)
+    pieces, finish, entries = await _collect(state, job, request)
     content, calls = plan.parse("".join(pieces))
     if body.parallel_tool_calls is False:
         calls = calls[:1]
     out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, _usage(job),
-                                    tool_calls=calls)
+                                    tool_calls=calls,
+                                    logprobs=None if k is None else responses.chat_logprobs(state.llm.token_to_piece,
+                                                                                             entries))
     if body.stream:  # with tools the answer is parsed whole, then streamed
         return _event_stream(state, _whole_stream(meta, out, _include_usage(body)))
     return out
@@ -180,32 +214,40 @@ async def _submit(state: ServerState, job: Job, request: Request) -> Job:
     return job
 
 
-async def _events(state: ServerState, job: Job) -> AsyncIterator[Tuple[generation.Event, View]]:
-    """The job's events, each with the cache's view when the job asked for it (else None)."""
+async def _events(state: ServerState, job: Job) -> AsyncIterator[Step]:
+    """The job's steps: each event, with the cache's view when the job asked for it and its tokens' logprobs."""
     try:
         async for step in job.mailbox.steps():
-            yield step.event, step.view
+            yield step
     except Cancelled:
         return
     finally:
         state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
 
 
-async def _collect(state: ServerState, job: Job, request: Request) -> Tuple[List[str], Optional[str]]:
+async def _collect(state: ServerState, job: Job,
+                   request: Request) -> Tuple[List[str], Optional[str], List[TokenLogprob]]:
+    """The answer's text pieces, its finish reason and (with Job.logprobs) its tokens' logprobs."""
     pieces: List[str] = []
     finish = None
+    entries: List[TokenLogprob] = []
     events = _events(state, job)
     watcher = asyncio.ensure_future(_disconnected(state, request, job))
     try:
-        async for e, _ in events:
-            pieces.append(e.text)
-            finish = e.finish_reason
+        async for step in events:
+            pieces.append(step.event.text)
+            finish = step.event.finish_reason
+            entries += step.logprobs
     except Exception as e:  # noqa: BLE001 - said as the request's error
         raise _failed(e) from None
     finally:
         watcher.cancel()
         await events.aclose()
-    return pieces, finish
+    return pieces, finish, entries
+
+
+def _piece_text(llm) -> Callable[[int], str]:
+    return lambda token: llm.token_to_piece(token).decode("utf-8", errors="replace")
 
 
 def _failed(error: Exception) -> APIError:
@@ -222,13 +264,19 @@ async def _disconnected(state: ServerState, request: Request, job: Job) -> None:
     state.scheduler.cancel(job)
 
 
-async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any], echo: str, usage: bool):
-    first = _viewed(responses.completion_chunk(meta, echo), job.started.view)
+async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any], echo: str, usage: bool,
+                             piece: Callable[[int], str]):
+    echoed = job.started.prompt_logprobs
+    first = _viewed(responses.completion_chunk(meta, echo, logprobs=responses.completion_logprobs(
+        piece, job.prompt_tokens, list(echoed)) if echoed else None), job.started.view)
     if echo or first.get("kv_cache"):
         yield json.dumps(first)
     try:
-        async for e, view in _events(state, job):
-            yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason), view))
+        async for step in _events(state, job):
+            e, lp = step.event, None
+            if step.logprobs:
+                lp = responses.completion_logprobs(piece, [x.token for x in step.logprobs], list(step.logprobs))
+            yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason, lp), step.view))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
         yield json.dumps(_failed(e).body())
         return
@@ -240,9 +288,12 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
 async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool):
     yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": ""}), job.started.view))
     try:
-        async for e, view in _events(state, job):
-            if e.text or (view is not None and e.token is not None):  # the view goes with every token
-                yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}), view))
+        async for step in _events(state, job):
+            e, view = step.event, step.view
+            lp = responses.chat_logprobs(state.llm.token_to_piece, list(step.logprobs)) if step.logprobs else None
+            # the view and the logprobs go with every token (a token whose text is held back too)
+            if e.text or (view is not None and e.token is not None) or lp is not None:
+                yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}, logprobs=lp), view))
             if e.token is None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's

@@ -31,6 +31,7 @@ from .. import generation
 from .metrics import ServerMetrics
 from ..llama import Llama
 from ..policies import Policy
+from ..responses import TokenLogprob, token_logprob
 from ..sampling import SamplingParams
 from ..sessions import SessionCache
 
@@ -45,6 +46,8 @@ class Started:
 
     reused_tokens: int                      # prompt tokens found in a saved session
     view: Optional[Dict[str, Any]] = None   # with Job.view: the cache after the prompt, and the prompt's pieces
+    # with Job.echo_logprobs: each prompt token's logprobs (None for the first: nothing came before it)
+    prompt_logprobs: Tuple[Optional[TokenLogprob], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Step:
 
     event: generation.Event
     view: Optional[Dict[str, Any]] = None
+    logprobs: Tuple[TokenLogprob, ...] = ()  # with Job.logprobs: those of the step's tokens (merged steps: each)
 
 
 @dataclass(frozen=True)
@@ -126,13 +130,14 @@ def _token_step(item: Result) -> bool:
 
 
 def _merged(first: Step, then: Step) -> Step:
-    """Two token steps as one: the texts joined, the later token and view, with both tokens' pieces (`pieces`, one
-    per token, so that a view still maps pieces to positions; `piece` their text)."""
+    """Two token steps as one: the texts joined, both tokens' logprobs, the later token and view, with both tokens'
+    pieces (`pieces`, one per token, so that a view still maps pieces to positions; `piece` their text)."""
     event = dataclasses.replace(then.event, text=first.event.text + then.event.text)
+    logprobs = first.logprobs + then.logprobs
     if then.view is None or first.view is None:
-        return Step(event, then.view)
+        return Step(event, then.view, logprobs)
     pieces = first.view.get("pieces", [first.view.get("piece", "")]) + [then.view.get("piece", "")]
-    return Step(event, {**then.view, "piece": "".join(pieces), "pieces": pieces})
+    return Step(event, {**then.view, "piece": "".join(pieces), "pieces": pieces}, logprobs)
 
 
 class Cancelled(Exception):
@@ -160,6 +165,8 @@ class Job:
     recall: Optional[bool] = None       # its own recall setting (None: the server's)
     cache_salt: Optional[str] = None    # saved sessions are shared only with requests of the same salt
     sampler: Optional[Any] = None       # made beforehand, off the decoding thread (a grammar's), None: at its start
+    logprobs: Optional[int] = None      # each generated token's logprobs, with this many top tokens (None: none)
+    echo_logprobs: bool = False         # the prompt's own logprobs too (its prompt is read whole: no saved session)
     mailbox: Optional[Mailbox] = None         # where its events go (set when it is submitted)
     cancelled: bool = False
     reused_tokens: int = 0              # prompt tokens found in a saved session
@@ -315,13 +322,14 @@ class Scheduler:
             if job.cancelled:
                 raise Cancelled()
             session = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep, _label(job)) \
-                if self.sessions.limit_bytes else None
+                if self.sessions.limit_bytes and not job.echo_logprobs else None
             resume = None if session is None else (session.snapshot, session.n_fed)
             events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
                                       between_chunks=lambda: self._between_prompt_chunks(job),
                                       save_prefix=self._prefix_saver(job) if session is None else None,
                                       policy=job.policy, time_limit_s=job.time_limit_s, recall=job.recall,
-                                      sampler=job.sampler)
+                                      sampler=job.sampler, logits=job.logprobs is not None,
+                                      prompt_logits=job.echo_logprobs)
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
             job.fail(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)
@@ -336,8 +344,14 @@ class Scheduler:
         # the prompt alone is saved too: a client whose next request re-tokenizes this answer differently from the
         # tokens generated (BPE sometimes does) still continues the whole conversation before it
         self._save(slot, job, job.prompt_tokens, len(job.prompt_tokens))
-        job.put(Started(job.reused_tokens, self._view(slot, prompt=job.prompt_tokens) if job.view else None))
+        job.put(Started(job.reused_tokens, self._view(slot, prompt=job.prompt_tokens) if job.view else None,
+                        self._prompt_logprobs(slot, job) if job.echo_logprobs else ()))
         self._deliver(events)
+
+    def _prompt_logprobs(self, slot: int, job: Job) -> Tuple[Optional[TokenLogprob], ...]:
+        rows = self.slots.prompt_logits(slot)
+        k = job.logprobs or 0
+        return tuple(None if i == 0 else token_logprob(rows[i - 1], t, k) for i, t in enumerate(job.prompt_tokens))
 
     def _prefix_saver(self, job: Job) -> Optional[Any]:
         """For a request with a protected prefix (a chat's system prompt) that no saved session starts: save the
@@ -381,7 +395,11 @@ class Scheduler:
                 if job.kv_cache["protected"] < job.n_keep:  # a system prompt longer than the budget lets protect
                     job.kv_cache["protected_asked"] = job.n_keep
                 self._count_finished(job)
-            job.put(Step(e, self._view(e.index, token=e.token) if job.view else None))
+            logprobs = ()
+            if e.logits is not None:  # only the compact logprobs wait in the mailbox
+                logprobs = (token_logprob(e.logits, e.token, job.logprobs or 0),)
+                e = dataclasses.replace(e, logits=None)
+            job.put(Step(e, self._view(e.index, token=e.token) if job.view else None, logprobs))
             if e.token is None:
                 self._release(e.index, save=True)
 

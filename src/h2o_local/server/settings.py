@@ -56,6 +56,10 @@ class ServerSettings(BaseSettings):
                                          "long, seconds, is dropped")
     max_connections: int = Field(512, ge=1, description="open connections the server takes at once; more get HTTP "
                                  "503")
+    echo_logprobs_mib: float = Field(256, ge=0, description="most memory the logits of one prompt whose own "
+                                     "logprobs are asked for (/v1/completions with echo and logprobs) may take while "
+                                     "it is read, MiB: its tokens x the vocabulary x 4 bytes; longer prompts get HTTP "
+                                     "400 (0: such requests are refused)")
     template_timeout_s: float = Field(10.0, gt=0, description="longest a chat template may render a request's "
                                                               "messages, seconds (then HTTP 400)")
 
