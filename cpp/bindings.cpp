@@ -136,7 +136,17 @@ void def_vocab(C & cls) {
             return model_of(o).apply_chat_template(messages, add_assistant, tmpl);
         }, py::arg("messages"), py::arg("add_assistant") = true, py::arg("template") = "")
         .def("is_eog", [](const T & o, llama_token t) { return model_of(o).is_eog(t); })
-        .def("facts", [](const T & o) { return facts_dict(model_of(o).facts()); });
+        .def("facts", [](const T & o) { return facts_dict(model_of(o).facts()); })
+        .def("metadata", [](const T & o) {
+            py::dict out; // a file's text that is not UTF-8 shows U+FFFD rather than failing
+            const auto text = [](const std::string & s) {
+                return py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(s.data(), (Py_ssize_t) s.size(), "replace"));
+            };
+            for (const auto & [key, value] : model_of(o).metadata()) {
+                out[text(key)] = text(value);
+            }
+            return out;
+        });
 }
 
 // A scorer written in Python (research): a subclass of _engine.RankedPolicy overrides rank(total, head, queries)
@@ -530,9 +540,12 @@ PYBIND11_MODULE(_engine, m) {
                          std::vector<llama_token> banned, const std::map<llama_token, float> & logit_bias,
                          int32_t penalty_last_n, float repeat_penalty, float frequency_penalty, float presence_penalty,
                          std::vector<llama_token> history, const std::string & grammar, uint64_t grammar_max_work,
-                         const Engine * engine) {
+                         const Engine * engine, float typical_p, int32_t mirostat, float mirostat_tau,
+                         float mirostat_eta) {
                  SamplerParams p;
                  p.temperature = temperature; p.top_p = top_p; p.top_k = top_k; p.min_p = min_p; p.seed = seed;
+                 p.typical_p = typical_p; p.mirostat = mirostat; p.mirostat_tau = mirostat_tau;
+                 p.mirostat_eta = mirostat_eta;
                  p.banned = std::move(banned);
                  for (const auto & [token, bias] : logit_bias) {
                      p.logit_bias.push_back({token, bias});
@@ -549,7 +562,9 @@ PYBIND11_MODULE(_engine, m) {
              py::arg("logit_bias") = std::map<llama_token, float>(), py::arg("penalty_last_n") = 64,
              py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
              py::arg("history") = std::vector<llama_token>(), py::arg("grammar") = "",
-             py::arg("grammar_max_work") = 0, py::arg("engine") = nullptr, py::keep_alive<1, 17>())
+             py::arg("grammar_max_work") = 0, py::arg("engine") = nullptr, py::arg("typical_p") = 1.0f,
+             py::arg("mirostat") = 0, py::arg("mirostat_tau") = 5.0f, py::arg("mirostat_eta") = 0.1f,
+             py::keep_alive<1, 17>())
         .def("sample", [](Sampler & s, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
             if (logits.size() != s.n_vocab()) {
                 throw std::invalid_argument("expected " + std::to_string(s.n_vocab()) + " logits, got " + std::to_string(logits.size()));

@@ -211,6 +211,23 @@ bool Model::rpc_servers_reachable() const {
     return true;
 }
 
+std::map<std::string, std::string> Model::metadata() const {
+    std::map<std::string, std::string> out;
+    std::vector<char> buf(256);
+    const auto read = [&](int32_t i, auto fn) {
+        int32_t n = fn(model_, i, buf.data(), buf.size());
+        if (n >= (int32_t) buf.size()) { // snprintf's rule: the length it needed, the text cut
+            buf.resize((size_t) n + 1);
+            n = fn(model_, i, buf.data(), buf.size());
+        }
+        return n < 0 ? std::string() : std::string(buf.data(), (size_t) n);
+    };
+    for (int32_t i = 0; i < llama_model_meta_count(model_); ++i) {
+        out[read(i, llama_model_meta_key_by_index)] = read(i, llama_model_meta_val_str_by_index);
+    }
+    return out;
+}
+
 ModelFacts Model::facts() const {
     ModelFacts f;
     char arch[128] = {0};

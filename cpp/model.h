@@ -4,6 +4,7 @@
 #include "llama.h"
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,8 @@ public:
     bool rpc_servers_reachable() const;
     const llama_vocab * vocab() const { return llama_model_get_vocab(model_); }
     ModelFacts facts() const;
+    // the GGUF's key-value metadata, every value as text (llama.cpp's llama_model_meta_*: arrays are summarized)
+    std::map<std::string, std::string> metadata() const;
     // the devices other than the CPU that hold a layer: their names in layer order ("Vulkan0", "CUDA1"), their total
     // memory in bytes (0 when one cannot say, as an RPC server), and how many layers they hold
     struct Offload { std::vector<std::string> devices; uint64_t memory_bytes = 0; int32_t n_layer = 0; };

@@ -56,6 +56,16 @@ std::vector<llama_logit_bias> checked_bias(const SamplerParams & params, int32_t
     if (params.penalty_last_n < 0) {
         throw std::invalid_argument("penalty_last_n must be >= 0 (tokens), got " + std::to_string(params.penalty_last_n));
     }
+    if (!(params.typical_p > 0.0f && params.typical_p <= 1.0f)) {
+        throw std::invalid_argument("typical_p must be in (0, 1] (1: off), got " + std::to_string(params.typical_p));
+    }
+    if (params.mirostat < 0 || params.mirostat > 2) {
+        throw std::invalid_argument("mirostat must be 0 (off), 1 or 2, got " + std::to_string(params.mirostat));
+    }
+    if (!(params.mirostat_tau > 0.0f && std::isfinite(params.mirostat_tau) && params.mirostat_eta > 0.0f &&
+          std::isfinite(params.mirostat_eta))) {
+        throw std::invalid_argument("mirostat_tau and mirostat_eta must be finite and > 0");
+    }
     if (params.penalizes() && !(params.repeat_penalty > 0.0f && std::isfinite(params.repeat_penalty) &&
                                 std::isfinite(params.frequency_penalty) && std::isfinite(params.presence_penalty))) {
         throw std::invalid_argument("repeat_penalty must be > 0 and the penalties finite");
@@ -115,8 +125,18 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_voca
         llama_sampler_chain_add(chain_, llama_sampler_init_greedy());
         return;
     }
+    if (params.mirostat != 0) {
+        llama_sampler_chain_add(chain_, llama_sampler_init_temp(params.temperature));
+        llama_sampler_chain_add(chain_, params.mirostat == 1
+            ? llama_sampler_init_mirostat(n_vocab, params.seed, params.mirostat_tau, params.mirostat_eta, 100)
+            : llama_sampler_init_mirostat_v2(params.seed, params.mirostat_tau, params.mirostat_eta));
+        return;
+    }
     if (params.top_k > 0) {
         llama_sampler_chain_add(chain_, llama_sampler_init_top_k(params.top_k));
+    }
+    if (params.typical_p < 1.0f) {
+        llama_sampler_chain_add(chain_, llama_sampler_init_typical(params.typical_p, 1));
     }
     if (params.top_p < 1.0f) {
         llama_sampler_chain_add(chain_, llama_sampler_init_top_p(params.top_p, 1));

@@ -1,5 +1,6 @@
-// llama.cpp's sampler chain: logit bias (banned tokens: -inf) -> repetition penalties -> top_k -> top_p -> min_p ->
-// temperature -> seeded draw; greedy (after the bias and the penalties) when temperature <= 0. A grammar is checked
+// llama.cpp's sampler chain: logit bias (banned tokens: -inf) -> repetition penalties -> top_k -> typical_p -> top_p ->
+// min_p -> temperature -> seeded draw (or temperature -> Mirostat); greedy (after the bias and the penalties) when
+// temperature <= 0. A grammar is checked
 // on the drawn token and constrains the whole vocabulary only when it refuses it (llama.cpp's common sampler does
 // the same). It samples straight from a row of logits (the context's own, see Engine::sample).
 #pragma once
@@ -18,6 +19,12 @@ struct SamplerParams {
     float    top_p = 0.95f;
     int32_t  top_k = 40;
     float    min_p = 0.05f;
+    float    typical_p = 1.0f; // locally typical sampling (1: off)
+    // Mirostat (0: off; 1, 2: its versions): after the temperature, a draw that steers the text's surprise to
+    // mirostat_tau, learning at mirostat_eta; it replaces top_k, typical_p, top_p and min_p (as in llama.cpp's common)
+    int32_t  mirostat = 0;
+    float    mirostat_tau = 5.0f;
+    float    mirostat_eta = 0.1f;
     uint32_t seed  = 0;
     std::vector<llama_token> banned; // never sampled (for example every end-of-generation token)
     std::vector<llama_logit_bias> logit_bias; // added to the logits before anything else

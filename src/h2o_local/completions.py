@@ -22,6 +22,20 @@ Prompt = Union[str, bytes, Sequence[int]]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the top tokens given per position
 
+# llama-cpp-python's keywords for what this library does not do, with the values that ask for nothing (scripts and
+# wrappers pass them with their defaults); any other value is a ValueError naming it
+NOT_DONE = {"suffix": (None, ""), "tfs_z": (1, 1.0), "stopping_criteria": (None,), "logits_processor": (None,),
+            "functions": (None, []), "function_call": (None, "none", "auto")}
+
+
+def _without_not_done(params: Dict[str, Any]) -> Dict[str, Any]:
+    """`params` less llama-cpp-python's keywords that ask for nothing; one that asks for something raises."""
+    for name in NOT_DONE.keys() & params.keys():
+        value = params[name]
+        if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in NOT_DONE[name]):
+            raise ValueError(f"{name} is not supported by h2o_local (got {value!r})")
+    return {k: v for k, v in params.items() if k not in NOT_DONE}
+
 
 class Completions:
     """create_completion (also `llm(...)`) and create_chat_completion of one `Llama`."""
@@ -31,18 +45,20 @@ class Completions:
 
     def create_completion(self, prompt: Prompt, *, stream: bool = False, echo: bool = False,
                           logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
+                          model: Optional[str] = None,
                           **params: Any) -> Union[Completion, Iterator[CompletionChunk]]:
         """An OpenAI-style text completion, as llama-cpp-python returns it (`choices[0]["text"]`, `finish_reason`,
         `usage`; `logprobs=k` adds the k most likely tokens per position; `echo` prepends the prompt). Sampling
-        keywords as in `generate` (default `max_tokens=16`)."""
+        keywords as in `generate` (default `max_tokens=16`). `model`: the name the response gives (default: the
+        model's path)."""
         if logprobs is not None:
             check_int("logprobs", logprobs, minimum=0)
         llm = self.llm
-        p = sampling_.merge(sampling_.COMPLETION, sampling, params)
+        p = sampling_.merge(sampling_.COMPLETION, sampling, _without_not_done(params))
         prompt_tokens = llm.prompt_tokens(prompt)
         events = llm.generate_events(prompt_tokens, sampling=p, logits=logprobs is not None,
                                      prompt_logits=echo and logprobs is not None)
-        meta = responses.completion_meta(llm.model_path)
+        meta = responses.completion_meta(_model_name(llm, model))
         if stream:
             return self._completion_chunks(events, meta, prompt_tokens, echo, logprobs)
         with llm.lock:
@@ -105,7 +121,7 @@ class Completions:
                                response_format: Optional[Dict[str, Any]] = None,
                                tools: Optional[List[Dict[str, Any]]] = None, tool_choice: Any = None,
                                special_in_content: bool = False, logprobs: Optional[bool] = None,
-                               top_logprobs: Optional[int] = None,
+                               top_logprobs: Optional[int] = None, model: Optional[str] = None,
                                **params: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
         as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`). `response_format`: `{"type":
@@ -116,8 +132,9 @@ class Completions:
         with a grammar. A template without that format raises ValueError. Messages' contents are text: their
         special-token text stays text unless `special_in_content=True` (`Llama.chat_tokens`). `logprobs=True`:
         `choices[0]["logprobs"]["content"]` gives each answer token's log-probability, with the `top_logprobs`
-        (0-20) most likely tokens at its position, as OpenAI's."""
+        (0-20) most likely tokens at its position, as OpenAI's. `model`: the name the response gives."""
         k = chat_logprobs_k(logprobs, top_logprobs)
+        params = _without_not_done(params)
         llm = self.llm
         plan = tools_mod.plan(llm.chat_template.source, tools, tool_choice)
         messages = plan.messages(messages)
@@ -129,7 +146,7 @@ class Completions:
         p = sampling_.merge(sampling_.CHAT, sampling, params)
         tokens, n_keep = llm.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content)
         events = llm.generate_events(tokens, keep=n_keep, sampling=p, logits=k is not None)
-        meta = responses.chat_meta(llm.model_path)
+        meta = responses.chat_meta(_model_name(llm, model))
         if stream and not plan.parses:
             return self._chat_chunks(events, meta, k)
         text, entries, n, finish = [], [], 0, None
@@ -158,6 +175,12 @@ class Completions:
                 yield responses.chat_chunk(meta, {"content": e.text}, logprobs=lp)
             if e.token is None:
                 yield responses.chat_chunk(meta, {}, e.finish_reason)
+
+
+def _model_name(llm: "Llama", model: Optional[str]) -> str:
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"model is the name the response gives (a str), got {model!r}")
+    return llm.model_path if model is None else model
 
 
 def chat_logprobs_k(logprobs: Optional[bool], top_logprobs: Optional[int]) -> Optional[int]:

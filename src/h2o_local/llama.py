@@ -324,6 +324,20 @@ class Llama:
     def n_vocab(self) -> int:
         return self.info.n_vocab
 
+    def n_embd(self) -> int:
+        """The model's embedding width (values per token)."""
+        return self.info.n_embd
+
+    @functools.cached_property
+    def metadata(self) -> Dict[str, str]:
+        """The GGUF's key-value metadata, every value as text (as llama-cpp-python's `Llama.metadata`)."""
+        return dict(self._engine.metadata())
+
+    def set_seed(self, seed: int) -> None:
+        """Seed the draws of calls that give no `seed` of their own (as at construction)."""
+        check_int("seed", seed, maximum=None)
+        self._rng = random.Random(seed)
+
     def n_ctx_train(self) -> int:
         """The context length the model was trained with (tokens)."""
         return self.info.n_ctx_train
@@ -353,9 +367,16 @@ class Llama:
             raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
         return list(self._engine.tokenize(check_text("the text", text), bool(add_bos), bool(special)))
 
-    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
-        """The bytes of `tokens` (bytes, like llama-cpp-python: a token may hold part of a UTF-8 character)."""
-        return self._engine.detokenize(_token_list(tokens), special)
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Optional[Sequence[int]] = None,
+                   special: bool = False) -> bytes:
+        """The bytes of `tokens` (bytes, like llama-cpp-python: a token may hold part of a UTF-8 character);
+        `prev_tokens`: the tokens before them, so that the bytes are those `tokens` add after them (a tokenizer
+        that drops a text's leading space keeps it there)."""
+        if not prev_tokens:
+            return self._engine.detokenize(_token_list(tokens), special)
+        before = self._engine.detokenize(_token_list(prev_tokens), special)
+        whole = self._engine.detokenize(_token_list(list(prev_tokens) + list(tokens)), special)
+        return whole[len(before):] if whole.startswith(before) else self._engine.detokenize(_token_list(tokens), special)
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token."""

@@ -16,10 +16,13 @@ from .policies import check_int
 class SamplingParams:
     """How the next token is drawn, and when generation ends.
 
-    max_tokens: tokens generated at most (None: until an end-of-generation token, a stop string or, for the full
-        cache, the end of the context; a bounded cache, which never fills up, stops after the model's trained
-        context, `n_ctx_train` tokens).
-    temperature: <= 0 is greedy; top_k (0: off), top_p (1: off), min_p (0: off) cut the candidates first.
+    max_tokens: tokens generated at most (None, or a negative number as llama-cpp-python's -1: until an
+        end-of-generation token, a stop string or, for the full cache, the end of the context; a bounded cache,
+        which never fills up, stops after the model's trained context, `n_ctx_train` tokens).
+    temperature: <= 0 is greedy; top_k (0: off), typical_p (1: off), top_p (1: off), min_p (0: off) cut the
+        candidates first.
+    mirostat_mode (0: off; 1 or 2: Mirostat's versions), mirostat_tau (the surprise it steers to), mirostat_eta (its
+        learning rate): llama.cpp's Mirostat draw after the temperature, in place of top_k, typical_p, top_p, min_p.
     stop: strings that end the text (cut before them).
     seed: the draw's seed; None takes the next one from the Llama's own generator.
     ignore_eos: never sample an end-of-generation token (every sequence runs to max_tokens; benchmarks).
@@ -40,6 +43,10 @@ class SamplingParams:
     top_p: float = 0.95
     top_k: int = 40
     min_p: float = 0.05
+    typical_p: float = 1.0
+    mirostat_mode: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     stop: Union[str, Sequence[str], None] = ()
     seed: Optional[int] = None
     ignore_eos: bool = False
@@ -54,9 +61,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 0:
-                raise ValueError("max_tokens must be >= 0 (or None: until the end of the text or the context)")
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
+            if self.max_tokens < 0:  # llama-cpp-python's -1: no limit
+                object.__setattr__(self, "max_tokens", None)
+        for name in ("temperature", "top_p", "min_p", "typical_p", "mirostat_tau", "mirostat_eta", "repeat_penalty",
+                     "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {value!r}")
@@ -64,6 +72,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not 0.0 < self.top_p <= 1.0 or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] and min_p in [0, 1], got {self.top_p} and {self.min_p}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1] (1: off), got {self.typical_p}")
+        check_int("mirostat_mode", self.mirostat_mode)
+        if self.mirostat_mode not in (0, 1, 2):
+            raise ValueError(f"mirostat_mode must be 0 (off), 1 or 2, got {self.mirostat_mode}")
+        if self.mirostat_tau <= 0 or self.mirostat_eta <= 0:
+            raise ValueError(f"mirostat_tau and mirostat_eta must be > 0, got {self.mirostat_tau} and "
+                             f"{self.mirostat_eta}")
         if self.repeat_penalty <= 0:
             raise ValueError(f"repeat_penalty must be > 0 (1: off), got {self.repeat_penalty}")
         check_int("penalty_last_n", self.penalty_last_n, minimum=0)
@@ -113,7 +129,8 @@ class SamplingParams:
                                presence_penalty=float(self.presence_penalty),
                                history=list(history[-self.penalty_last_n:]) if self.penalty_last_n else [],
                                grammar=self.grammar or "", grammar_max_work=self.grammar_limits.max_work,
-                               engine=engine)
+                               engine=engine, typical_p=float(self.typical_p), mirostat=int(self.mirostat_mode),
+                               mirostat_tau=float(self.mirostat_tau), mirostat_eta=float(self.mirostat_eta))
 
 
 def _logit_bias(bias: Any) -> Optional[Dict[int, float]]:

@@ -220,3 +220,29 @@ def test_the_public_generation_calls_completions_stand_on(tiny_model):
     tokens = [e for e in events if e.token is not None]
     assert len(tokens) == 3 and all(e.logits.shape == (llm.n_vocab(),) and int(e.logits.argmax()) == e.token
                                     for e in tokens)
+
+
+def test_llama_cpp_python_calls_scripts_make(llm, tiny_model):
+    """What scripts written for llama-cpp-python call besides completions: the GGUF's metadata, the embedding
+    width, `detokenize(prev_tokens=)`, `set_seed`, and the keywords for what this library does not do, accepted at
+    the values that ask for nothing (wrappers pass them) and named otherwise."""
+    assert llm.metadata["general.architecture"] == "llama" and llm.n_embd() == llm.info.n_embd
+    tokens = llm.tokenize("Hello, wörld! 123", add_bos=False)
+    for cut in range(1, len(tokens)):
+        assert llm.detokenize(tokens[:cut]) + llm.detokenize(tokens[cut:], prev_tokens=tokens[:cut]) == \
+            llm.detokenize(tokens)
+    llm.set_seed(5)
+    first = llm.generate("x", max_tokens=12, temperature=1.0)
+    llm.set_seed(5)
+    assert llm.generate("x", max_tokens=12, temperature=1.0) == first
+    out = llm.create_completion("x", max_tokens=2, suffix=None, tfs_z=1.0, logits_processor=None,
+                                stopping_criteria=None, model="mine")
+    assert out["model"] == "mine" and out["choices"][0]["finish_reason"] == "length"
+    chat = Llama(tiny_model, policy="h2o", budget=24, chat_template="chatml")
+    assert chat.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=1, functions=None,
+                                       model="mine")["model"] == "mine"
+    for name, value in (("suffix", "end"), ("tfs_z", 0.9), ("logits_processor", [lambda ids, logits: logits])):
+        with pytest.raises(ValueError, match=name):
+            llm.create_completion("x", max_tokens=2, **{name: value})
+    with pytest.raises(TypeError, match="unknown sampling parameter"):
+        llm.create_completion("x", max_tokens=2, tfz_z=1.0)  # a misspelt keyword still names itself

@@ -115,11 +115,16 @@ def test_position_rolling_on_a_model_that_cannot_shift(tmp_path):
 
 
 def test_empty_prompt_and_negative_max_tokens(tiny_model):
+    """A negative max_tokens is llama-cpp-python's "no limit": generation runs to its end (here: ignore_eos needs a
+    limit, so it is refused; without it, the model's end or the trained context)."""
     llm = Llama(tiny_model, policy="h2o", budget=16)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([], max_tokens=3)
-    with pytest.raises(ValueError, match="max_tokens"):
-        llm.generate("Hi", max_tokens=-1)
+    with pytest.raises(ValueError, match="ignore_eos=True needs max_tokens"):
+        llm.generate("Hi", max_tokens=-1, ignore_eos=True)
+    unlimited = llm.create_completion("Hi", max_tokens=-1, temperature=0)
+    assert unlimited == llm.create_completion("Hi", max_tokens=None, temperature=0) | {
+        k: unlimited[k] for k in ("id", "created")}
     assert isinstance(llm.generate("Hi", max_tokens=2), str)
 
 

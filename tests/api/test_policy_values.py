@@ -97,8 +97,9 @@ def test_sampling_params_are_one_value_for_every_entry_point(tiny_model):
     assert llm.generate_batch(["Once upon a time"], sampling=params) == [text]
     with pytest.raises(TypeError, match="unknown sampling parameter"):
         llm.generate("x", temprature=0.5)
-    with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=-1)
+    assert SamplingParams(max_tokens=-1).max_tokens is None  # llama-cpp-python's -1: no limit
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingParams(max_tokens=1.5)
 
 
 def test_the_default_policy_is_the_suites_winner_and_h2o_stays_by_name(tiny_model):

@@ -279,6 +279,35 @@ def test_faults_leave_the_server_serving(chat_model):
     assert len(report.checks) > 40 and not report.failed, report.failed
 
 
+def test_llama_servers_typical_p_and_mirostat_reach_the_sampler(server, chat_model):
+    """The same draws as `Llama`'s with the same settings and seed; llama-server's samplers this server does not have
+    are a 400 naming them unless their value asks for nothing."""
+    port, _ = server
+    llm = Llama(chat_model, policy="h2o", budget=48)
+    for fields, mine in (({"typical_p": 0.3}, {"typical_p": 0.3}),
+                         ({"mirostat": 2, "mirostat_tau": 30.0, "mirostat_eta": 0.2},
+                          {"mirostat_mode": 2, "mirostat_tau": 30.0, "mirostat_eta": 0.2}),
+                         ({"mirostat_mode": 1, "mirostat_tau": 3.0}, {"mirostat_mode": 1, "mirostat_tau": 3.0})):
+        status, out = post(port, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "seed": 7,
+                                                     "temperature": 1.0, **fields})
+        assert status == 200, out
+        want = llm.create_completion("Once upon a time", max_tokens=12, seed=7, temperature=1.0, **mine)
+        assert out["choices"][0]["text"] == want["choices"][0]["text"], fields
+    plain = llm.create_completion("Once upon a time", max_tokens=12, seed=7, temperature=1.0)["choices"][0]["text"]
+    status, out = post(port, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "seed": 7,
+                                                 "temperature": 1.0, "mirostat": 2, "mirostat_tau": 30.0})
+    assert out["choices"][0]["text"] != plain  # Mirostat draws otherwise than the default chain: the fields count
+    for field, value in (("tfs_z", 0.5), ("xtc_probability", 0.2), ("dry_multiplier", 0.8), ("mirostat", 3),
+                         ("typical_p", 0), ("mirostat_tau", -1)):
+        status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
+        assert status == 400 and field in json.dumps(err), (field, err)
+    status, err = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, "mirostat": 1, "mirostat_mode": 2})
+    assert status == 400 and err["error"]["param"] == "mirostat_mode"
+    status, _ = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 1, "tfs_z": 1.0, "xtc_probability": 0,
+                                               "mirostat": 0})
+    assert status == 200
+
+
 def test_unsupported_fields_are_named_and_bad_values_are_400_not_dumps(server, chat_model):
     port, _ = server
     for field, value in (("suffix", "end"), ("best_of", 3)):

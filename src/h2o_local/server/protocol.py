@@ -15,7 +15,10 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
 # many clients send them with their defaults); any other value is a 400 naming the field
-UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1)}
+UNSUPPORTED = {"functions": (None, []),
+               # llama-server's samplers this server does not have (llama.cpp removed tail-free sampling)
+               "tfs_z": (None, 1, 1.0), "xtc_probability": (None, 0, 0.0), "dry_multiplier": (None, 0, 0.0),
+               "top_n_sigma": (None, -1, -1.0, 0, 0.0), "n_probs": (None, 0), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1)}
 
 
 # stop strings are searched in the text after every token: bounded, as OpenAI bounds them (it takes 4; clients that
@@ -50,6 +53,12 @@ class _Request(BaseModel):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    typical_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)  # llama-server's locally typical sampling
+    # Mirostat (llama-server's `mirostat`; llama-cpp-python's server: `mirostat_mode`): 0 off, 1 or 2
+    mirostat: Optional[StrictInt] = Field(default=None, ge=0, le=2)
+    mirostat_mode: Optional[StrictInt] = Field(default=None, ge=0, le=2)
+    mirostat_tau: Optional[float] = Field(default=None, gt=0.0, le=100.0)
+    mirostat_eta: Optional[float] = Field(default=None, gt=0.0, le=100.0)
     # OpenAI's penalties and bias (its ranges), llama-server's repeat_penalty (vLLM's name: repetition_penalty) and
     # repeat_last_n
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)

@@ -112,9 +112,14 @@ async def sampling(state: ServerState, defaults: SamplingParams, body: _Request,
     """The request's sampling parameters, and with a grammar its sampler, made (the grammar parsed and checked
     against the vocabulary) in the preparing threads: a grammar that does not parse, allows nothing or needs more
     work than allowed is the request's 400, here."""
-    changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
+    changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "typical_p",
+                                                              "mirostat_mode", "mirostat_tau", "mirostat_eta", "seed",
                                                               "presence_penalty", "frequency_penalty", "repeat_penalty")
                                if getattr(body, k) is not None}
+    if body.mirostat is not None:
+        if body.mirostat_mode is not None and body.mirostat_mode != body.mirostat:
+            raise APIError(400, "mirostat and mirostat_mode differ: give one", param="mirostat_mode")
+        changes["mirostat_mode"] = body.mirostat
     if body.repetition_penalty is not None:
         if body.repeat_penalty is not None and body.repeat_penalty != body.repetition_penalty:
             raise APIError(400, "repeat_penalty and repetition_penalty differ: give one", param="repetition_penalty")
