@@ -1,6 +1,7 @@
 """The OpenAI-shaped responses, built in one place for `Llama` and the server (types: `llama_types`)."""
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -96,12 +97,15 @@ class TokenLogprob:
 
 
 def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
-    """`token`'s log-probability under one row of logits, with the k most likely tokens (ties: the lower id first)."""
-    lp = _log_softmax(logits)
-    k = min(k, lp.size)
-    best = np.argpartition(-lp, k - 1)[:k] if k else np.zeros(0, np.int64)
-    best = sorted((int(t) for t in best), key=lambda t: (-lp[t], t))
-    return TokenLogprob(int(token), float(lp[token]), tuple((t, float(lp[t])) for t in best))
+    """`token`'s log-probability under one row of logits, with the k most likely tokens (ties: the lower id first).
+    One pass for the normalizer and one partial sort: it runs in a server's decoding thread, once per token."""
+    x = np.asarray(logits, dtype=np.float32)
+    top = float(x.max())
+    lse = top + math.log(float(np.exp(x - top, dtype=np.float32).sum(dtype=np.float64)))
+    k = min(k, x.size)
+    best = np.flatnonzero(x >= np.partition(x, -k)[-k]) if k else np.zeros(0, np.int64)  # ties: more than k
+    best = sorted((int(t) for t in best), key=lambda t: (-x[t], t))[:k]
+    return TokenLogprob(int(token), float(x[token]) - lse, tuple((t, float(x[t]) - lse) for t in best))
 
 
 def completion_logprobs(piece: Callable[[int], str], tokens: List[int], entries: List[Optional[TokenLogprob]],
@@ -128,9 +132,3 @@ def chat_logprobs(piece: Callable[[int], bytes], entries: List[TokenLogprob]) ->
 
     return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                         for e in entries], "refusal": None}  # type: ignore[typeddict-item]
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x = x - x.max()
-    return x - np.log(np.exp(x).sum())

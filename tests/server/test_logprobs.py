@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from h2o_local import Llama
+from h2o_local.responses import token_logprob
 from h2o_local.sampling import CHAT_SURFACE
 from test_server import CHATML, USER, get, post, serving
 from tiny_model import write_tiny_llama
@@ -45,6 +46,22 @@ def _assert_a_distribution(token_logprob, top):
     values = list(top.values()) if isinstance(top, dict) else [t["logprob"] for t in top]
     assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
     assert sum(math.exp(v) for v in values) <= 1 + 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------- the rule
+@pytest.mark.parametrize("n_vocab, k, ties", [(50, 5, False), (151_936, 20, False), (1_000, 7, True), (10, 50, False)])
+def test_a_tokens_logprob_and_top_tokens_equal_log_softmax_in_float64(n_vocab, k, ties):
+    rng = np.random.default_rng(n_vocab + k)
+    logits = rng.normal(0, 4, n_vocab).astype(np.float32)
+    if ties:
+        logits = np.round(logits)  # many equal values: the lower id first
+    x = logits.astype(np.float64)
+    want = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    got = token_logprob(logits, 3, k)
+    assert got.token == 3 and abs(got.logprob - want[3]) < 1e-5
+    order = sorted(range(n_vocab), key=lambda t: (-want[t], t))[:min(k, n_vocab)]
+    assert [t for t, _ in got.top] == order
+    assert max(abs(v - want[t]) for t, v in got.top) < 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------- Llama
