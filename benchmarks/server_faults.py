@@ -100,6 +100,8 @@ MALFORMED: List[tuple] = [
     ("prompt token id negative", COMPLETIONS, {"prompt": [-1], "max_tokens": 4}, 400),
     ("prompt token ids empty", COMPLETIONS, {"prompt": [], "max_tokens": 4}, 400),
     ("two prompts", COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": 4}, 400),
+    ("two token-id prompts", COMPLETIONS, {"prompt": [[5, 6], [7]], "max_tokens": 4}, 400),
+    ("a batch of one empty token-id prompt", COMPLETIONS, {"prompt": [[]], "max_tokens": 4}, 400),
     ("prompt is a dict", COMPLETIONS, {"prompt": {"a": 1}, "max_tokens": 4}, 400),
     ("prompt token ids with a JSON boolean", COMPLETIONS, {"prompt": [5, True], "max_tokens": 4}, 400),
     ("prompt token id 2^40", COMPLETIONS, {"prompt": [2**40], "max_tokens": 4}, 400),

@@ -136,6 +136,12 @@ def test_an_echoed_prompts_logprobs_equal_llamas_through_evictions(server, llm):
     status, again = post(port, "/v1/completions", {**body, "max_tokens": 2, "temperature": 0})
     assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["choices"][0]["logprobs"]["token_logprobs"][:n] == lp["token_logprobs"]
+    # an evaluation harness sends token ids as a batch of one ([[ids]]): the same answer
+    ids = llm.tokenize(PROMPT)
+    status, batch = post(port, "/v1/completions", {**body, "prompt": [ids]})
+    assert status == 200 and batch["choices"][0]["logprobs"] == lp
+    status, err = post(port, "/v1/completions", {**body, "prompt": [ids, ids]})
+    assert status == 400 and err["error"]["param"] == "prompt"
     # streamed, the prompt's come with the echo
     events = _stream(port, "/v1/completions", {**body, "stream": True})
     assert events[0]["choices"][0]["text"] == PROMPT

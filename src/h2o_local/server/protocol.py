@@ -121,7 +121,9 @@ MAX_TOP_LOGPROBS = 20
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, List[str], List[StrictInt]]  # a JSON true is not token 1
+    # a text, token ids (a JSON true is not token 1), or a batch of one of either (OpenAI's list forms; evaluation
+    # harnesses send [[ids]])
+    prompt: Union[str, List[str], List[StrictInt], List[List[StrictInt]]]
     echo: bool = False
     # each answer token's logprob and this many top tokens; with echo, the prompt's tokens' too (the prompt is then
     # read whole, its logits kept: bounded by the server's echo_logprobs_mib)

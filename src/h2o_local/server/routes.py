@@ -83,7 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     body.refuse_unsupported()
     llm = state.llm
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
             raise APIError(400, "one prompt per request (n=1)", param="prompt")
         prompt = prompt[0]
