@@ -61,15 +61,16 @@ def chat_completion(meta: Dict[str, Any], content: Optional[str], finish_reason:
 
 def chat_completion_chunks(meta: Dict[str, Any], whole: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
     """A finished chat completion as a stream (tool calls are parsed from the whole answer, then streamed): the
-    role, the content, each call (`delta.tool_calls` with its index), the finish reason."""
+    role, the content, each call (`delta.tool_calls` with its index), the finish reason; the answer's logprobs
+    (when asked) with the first piece after the role."""
     choice = whole["choices"][0]
     message = choice["message"]
+    pieces = ([{"content": message["content"]}] if message.get("content") else []) + \
+        [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(message.get("tool_calls") or [])]
     yield chat_chunk(meta, {"role": "assistant", "content": ""})
-    if message.get("content"):
-        yield chat_chunk(meta, {"content": message["content"]})
-    for i, call in enumerate(message.get("tool_calls") or []):
-        yield chat_chunk(meta, {"tool_calls": [{"index": i, **call}]})
-    yield chat_chunk(meta, {}, choice["finish_reason"])
+    for i, delta in enumerate(pieces):
+        yield chat_chunk(meta, delta, logprobs=choice.get("logprobs") if i == 0 else None)
+    yield chat_chunk(meta, {}, choice["finish_reason"], logprobs=None if pieces else choice.get("logprobs"))
 
 
 def chat_chunk(meta: Dict[str, Any], delta: Dict[str, Any], finish_reason: Optional[str] = None,

@@ -120,3 +120,15 @@ def test_the_official_client_round_trip_and_streaming(model):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="hermes", messages=ASK, tools=[WEATHER], tool_choice="required",
                                            response_format={"type": "json_object"})
+
+
+def test_a_calls_logprobs_come_whole_or_streamed(model):
+    """A call's answer is parsed whole, then streamed: its tokens' logprobs come with the first piece after the role."""
+    llm = Llama(model, budget=512, n_batch=64)
+    kwargs = dict(tools=[WEATHER], tool_choice="required", max_tokens=120, temperature=0, logprobs=True, top_logprobs=1)
+    whole = llm.create_chat_completion(ASK, **kwargs)
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert whole["choices"][0]["finish_reason"] == "tool_calls" and len(content) == whole["usage"]["completion_tokens"]
+    chunks = list(llm.create_chat_completion(ASK, stream=True, **kwargs))
+    carried = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert carried == [whole["choices"][0]["logprobs"]] and chunks[1]["choices"][0]["logprobs"] == carried[0]
