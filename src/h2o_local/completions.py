@@ -79,7 +79,8 @@ class Completions:
         lp_out = None
         if logprobs is not None:
             echoed = prompt_tokens if echo else []
-            lp_out = self._logprobs(list(echoed) + tokens, self._prompt_entries(echoed, logprobs) + entries)
+            shown = responses.shown_logprobs(self.llm.token_to_piece, entries, text)
+            lp_out = self._logprobs(list(echoed) + [e.token for e in shown], self._prompt_entries(echoed, logprobs) + shown)
         if echo:
             text = self.llm.detokenize(prompt_tokens).decode("utf-8", errors="replace") + text
         return responses.completion(meta, text, finish, responses.usage(len(prompt_tokens), len(tokens)), lp_out)
@@ -92,10 +93,14 @@ class Completions:
                 self._logprobs(prompt_tokens, self._prompt_entries(prompt_tokens, logprobs), offsets=False)
             yield responses.completion_chunk(meta, self.llm.detokenize(prompt_tokens).decode("utf-8", errors="replace"),
                                              logprobs=lp)
+        shown = responses.ShownLogprobs(self.llm.token_to_piece)
         for e in events:
             lp = None
-            if e.token is not None and logprobs is not None:
-                lp = self._logprobs([e.token], [responses.token_logprob(e.logits, e.token, logprobs)], offsets=False)
+            if logprobs is not None:
+                if e.token is not None:
+                    shown.drawn([responses.token_logprob(e.logits, e.token, logprobs)])
+                out = shown.shown(e.text)
+                lp = self._logprobs([x.token for x in out], out, offsets=False) if out else None
             yield responses.completion_chunk(meta, e.text, e.finish_reason, lp)
 
     def _piece_text(self, token: int) -> str:
@@ -160,18 +165,23 @@ class Completions:
                 if k is not None:
                     entries.append(responses.token_logprob(e.logits, e.token, k))
         content, calls = plan.parse("".join(text))
-        lp = None if k is None else responses.chat_logprobs(self.llm.token_to_piece, entries)
+        lp = None if k is None else responses.chat_logprobs(
+            self.llm.token_to_piece, responses.shown_logprobs(self.llm.token_to_piece, entries, "".join(text)))
         out = responses.chat_completion(meta, content, "tool_calls" if calls else finish,
                                         responses.usage(len(tokens), n), tool_calls=calls, logprobs=lp)
         return responses.chat_completion_chunks(meta, out) if stream else out
 
     def _chat_chunks(self, events, meta, k: Optional[int]) -> Iterator[ChatCompletionChunk]:
         yield responses.chat_chunk(meta, {"role": "assistant", "content": ""})
+        shown = responses.ShownLogprobs(self.llm.token_to_piece)
         for e in events:
             lp = None
-            if e.token is not None and k is not None:  # a token whose text is held back still shows its logprob
-                lp = responses.chat_logprobs(self.llm.token_to_piece, [responses.token_logprob(e.logits, e.token, k)])
-            if e.text or lp is not None:
+            if k is not None:  # a token's entry comes with its text
+                if e.token is not None:
+                    shown.drawn([responses.token_logprob(e.logits, e.token, k)])
+                out = shown.shown(e.text)
+                lp = responses.chat_logprobs(self.llm.token_to_piece, out) if out else None
+            if e.text:
                 yield responses.chat_chunk(meta, {"content": e.text}, logprobs=lp)
             if e.token is None:
                 yield responses.chat_chunk(meta, {}, e.finish_reason)

@@ -1,11 +1,13 @@
 """The OpenAI-shaped responses, built in one place for `Llama` and the server (types: `llama_types`)."""
 from __future__ import annotations
 
+import codecs
+import collections
 import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -107,6 +109,39 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     best = np.flatnonzero(x >= np.partition(x, -k)[-k]) if k else np.zeros(0, np.int64)  # ties: more than k
     best = sorted((int(t) for t in best), key=lambda t: (-x[t], t))[:k]
     return TokenLogprob(int(token), float(x[token]) - lse, tuple((t, float(x[t]) - lse) for t in best))
+
+
+class ShownLogprobs:
+    """The logprobs of the tokens whose text an answer shows: a token's entry is given once the text released so far
+    reaches its first character (a token that ends inside a character: the character it helps make), so a stop
+    string's tokens, cut off with it, show none. `piece(token)` is a token's bytes, as the text is made from them."""
+
+    def __init__(self, piece: Callable[[int], bytes]):
+        self._piece = piece
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as TextAssembler decodes
+        self._chars = 0       # characters the drawn tokens make
+        self._shown = 0       # characters released
+        self._waiting: Deque[Tuple[int, TokenLogprob]] = collections.deque()  # (first character, entry)
+
+    def drawn(self, entries: Iterable[TokenLogprob]) -> None:
+        for e in entries:
+            self._waiting.append((self._chars, e))
+            self._chars += len(self._decoder.decode(self._piece(e.token)))
+
+    def shown(self, text: str) -> List[TokenLogprob]:
+        """`text` was released: the entries of the tokens it reaches."""
+        self._shown += len(text)
+        out = []
+        while self._waiting and self._waiting[0][0] < self._shown:
+            out.append(self._waiting.popleft()[1])
+        return out
+
+
+def shown_logprobs(piece: Callable[[int], bytes], entries: Iterable[TokenLogprob], text: str) -> List[TokenLogprob]:
+    """Of a whole answer's entries, those of the tokens its returned `text` shows (`ShownLogprobs`)."""
+    shown = ShownLogprobs(piece)
+    shown.drawn(entries)
+    return shown.shown(text)
 
 
 def completion_logprobs(piece: Callable[[int], str], tokens: List[int], entries: List[Optional[TokenLogprob]],

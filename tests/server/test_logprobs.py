@@ -106,6 +106,28 @@ def test_a_streamed_echo_carries_the_prompts_logprobs(llm):
         assert [x for block in streamed for x in block[key]] == whole[key]
 
 
+def test_logprobs_are_those_of_the_tokens_whose_text_is_returned(llm):
+    """A stop string cuts the text: the tokens after the cut are not shown, nor their logprobs (whole or streamed);
+    the tokens shown spell the text up to their last one, which reaches the cut."""
+    greedy = llm.create_completion(PROMPT, max_tokens=24, temperature=0, logprobs=1)["choices"][0]
+    text = greedy["text"]
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].isprintable() and
+                text.find(text[i:i + 2]) == i)
+    cut = text.find(stop)
+    out = llm.create_completion(PROMPT, max_tokens=24, temperature=0, logprobs=1, stop=[stop])["choices"][0]
+    assert out["text"] == text[:cut] and out["finish_reason"] == "stop"
+    lp = out["logprobs"]
+    assert 0 < len(lp["tokens"]) < len(greedy["logprobs"]["tokens"])
+    assert lp["token_logprobs"] == greedy["logprobs"]["token_logprobs"][:len(lp["tokens"])]
+    n = len(lp["tokens"])
+    ids = [e.token for e in llm.generate_events(PROMPT, max_tokens=24, temperature=0) if e.token is not None]
+    text_of = lambda k: llm.detokenize(ids[:k]).decode("utf-8", errors="replace")  # noqa: E731
+    assert text_of(n).startswith(out["text"]) and len(text_of(n - 1)) < cut  # the last token shown reaches the cut
+    streamed = [c["choices"][0]["logprobs"] for c in llm.create_completion(PROMPT, max_tokens=24, temperature=0,
+                                                                          logprobs=1, stop=[stop], stream=True)]
+    assert [v for block in streamed if block for v in block["token_logprobs"]] == lp["token_logprobs"]
+
+
 # ---------------------------------------------------------------------------------------------------- server
 def test_a_completions_logprobs_equal_llamas(server, llm):
     port, _ = server
@@ -114,6 +136,14 @@ def test_a_completions_logprobs_equal_llamas(server, llm):
     mine = llm.create_completion(PROMPT, max_tokens=6, temperature=0, logprobs=4)
     assert out["choices"][0]["text"] == mine["choices"][0]["text"]
     assert out["choices"][0]["logprobs"] == mine["choices"][0]["logprobs"]
+    # with a stop string that cuts the text: the shown tokens' logprobs, whole and streamed
+    stop = mine["choices"][0]["text"][3:5]
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 4, "stop": [stop]}
+    mine = llm.create_completion(PROMPT, max_tokens=6, temperature=0, logprobs=4, stop=[stop])["choices"][0]
+    status, out = post(port, "/v1/completions", body)
+    assert status == 200 and out["choices"][0]["logprobs"] == mine["logprobs"]
+    streamed = [e["choices"][0]["logprobs"] for e in _stream(port, "/v1/completions", {**body, "stream": True})]
+    assert [v for block in streamed if block for v in block["token_logprobs"]] == mine["logprobs"]["token_logprobs"]
 
 
 def test_an_echoed_prompts_logprobs_equal_llamas_through_evictions(server, llm):

@@ -117,6 +117,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     pieces, finish, entries = await _collect(state, job, request)
     logprobs = None
     if body.logprobs is not None:
+        entries = responses.shown_logprobs(llm.token_to_piece, entries, "".join(pieces))
         shown = (tokens if body.echo else []) + [e.token for e in entries]
         offsets = list(itertools.accumulate((len(piece(t)) for t in shown[:-1]), initial=0)) if shown else []
         logprobs = responses.completion_logprobs(piece, shown, list(job.started.prompt_logprobs) + entries, offsets)
@@ -176,10 +177,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     content, calls = plan.parse("".join(pieces))
     if body.parallel_tool_calls is False:
         calls = calls[:1]
+    logprobs = None
+    if k is not None:
+        piece = state.llm.token_to_piece
+        logprobs = responses.chat_logprobs(piece, responses.shown_logprobs(piece, entries, "".join(pieces)))
     out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, _usage(job),
-                                    tool_calls=calls,
-                                    logprobs=None if k is None else responses.chat_logprobs(state.llm.token_to_piece,
-                                                                                             entries))
+                                    tool_calls=calls, logprobs=logprobs)
     if body.stream:  # with tools the answer is parsed whole, then streamed
         return _event_stream(state, _whole_stream(meta, out, _include_usage(body)))
     return out
@@ -271,11 +274,14 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
         piece, job.prompt_tokens, list(echoed)) if echoed else None), job.started.view)
     if echo or first.get("kv_cache"):
         yield json.dumps(first)
+    shown = responses.ShownLogprobs(state.llm.token_to_piece)
     try:
         async for step in _events(state, job):
             e, lp = step.event, None
-            if step.logprobs:
-                lp = responses.completion_logprobs(piece, [x.token for x in step.logprobs], list(step.logprobs))
+            shown.drawn(step.logprobs)
+            out = shown.shown(e.text)
+            if out:
+                lp = responses.completion_logprobs(piece, [x.token for x in out], out)
             yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason, lp), step.view))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
         yield json.dumps(_failed(e).body())
@@ -287,12 +293,14 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
 
 async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool):
     yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": ""}), job.started.view))
+    shown = responses.ShownLogprobs(state.llm.token_to_piece)
     try:
         async for step in _events(state, job):
             e, view = step.event, step.view
-            lp = responses.chat_logprobs(state.llm.token_to_piece, list(step.logprobs)) if step.logprobs else None
-            # the view and the logprobs go with every token (a token whose text is held back too)
-            if e.text or (view is not None and e.token is not None) or lp is not None:
+            shown.drawn(step.logprobs)
+            out = shown.shown(e.text)  # a token's logprobs come with its text
+            lp = responses.chat_logprobs(state.llm.token_to_piece, out) if out else None
+            if e.text or (view is not None and e.token is not None):  # the view goes with every token
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}, logprobs=lp), view))
             if e.token is None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
