@@ -38,11 +38,15 @@ class TurnStats:
     reused_tokens: int = 0        # tokens of the conversation already in the cache (not fed again)
     completion_tokens: int = 0
     seconds: float = 0.0          # the answer's wall time, prompt included
+    first_token_seconds: float = 0.0  # until the first token was drawn: the prompt read (time to first token)
     finish_reason: Optional[str] = None
 
     @property
     def tokens_per_second(self) -> float:
-        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+        """The answer's decoding speed, the prompt left out (llama.cpp's "eval" rate): the tokens after the first
+        over the time after it."""
+        decoding = self.seconds - self.first_token_seconds
+        return (self.completion_tokens - 1) / decoding if self.completion_tokens > 1 and decoding > 0 else 0.0
 
 
 class ChatSession:
@@ -147,6 +151,8 @@ class ChatSession:
                 if e.token is not None:
                     stats.completion_tokens += 1
                     generated.append(e.token)
+                    if stats.completion_tokens == 1:
+                        stats.first_token_seconds = time.perf_counter() - t0
                 if e.token is None:
                     stats.finish_reason = e.finish_reason
                 if e.text:
@@ -316,7 +322,8 @@ class ChatSession:
 
     # ------------------------------------------------------------------ status
     def stats(self) -> Dict[str, Any]:
-        """The cache and the last turn: entries held / budget, evicted, tokens seen, KV bytes, speed."""
+        """The cache and the last turn: entries held / budget, evicted, tokens seen, KV bytes, the answer's decoding
+        speed (tokens/s, the prompt left out) and its time to the first token (seconds: the prompt read)."""
         st = self.llm.kv_state()
         recall = {} if not self.recall else {"host_entries": int(len(st.host_positions)),
                                                     "host_bytes": st.host_bytes, "recalled": st.n_recalled}
@@ -326,6 +333,7 @@ class ChatSession:
                 "prompt_tokens": self.last.prompt_tokens, "reused_tokens": self.last.reused_tokens,
                 "completion_tokens": self.last.completion_tokens,
                 "tokens_per_second": round(self.last.tokens_per_second, 1),
+                "first_token_seconds": round(self.last.first_token_seconds, 2),
                 "device": where_layers_run(self.llm.layer_devices),
                 "flash_attn": "on" if self.llm.flash_attn else "off"}
 

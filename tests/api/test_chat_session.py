@@ -211,3 +211,20 @@ def test_a_session_recalls_by_default_where_its_policy_can(chat_model):
     with pytest.raises(ValueError, match="recall must be 'auto'"):
         ChatSession(llm, recall="yes")
     assert not ChatSession(Llama(chat_model, n_ctx=256, n_threads=1)).recall  # the full cache evicts nothing
+
+
+def test_a_turns_speed_leaves_the_prompt_out():
+    """The answer's tokens/s is its decoding speed (llama.cpp's "eval" rate): the tokens after the first over the time
+    after the first; the time to the first token (the prompt read) is its own figure."""
+    from h2o_local.chat_session import TurnStats
+    assert TurnStats(completion_tokens=11, seconds=3.0, first_token_seconds=1.0).tokens_per_second == 5.0
+    assert TurnStats(completion_tokens=1, seconds=3.0, first_token_seconds=3.0).tokens_per_second == 0.0
+
+
+def test_a_sessions_stats_give_the_time_to_the_first_token(chat_model):
+    s = ChatSession(Llama(chat_model, budget=48, n_threads=1, policy="h2o"), max_tokens=6, temperature=0)
+    talk(s, "hello")
+    stats = s.stats()
+    assert 0 < s.last.first_token_seconds <= s.last.seconds and stats["completion_tokens"] == 6
+    assert stats["first_token_seconds"] == round(s.last.first_token_seconds, 2)
+    assert stats["tokens_per_second"] == round(5 / (s.last.seconds - s.last.first_token_seconds), 1)
