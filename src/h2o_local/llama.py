@@ -58,6 +58,11 @@ def _handed_to_completions(name: str) -> Callable[..., Any]:
     return call
 
 
+# llama-cpp-python's chat_format names where llama.cpp's built-in templates are named otherwise
+LLAMA_CPP_PYTHON_FORMATS = {"llama-2": "llama2-sys", "llama-3": "llama3", "mistral-instruct": "mistral-v1",
+                            "qwen": "chatml"}
+
+
 class Llama:
     """A GGUF model on a patched llama.cpp whose KV cache never holds more than `budget` entries per sequence.
 
@@ -126,6 +131,8 @@ class Llama:
             the rest ranked by the policy like the conversation.
         chat_template: overrides the GGUF's chat template: Jinja source, or the name of a llama.cpp built-in
             template ("chatml", "llama3", ...).
+        chat_format: llama-cpp-python's name for a built-in template ("chatml", "llama-2", "llama-3",
+            "mistral-instruct", "qwen", "gemma", ...), in place of chat_template.
         recall: keep what the policy evicts in host memory instead of destroying it, and before each new prompt on a
             sequence (a chat's next turn, `generate(..., reset=False)`, a server conversation continued) bring back
             what that prompt's question ranks above the kept entries, within the budget: True keeps up to the
@@ -168,6 +175,7 @@ class Llama:
         export_scores: bool = ENGINE_DEFAULTS.export_scores,
         keep: Union[int, str, None] = None,
         chat_template: Optional[str] = None,
+        chat_format: Optional[str] = None,
         recall: Union[bool, int] = False,
         recall_type: Optional[str] = None,
         verbose: bool = ENGINE_DEFAULTS.verbose,
@@ -195,6 +203,12 @@ class Llama:
         self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
         if keep is not None and keep != "system":
             check_int("keep", keep, minimum=0)
+        if chat_format is not None:
+            if chat_template is not None:
+                raise ValueError("give chat_template or chat_format (llama-cpp-python's name for it), not both")
+            if not isinstance(chat_format, str):
+                raise TypeError(f"chat_format must be a template's name, got {chat_format!r}")
+            chat_template = LLAMA_CPP_PYTHON_FORMATS.get(chat_format, chat_format)
         if chat_template is not None and not isinstance(chat_template, str):
             raise TypeError(f"chat_template must be a string (Jinja source or a built-in name), got {chat_template!r}")
         self.keep: Union[int, str, None] = keep
@@ -240,6 +254,8 @@ class Llama:
         self.recall_type: Optional[str] = recall_type
         if recall is not False and recall is not None:
             self.set_recall(recall)
+        if chat_format is not None:  # a name, not source: one that is no template is refused now, not at the first chat
+            self.apply_chat_template([{"role": "user", "content": "x"}])
 
     @classmethod
     def for_kv_limit(

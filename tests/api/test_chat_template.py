@@ -93,3 +93,17 @@ def test_a_template_that_writes_the_bos_does_not_get_a_second_one(tmp_path):
     tokens, _ = llm.chat_tokens(CONVERSATION)
     assert tokens[0] == llm.token_bos() and tokens[1] != llm.token_bos()
     assert llm.apply_chat_template(CONVERSATION).startswith(llm.detokenize([llm.token_bos()], special=True).decode())
+
+
+def test_llama_cpp_pythons_chat_format_names_a_built_in_template(tiny_model):
+    """`chat_format=` as llama-cpp-python takes it: its names, llama.cpp's where they differ; a name that is no
+    template is refused when the Llama is made."""
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    for name, same_as in (("qwen", "chatml"), ("llama-2", "llama2-sys"), ("llama-3", "llama3"), ("gemma", "gemma")):
+        assert Llama(tiny_model, budget=16, chat_format=name).apply_chat_template(messages) == \
+            Llama(tiny_model, budget=16, chat_template=same_as).apply_chat_template(messages)
+    assert Llama(tiny_model, budget=16, chat_format="qwen").apply_chat_template(messages).startswith("<|im_start|>system")
+    with pytest.raises(ValueError, match="not a chat template"):
+        Llama(tiny_model, budget=16, chat_format="nonsense")
+    with pytest.raises(ValueError, match="not both"):
+        Llama(tiny_model, budget=16, chat_format="qwen", chat_template="chatml")
