@@ -99,7 +99,7 @@ class Completions:
             if logprobs is not None:
                 if e.token is not None:
                     shown.drawn([responses.token_logprob(e.logits, e.token, logprobs)])
-                out = shown.shown(e.text)
+                out = shown.shown(e.text, end=e.token is None)
                 lp = self._logprobs([x.token for x in out], out, offsets=False) if out else None
             yield responses.completion_chunk(meta, e.text, e.finish_reason, lp)
 
@@ -179,9 +179,9 @@ class Completions:
             if k is not None:  # a token's entry comes with its text
                 if e.token is not None:
                     shown.drawn([responses.token_logprob(e.logits, e.token, k)])
-                out = shown.shown(e.text)
+                out = shown.shown(e.text, end=e.token is None)
                 lp = responses.chat_logprobs(self.llm.token_to_piece, out) if out else None
-            if e.text:
+            if e.text or lp is not None:
                 yield responses.chat_chunk(meta, {"content": e.text}, logprobs=lp)
             if e.token is None:
                 yield responses.chat_chunk(meta, {}, e.finish_reason)

@@ -114,7 +114,9 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
 class ShownLogprobs:
     """The logprobs of the tokens whose text an answer shows: a token's entry is given once the text released so far
     reaches its first character (a token that ends inside a character: the character it helps make), so a stop
-    string's tokens, cut off with it, show none. `piece(token)` is a token's bytes, as the text is made from them."""
+    string's tokens, cut off with it, show none; at the end (`shown(text, end=True)`) the tokens that made no text
+    after the last character come too (a token whose text is empty, or a character the answer ended inside of).
+    `piece(token)` is a token's bytes, as the text is made from them."""
 
     def __init__(self, piece: Callable[[int], bytes]):
         self._piece = piece
@@ -128,11 +130,11 @@ class ShownLogprobs:
             self._waiting.append((self._chars, e))
             self._chars += len(self._decoder.decode(self._piece(e.token)))
 
-    def shown(self, text: str) -> List[TokenLogprob]:
-        """`text` was released: the entries of the tokens it reaches."""
+    def shown(self, text: str, end: bool = False) -> List[TokenLogprob]:
+        """`text` was released (`end`: the answer's last text): the entries of the tokens it reaches."""
         self._shown += len(text)
         out = []
-        while self._waiting and self._waiting[0][0] < self._shown:
+        while self._waiting and (self._waiting[0][0] < self._shown or end and self._waiting[0][0] >= self._chars):
             out.append(self._waiting.popleft()[1])
         return out
 
@@ -141,7 +143,7 @@ def shown_logprobs(piece: Callable[[int], bytes], entries: Iterable[TokenLogprob
     """Of a whole answer's entries, those of the tokens its returned `text` shows (`ShownLogprobs`)."""
     shown = ShownLogprobs(piece)
     shown.drawn(entries)
-    return shown.shown(text)
+    return shown.shown(text, end=True)
 
 
 def completion_logprobs(piece: Callable[[int], str], tokens: List[int], entries: List[Optional[TokenLogprob]],

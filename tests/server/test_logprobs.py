@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from h2o_local import Llama
-from h2o_local.responses import token_logprob
+from h2o_local.responses import ShownLogprobs, TokenLogprob, shown_logprobs, token_logprob
 from h2o_local.sampling import CHAT_SURFACE
 from test_server import CHATML, USER, get, post, serving
 from tiny_model import write_tiny_llama
@@ -62,6 +62,24 @@ def test_a_tokens_logprob_and_top_tokens_equal_log_softmax_in_float64(n_vocab, k
     order = sorted(range(n_vocab), key=lambda t: (-want[t], t))[:min(k, n_vocab)]
     assert [t for t, _ in got.top] == order
     assert max(abs(v - want[t]) for t, v in got.top) < 1e-5
+
+
+@pytest.mark.parametrize("tokens, text, shown", [
+    ([1, 5], "abcd", [1, 5]),        # every token's text returned
+    ([1, 5], "a", [1]),              # a stop string cut inside the first token: the second is not shown
+    ([1, 2, 3, 5], "abé", [1, 2, 3]),  # a character made of two tokens is shown with both; the cut one is not
+    ([1, 4], "ab", [1, 4]),          # a token with no text at the end is shown at the end
+    ([1, 6], "ab", [1, 6]),          # so is one the answer ended inside a character of
+    ([4, 1], "ab", [4, 1]),          # a token with no text before others comes with the next text
+])
+def test_the_logprobs_shown_are_those_of_the_tokens_whose_text_is_returned(tokens, text, shown):
+    pieces = {1: b"ab", 2: b"\xc3", 3: b"\xa9", 4: b"", 5: b"cd", 6: b"\xe2"}
+    entries = [TokenLogprob(t, -1.0, ()) for t in tokens]
+    assert [e.token for e in shown_logprobs(pieces.get, entries, text)] == shown
+    # streamed: each token's entry with the text it reaches, the rest at the end
+    stream = ShownLogprobs(pieces.get)
+    stream.drawn(entries)
+    assert [e.token for e in stream.shown(text[:1]) + stream.shown(text[1:], end=True)] == shown
 
 
 # ---------------------------------------------------------------------------------------------------- Llama

@@ -279,7 +279,7 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
         async for step in _events(state, job):
             e, lp = step.event, None
             shown.drawn(step.logprobs)
-            out = shown.shown(e.text)
+            out = shown.shown(e.text, end=e.token is None)
             if out:
                 lp = responses.completion_logprobs(piece, [x.token for x in out], out)
             yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason, lp), step.view))
@@ -298,9 +298,10 @@ async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage
         async for step in _events(state, job):
             e, view = step.event, step.view
             shown.drawn(step.logprobs)
-            out = shown.shown(e.text)  # a token's logprobs come with its text
+            out = shown.shown(e.text, end=e.token is None)  # a token's logprobs come with its text
             lp = responses.chat_logprobs(state.llm.token_to_piece, out) if out else None
-            if e.text or (view is not None and e.token is not None):  # the view goes with every token
+            # the view goes with every token; logprobs with their tokens' text (at the end, maybe with none)
+            if e.text or (view is not None and e.token is not None) or lp is not None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}, logprobs=lp), view))
             if e.token is None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
