@@ -464,6 +464,12 @@ PYBIND11_MODULE(_engine, m) {
             const auto n_vocab = (py::ssize_t) e.model().n_vocab();
             return to_numpy(v.data(), {(py::ssize_t) v.size()/n_vocab, n_vocab});
         }, py::arg("seq_id") = 0)
+        .def("take_logits_all", [](Engine & e, llama_seq_id seq) {
+            auto * rows = new std::vector<float>(without_gil([&] { return e.take_logits_all(seq); }));
+            py::capsule owner(rows, [](void * p) { delete static_cast<std::vector<float> *>(p); });
+            const auto n_vocab = (py::ssize_t) e.model().n_vocab();
+            return py::array_t<float>({(py::ssize_t) rows->size()/n_vocab, n_vocab}, rows->data(), owner);
+        }, py::arg("seq_id") = 0, "logits_all's rows moved out, without a copy: the engine keeps none of them")
         .def("last_scores", [](const Engine & e, llama_seq_id seq) {
             std::vector<llama_pos> pos;
             std::vector<float> sums;

@@ -231,6 +231,17 @@ std::vector<float> Engine::last_logits(llama_seq_id seq) const {
     return logits_of(seq);
 }
 
+std::vector<float> Engine::take_logits_all(llama_seq_id seq) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const auto it = logits_all_.find(seq);
+    if (it == logits_all_.end()) {
+        return {};
+    }
+    std::vector<float> rows = std::move(it->second);
+    logits_all_.erase(it);
+    return rows;
+}
+
 std::vector<float> Engine::logits_all(llama_seq_id seq) const {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const auto it = logits_all_.find(seq);
@@ -376,8 +387,10 @@ size_t Engine::check_tokens(const TokenMap & tokens, bool logits_all) {
             }
         }
         n_total += toks.size();
-        if (logits_all) {
-            logits_all_[seq].clear();
+        if (logits_all) { // exactly the rows this feed gives: a large prompt's are the most memory it takes
+            std::vector<float> rows;
+            rows.reserve(toks.size() * (size_t) n_vocab);
+            logits_all_[seq] = std::move(rows);
         }
     }
     return n_total;

@@ -88,6 +88,7 @@ public:
 
     std::vector<float> last_logits(llama_seq_id seq) const;
     std::vector<float> logits_all(llama_seq_id seq) const; // [n_fed][n_vocab] of the last eval
+    std::vector<float> take_logits_all(llama_seq_id seq);  // the same, moved out (the engine keeps none)
     SeqState state(llama_seq_id seq) const;
     // what seq spilled to host memory (recall): positions, tokens, counters; with_kv: the entries' bytes as well
     HostStore host(llama_seq_id seq, bool with_kv) const;

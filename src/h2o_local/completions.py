@@ -108,8 +108,7 @@ class Completions:
 
     def _prompt_entries(self, echoed: Sequence[int], k: int) -> List[Optional[responses.TokenLogprob]]:
         """The echoed prompt's logprobs, from the prompt pass's logits (none for its first token)."""
-        rows = self.llm.prompt_logits() if len(echoed) else None
-        return [None if i == 0 else responses.token_logprob(rows[i - 1], t, k) for i, t in enumerate(echoed)]
+        return responses.prompt_logprobs(self.llm.prompt_logits(), echoed, k) if len(echoed) else []
 
     def _logprobs(self, tokens: Sequence[int], entries: List[Optional[responses.TokenLogprob]],
                   offsets: bool = True) -> CompletionLogprobs:

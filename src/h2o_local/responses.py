@@ -7,7 +7,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -109,6 +109,12 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     best = np.flatnonzero(x >= np.partition(x, -k)[-k]) if k else np.zeros(0, np.int64)  # ties: more than k
     best = sorted((int(t) for t in best), key=lambda t: (-x[t], t))[:k]
     return TokenLogprob(int(token), float(x[token]) - lse, tuple((t, float(x[t]) - lse) for t in best))
+
+
+def prompt_logprobs(rows: np.ndarray, tokens: Sequence[int], k: int) -> List[Optional[TokenLogprob]]:
+    """A prompt's own logprobs from the logits after each of its tokens (`rows[i]`: after token i): each token's
+    under the row before it, None for the first (nothing came before it)."""
+    return [None if i == 0 else token_logprob(rows[i - 1], t, k) for i, t in enumerate(tokens)]
 
 
 class ShownLogprobs:

@@ -110,9 +110,10 @@ class Slots:
         ends, riders = self._batch.ride()
         return events + ends, riders
 
-    def prompt_logits(self, slot: int) -> Any:
-        """float32 [n, n_vocab]: the logits after each token of the slot's prompt (`start(prompt_logits=True)`)."""
-        return self._engine.logits_all(slot)
+    def take_prompt_logits(self, slot: int) -> Any:
+        """float32 [n, n_vocab]: the logits after each token of the slot's prompt (`start(prompt_logits=True)`),
+        handed over (without a copy; the engine keeps none of them, a second call gives none)."""
+        return self._engine.take_logits_all(slot)
 
     @property
     def n_live(self) -> int:

@@ -10,6 +10,7 @@ import pytest
 from h2o_local import Llama
 from h2o_local.responses import ShownLogprobs, TokenLogprob, shown_logprobs, token_logprob
 from h2o_local.sampling import CHAT_SURFACE
+from engine_view import engine
 from test_server import CHATML, USER, get, post, serving
 from tiny_model import write_tiny_llama
 
@@ -144,6 +145,19 @@ def test_logprobs_are_those_of_the_tokens_whose_text_is_returned(llm):
     streamed = [c["choices"][0]["logprobs"] for c in llm.create_completion(PROMPT, max_tokens=24, temperature=0,
                                                                           logprobs=1, stop=[stop], stream=True)]
     assert [v for block in streamed if block for v in block["token_logprobs"]] == lp["token_logprobs"]
+
+
+def test_a_prompts_logits_are_handed_over_once_without_a_copy(llm):
+    """The server takes an echoed prompt's logits out of the engine (the memory its echo_logprobs_mib bounds is then
+    held once, by the array): the same rows as a copy, and the engine keeps none."""
+    tokens = llm.tokenize(PROMPT)
+    llm.reset()
+    copied = llm.eval(tokens, logits_all=True).copy()
+    llm.reset()
+    llm.eval(tokens, logits_all=True)
+    taken = engine(llm).take_logits_all(0)
+    assert taken.shape == (len(tokens), llm.n_vocab()) and np.array_equal(taken, copied)
+    assert engine(llm).take_logits_all(0).shape == (0, llm.n_vocab()) and llm.prompt_logits().size == 0
 
 
 # ---------------------------------------------------------------------------------------------------- server

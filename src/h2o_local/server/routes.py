@@ -5,6 +5,7 @@ broken stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -107,20 +108,26 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                                    n_keep=state.default_keep, policy=policy, view=view, recall=recall,
                                    time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
                                    logprobs=body.logprobs, echo_logprobs=echo_logprobs), request)
+    prompt_entries = []
+    if echo_logprobs:  # made here, off the decoding thread; the logits are let go at once
+        rows, job.started = job.started.prompt_logits, dataclasses.replace(job.started, prompt_logits=None)
+        prompt_entries = await state.prepared(responses.prompt_logprobs, rows, tokens, body.logprobs or 0)
+        del rows
     meta = responses.completion_meta(state.model_id)
     if body.echo and text is None:  # token ids: their text, as llama-cpp-python echoes it
         text = llm.detokenize(tokens).decode("utf-8", errors="replace")
     echo = text if body.echo else ""
     piece = _piece_text(llm)
     if body.stream:
-        return _event_stream(state, _completion_stream(state, job, meta, echo, _include_usage(body), piece))
+        return _event_stream(state, _completion_stream(state, job, meta, echo, prompt_entries, _include_usage(body),
+                                                       piece))
     pieces, finish, entries = await _collect(state, job, request)
     logprobs = None
     if body.logprobs is not None:
         entries = responses.shown_logprobs(llm.token_to_piece, entries, "".join(pieces))
         shown = (tokens if body.echo else []) + [e.token for e in entries]
         offsets = list(itertools.accumulate((len(piece(t)) for t in shown[:-1]), initial=0)) if shown else []
-        logprobs = responses.completion_logprobs(piece, shown, list(job.started.prompt_logprobs) + entries, offsets)
+        logprobs = responses.completion_logprobs(piece, shown, prompt_entries + entries, offsets)
     return responses.completion(meta, echo + "".join(pieces), finish, _usage(job), logprobs)
 
 
@@ -267,11 +274,10 @@ async def _disconnected(state: ServerState, request: Request, job: Job) -> None:
     state.scheduler.cancel(job)
 
 
-async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any], echo: str, usage: bool,
-                             piece: Callable[[int], str]):
-    echoed = job.started.prompt_logprobs
+async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any], echo: str,
+                             echoed: List[Optional[TokenLogprob]], usage: bool, piece: Callable[[int], str]):
     first = _viewed(responses.completion_chunk(meta, echo, logprobs=responses.completion_logprobs(
-        piece, job.prompt_tokens, list(echoed)) if echoed else None), job.started.view)
+        piece, job.prompt_tokens, echoed) if echoed else None), job.started.view)
     if echo or first.get("kv_cache"):
         yield json.dumps(first)
     shown = responses.ShownLogprobs(state.llm.token_to_piece)

@@ -46,8 +46,9 @@ class Started:
 
     reused_tokens: int                      # prompt tokens found in a saved session
     view: Optional[Dict[str, Any]] = None   # with Job.view: the cache after the prompt, and the prompt's pieces
-    # with Job.echo_logprobs: each prompt token's logprobs (None for the first: nothing came before it)
-    prompt_logprobs: Tuple[Optional[TokenLogprob], ...] = ()
+    # with Job.echo_logprobs: the logits after each prompt token (float32 [n, n_vocab], for its logprobs: the
+    # handler makes them, off the decoding thread)
+    prompt_logits: Optional[Any] = None
 
 
 @dataclass(frozen=True)
@@ -345,13 +346,8 @@ class Scheduler:
         # tokens generated (BPE sometimes does) still continues the whole conversation before it
         self._save(slot, job, job.prompt_tokens, len(job.prompt_tokens))
         job.put(Started(job.reused_tokens, self._view(slot, prompt=job.prompt_tokens) if job.view else None,
-                        self._prompt_logprobs(slot, job) if job.echo_logprobs else ()))
+                        self.slots.take_prompt_logits(slot) if job.echo_logprobs else None))
         self._deliver(events)
-
-    def _prompt_logprobs(self, slot: int, job: Job) -> Tuple[Optional[TokenLogprob], ...]:
-        rows = self.slots.prompt_logits(slot)
-        k = job.logprobs or 0
-        return tuple(None if i == 0 else token_logprob(rows[i - 1], t, k) for i, t in enumerate(job.prompt_tokens))
 
     def _prefix_saver(self, job: Job) -> Optional[Any]:
         """For a request with a protected prefix (a chat's system prompt) that no saved session starts: save the
