@@ -158,6 +158,27 @@ def test_cli_runs_the_main_job(tiny_model, capsys):
     assert f"cells) on {gpu[0] if gpu else 'CPU'}, " in err
 
 
+def test_the_cli_takes_llama_cpps_sampler_options(tiny_model, capsys):
+    """--top-k, --min-p, --typical, --mirostat, --mirostat-ent, --mirostat-lr, as llama.cpp's CLI names them: they
+    reach the sampler (Mirostat 2 with a target near 0 draws the greedy text), and a bad value is one line, exit 2."""
+    from h2o_local.cli import main
+
+    def text(*options):
+        assert main(["--model", tiny_model, "--no-chat", "--prompt", "Hello there", "--budget", "16",
+                     "--max-tokens", "12", *options]) == 0
+        return capsys.readouterr().out
+
+    greedy = text()
+    sampled = text("--temperature", "1", "--seed", "1", "--top-k", "0", "--min-p", "0")
+    assert sampled != greedy
+    assert text("--temperature", "1", "--seed", "1", "--mirostat", "2", "--mirostat-ent", "0.0001",
+                "--mirostat-lr", "0.2") == greedy
+    assert text("--temperature", "1", "--seed", "1", "--top-k", "0", "--min-p", "0", "--typical", "0.5") != sampled
+    with pytest.raises(SystemExit) as e:
+        main(["--model", tiny_model, "--no-chat", "--typical", "0"])
+    assert e.value.code == 2 and "typical_p must be in (0, 1]" in capsys.readouterr().err
+
+
 def test_the_cli_says_where_a_split_model_runs():
     from h2o_local.backends import where_layers_run
 

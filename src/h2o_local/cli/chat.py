@@ -14,7 +14,7 @@ from typing import List
 from ..chat_session import ChatSession
 from ..text import check_text
 from ..sampling import CHAT_SURFACE
-from .common import add_model_args, add_penalty_args, load_llama, penalty_kwargs
+from .common import add_model_args, add_penalty_args, add_sampler_args, load_llama, penalty_kwargs, sampler_kwargs
 
 HELP = """commands:
   /file PATH    attach a text file: it goes into the conversation with your next message
@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
     ap.add_argument("--file", action="append", default=[], metavar="PATH",
                     help="a text file attached to the first message (repeat for several; /file in the chat)")
+    add_sampler_args(ap, CHAT_SURFACE)
     add_penalty_args(ap, repeat_penalty=CHAT_SURFACE.repeat_penalty)
     add_model_args(ap, budget=512, keep_default="system", recall_default=True)
     args = ap.parse_args(argv)
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
         # the recall setting is the command line's, which load_llama applied ("auto" keeps it, whatever its cap)
         session = ChatSession(llm, system=args.system, recall="auto" if llm.recall else False,
                               max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              ignore_eos=args.ignore_eos, **penalty_kwargs(args))
+                              ignore_eos=args.ignore_eos, **penalty_kwargs(args), **sampler_kwargs(args))
         llm.chat_template.render([{"role": "user", "content": "hi"}])  # a model without a template: say so now
     except (ValueError, TypeError) as e:
         ap.error(str(e))

@@ -86,6 +86,27 @@ def add_penalty_args(ap: argparse.ArgumentParser, repeat_penalty: float = 1.0) -
     ap.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back over (default: 64)")
 
 
+def add_sampler_args(ap: argparse.ArgumentParser, defaults: SamplingParams) -> None:
+    """llama.cpp's candidate cuts and Mirostat, as its own CLI names them (defaults: the command's)."""
+    ap.add_argument("--top-k", type=int, default=defaults.top_k, help=f"0 = off (default: {defaults.top_k})")
+    ap.add_argument("--min-p", type=float, default=defaults.min_p, help=f"0 = off (default: {defaults.min_p:g})")
+    ap.add_argument("--typical", type=float, default=defaults.typical_p, help="locally typical sampling, p (1 = off)")
+    ap.add_argument("--mirostat", type=int, default=defaults.mirostat_mode, choices=[0, 1, 2],
+                    help="Mirostat sampling (0 = off; 1, 2: its versions), in place of top-k, typical, top-p, min-p")
+    ap.add_argument("--mirostat-ent", type=float, default=defaults.mirostat_tau,
+                    help=f"Mirostat's target entropy, tau (default: {defaults.mirostat_tau:g})")
+    ap.add_argument("--mirostat-lr", type=float, default=defaults.mirostat_eta,
+                    help=f"Mirostat's learning rate, eta (default: {defaults.mirostat_eta:g})")
+
+
+def sampler_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """add_sampler_args' sampling keywords (checked: a bad value raises ValueError here, before anything runs)."""
+    kwargs = {"top_k": args.top_k, "min_p": args.min_p, "typical_p": args.typical, "mirostat_mode": args.mirostat,
+              "mirostat_tau": args.mirostat_ent, "mirostat_eta": args.mirostat_lr}
+    SamplingParams(**kwargs)
+    return kwargs
+
+
 def penalty_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """The penalties' sampling keywords (checked: a bad value raises ValueError here, before anything runs)."""
     kwargs = {"repeat_penalty": args.repeat_penalty, "presence_penalty": args.presence_penalty,

@@ -10,7 +10,8 @@ import time
 
 from ..backends import where_layers_run
 from ..policies import OPTIONS
-from .common import add_model_args, add_penalty_args, load_llama, penalty_kwargs
+from ..sampling import GENERATE
+from .common import add_model_args, add_penalty_args, add_sampler_args, load_llama, penalty_kwargs, sampler_kwargs
 
 
 def main(argv=None) -> int:
@@ -21,6 +22,7 @@ def main(argv=None) -> int:
                     help="wrap the prompt with the model's chat template (default: on)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    add_sampler_args(ap, GENERATE)
     add_penalty_args(ap)
     add_model_args(ap, budget=64)
     args = ap.parse_args(argv)
@@ -32,7 +34,7 @@ def main(argv=None) -> int:
         else:
             tokens, n_keep = llm.tokenize(args.prompt, add_bos=llm.info.add_bos), None
         events = llm.generate_events(tokens, max_tokens=args.max_tokens, temperature=args.temperature, keep=n_keep,
-                                     **penalty_kwargs(args))
+                                     **penalty_kwargs(args), **sampler_kwargs(args))
     except (ValueError, TypeError) as e:
         ap.error(str(e))
 
