@@ -34,7 +34,6 @@ def main(argv=None) -> int:
     # Ollama's defaults, chosen by measurement: the fewest looping answers (results/quality/chat-sampling-smollm2.md)
     ap.add_argument("--temperature", type=float, default=CHAT_SURFACE.temperature,
                     help=f"0 = greedy (default: {CHAT_SURFACE.temperature:g})")
-    ap.add_argument("--top-p", type=float, default=CHAT_SURFACE.top_p, help=f"(default: {CHAT_SURFACE.top_p:g})")
     ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
     ap.add_argument("--file", action="append", default=[], metavar="PATH",
                     help="a text file attached to the first message (repeat for several; /file in the chat)")
@@ -46,7 +45,7 @@ def main(argv=None) -> int:
     try:
         # the recall setting is the command line's, which load_llama applied ("auto" keeps it, whatever its cap)
         session = ChatSession(llm, system=args.system, recall="auto" if llm.recall else False,
-                              max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              max_tokens=args.max_tokens, temperature=args.temperature,
                               ignore_eos=args.ignore_eos, **penalty_kwargs(args), **sampler_kwargs(args))
         llm.chat_template.render([{"role": "user", "content": "hi"}])  # a model without a template: say so now
     except (ValueError, TypeError) as e:

@@ -89,6 +89,7 @@ def add_penalty_args(ap: argparse.ArgumentParser, repeat_penalty: float = 1.0) -
 def add_sampler_args(ap: argparse.ArgumentParser, defaults: SamplingParams) -> None:
     """llama.cpp's candidate cuts and Mirostat, as its own CLI names them (defaults: the command's)."""
     ap.add_argument("--top-k", type=int, default=defaults.top_k, help=f"0 = off (default: {defaults.top_k})")
+    ap.add_argument("--top-p", type=float, default=defaults.top_p, help=f"1 = off (default: {defaults.top_p:g})")
     ap.add_argument("--min-p", type=float, default=defaults.min_p, help=f"0 = off (default: {defaults.min_p:g})")
     ap.add_argument("--typical", type=float, default=defaults.typical_p, help="locally typical sampling, p (1 = off)")
     ap.add_argument("--mirostat", type=int, default=defaults.mirostat_mode, choices=[0, 1, 2],
@@ -101,7 +102,7 @@ def add_sampler_args(ap: argparse.ArgumentParser, defaults: SamplingParams) -> N
 
 def sampler_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """add_sampler_args' sampling keywords (checked: a bad value raises ValueError here, before anything runs)."""
-    kwargs = {"top_k": args.top_k, "min_p": args.min_p, "typical_p": args.typical, "mirostat_mode": args.mirostat,
+    kwargs = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p, "typical_p": args.typical, "mirostat_mode": args.mirostat,
               "mirostat_tau": args.mirostat_ent, "mirostat_eta": args.mirostat_lr}
     SamplingParams(**kwargs)
     return kwargs
