@@ -80,7 +80,8 @@ class Completions:
         if logprobs is not None:
             echoed = prompt_tokens if echo else []
             shown = responses.shown_logprobs(self.llm.token_to_piece, entries, text)
-            lp_out = self._logprobs(list(echoed) + [e.token for e in shown], self._prompt_entries(echoed, logprobs) + shown)
+            lp_out = self._logprobs(list(echoed) + [e.token for e in shown],
+                                    self._prompt_entries(echoed, logprobs) + shown)
         if echo:
             text = self.llm.detokenize(prompt_tokens).decode("utf-8", errors="replace") + text
         return responses.completion(meta, text, finish, responses.usage(len(prompt_tokens), len(tokens)), lp_out)

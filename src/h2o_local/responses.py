@@ -107,6 +107,8 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     lse = top + math.log(float(np.exp(x - top, dtype=np.float32).sum(dtype=np.float64)))
     k = min(k, x.size)
     best = np.flatnonzero(x >= np.partition(x, -k)[-k]) if k else np.zeros(0, np.int64)  # ties: more than k
+    if len(best) > 4 * k:  # a row of many equal values: a stable sort of it all, rather than of a huge tie
+        best = np.argsort(-x, kind="stable")[:k]
     best = sorted((int(t) for t in best), key=lambda t: (-x[t], t))[:k]
     return TokenLogprob(int(token), float(x[token]) - lse, tuple((t, float(x[t]) - lse) for t in best))
 

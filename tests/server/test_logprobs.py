@@ -50,12 +50,15 @@ def _assert_a_distribution(token_logprob, top):
 
 
 # ---------------------------------------------------------------------------------------------------- the rule
-@pytest.mark.parametrize("n_vocab, k, ties", [(50, 5, False), (151_936, 20, False), (1_000, 7, True), (10, 50, False)])
+@pytest.mark.parametrize("n_vocab, k, ties", [(50, 5, False), (151_936, 20, False), (1_000, 7, True), (10, 50, False),
+                                             (1_000, 3, "flat")])
 def test_a_tokens_logprob_and_top_tokens_equal_log_softmax_in_float64(n_vocab, k, ties):
     rng = np.random.default_rng(n_vocab + k)
     logits = rng.normal(0, 4, n_vocab).astype(np.float32)
     if ties:
         logits = np.round(logits)  # many equal values: the lower id first
+    if ties == "flat":
+        logits = np.zeros_like(logits)  # all equal: the k lowest ids
     x = logits.astype(np.float64)
     want = x - x.max() - np.log(np.exp(x - x.max()).sum())
     got = token_logprob(logits, 3, k)
