@@ -166,8 +166,7 @@ def _answer(session: ChatSession, line: str) -> None:
     budget = "" if s["budget"] is None else f"/{s['budget']}"
     host = f" · host {s['host_entries']} · recalled {s['recalled']}" if "host_entries" in s else ""
     print(f"[kv {s['kv_entries']}{budget} · evicted {s['evicted']}{host} · {s['completion_tokens']} tokens, "
-          f"{s['tokens_per_second']} tok/s · prompt {s['prompt_tokens']} fed in {s['first_token_seconds']:.1f} s, "
-          f"{s['reused_tokens']} reused{note}]",
+          f"{s['tokens_per_second']} tok/s · prompt {s['prompt_tokens']} fed, {s['reused_tokens']} reused{note}]",
           file=sys.stderr)
 
 
