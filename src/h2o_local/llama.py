@@ -383,8 +383,8 @@ class Llama:
             raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
         return list(self._engine.tokenize(check_text("the text", text), bool(add_bos), bool(special)))
 
-    def detokenize(self, tokens: Sequence[int], prev_tokens: Optional[Sequence[int]] = None,
-                   special: bool = False) -> bytes:
+    def detokenize(self, tokens: Sequence[int], special: bool = False, *,
+                   prev_tokens: Optional[Sequence[int]] = None) -> bytes:
         """The bytes of `tokens` (bytes, like llama-cpp-python: a token may hold part of a UTF-8 character);
         `prev_tokens`: the tokens before them, so that the bytes are those `tokens` add after them (a tokenizer
         that drops a text's leading space keeps it there)."""

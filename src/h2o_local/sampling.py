@@ -43,10 +43,6 @@ class SamplingParams:
     top_p: float = 0.95
     top_k: int = 40
     min_p: float = 0.05
-    typical_p: float = 1.0
-    mirostat_mode: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
     stop: Union[str, Sequence[str], None] = ()
     seed: Optional[int] = None
     ignore_eos: bool = False
@@ -57,6 +53,10 @@ class SamplingParams:
     logit_bias: Optional[Mapping[int, float]] = None
     grammar: Optional[str] = None
     grammar_limits: GrammarLimits = DEFAULT_LIMITS
+    typical_p: float = 1.0
+    mirostat_mode: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:

@@ -252,6 +252,7 @@ def test_llama_cpp_python_calls_scripts_make(llm, tiny_model):
     for cut in range(1, len(tokens)):
         assert llm.detokenize(tokens[:cut]) + llm.detokenize(tokens[cut:], prev_tokens=tokens[:cut]) == \
             llm.detokenize(tokens)
+    assert llm.detokenize([llm.token_bos()], True) == llm.detokenize([llm.token_bos()], special=True) != b""
     llm.set_seed(5)
     first = llm.generate("x", max_tokens=12, temperature=1.0)
     llm.set_seed(5)
