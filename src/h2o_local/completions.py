@@ -24,8 +24,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the top tokens given per position
 
 # llama-cpp-python's keywords for what this library does not do, with the values that ask for nothing (scripts and
 # wrappers pass them with their defaults); any other value is a ValueError naming it
-NOT_DONE = {"suffix": (None, ""), "tfs_z": (1, 1.0), "stopping_criteria": (None,), "logits_processor": (None,),
+NOT_DONE = {"suffix": (None, ""), "stopping_criteria": (None,), "logits_processor": (None,),
             "functions": (None, []), "function_call": (None, "none", "auto")}
+# and those it ignores, as llama-cpp-python does: llama.cpp removed tail-free sampling
+IGNORED = ("tfs_z",)
 
 
 def _without_not_done(params: Dict[str, Any]) -> Dict[str, Any]:
@@ -34,7 +36,7 @@ def _without_not_done(params: Dict[str, Any]) -> Dict[str, Any]:
         value = params[name]
         if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in NOT_DONE[name]):
             raise ValueError(f"{name} is not supported by h2o_local (got {value!r})")
-    return {k: v for k, v in params.items() if k not in NOT_DONE}
+    return {k: v for k, v in params.items() if k not in NOT_DONE and k not in IGNORED}
 
 
 class Completions:

@@ -263,7 +263,9 @@ def test_llama_cpp_python_calls_scripts_make(llm, tiny_model):
     chat = Llama(tiny_model, policy="h2o", budget=24, chat_template="chatml")
     assert chat.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=1, functions=None,
                                        model="mine")["model"] == "mine"
-    for name, value in (("suffix", "end"), ("tfs_z", 0.9), ("logits_processor", [lambda ids, logits: logits])):
+    assert llm.create_completion("x", max_tokens=4, temperature=0, tfs_z=0.5)["choices"][0]["text"] == \
+        llm.create_completion("x", max_tokens=4, temperature=0)["choices"][0]["text"]  # ignored, as llama.cpp removed it
+    for name, value in (("suffix", "end"), ("logits_processor", [lambda ids, logits: logits])):
         with pytest.raises(ValueError, match=name):
             llm.create_completion("x", max_tokens=2, **{name: value})
     with pytest.raises(TypeError, match="unknown sampling parameter"):
