@@ -392,7 +392,9 @@ class Llama:
             return self._engine.detokenize(_token_list(tokens), special)
         before = self._engine.detokenize(_token_list(prev_tokens), special)
         whole = self._engine.detokenize(_token_list(list(prev_tokens) + list(tokens)), special)
-        return whole[len(before):] if whole.startswith(before) else self._engine.detokenize(_token_list(tokens), special)
+        if whole.startswith(before):
+            return whole[len(before):]
+        return self._engine.detokenize(_token_list(tokens), special)
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token."""

@@ -66,7 +66,7 @@ class Slots:
         `sampler`: made beforehand (`Llama.sampler(params, history=tokens)`: a grammar's parse kept out of the step
         the slots share), None: made here.
         `logits`: each token's event carries the logits it was drawn from. `prompt_logits`: every prompt token's
-        logits are kept for `prompt_logits(slot)` (the whole prompt is fed: no `resume`, no prefix fed alone).
+        logits are kept for `take_prompt_logits(slot)` (the whole prompt is fed: no `resume`, no prefix fed alone).
         Returns the slot's end at once when it may generate nothing (max_tokens 0)."""
         if prompt_logits and resume is not None:
             raise ValueError("a prompt whose logits are kept is fed whole: it cannot resume a snapshot")

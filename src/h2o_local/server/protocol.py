@@ -15,11 +15,11 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
 # many clients send them with their defaults); any other value is a 400 naming the field
-UNSUPPORTED = {"functions": (None, []),
+UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
                # llama-server's samplers this server does not have (its tfs_z is ignored, as llama-server ignores it:
                # llama.cpp removed tail-free sampling)
                "xtc_probability": (None, 0, 0.0), "dry_multiplier": (None, 0, 0.0),
-               "top_n_sigma": (None, -1, -1.0, 0, 0.0), "n_probs": (None, 0), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1)}
+               "top_n_sigma": (None, -1, -1.0, 0, 0.0), "n_probs": (None, 0)}
 
 
 # stop strings are searched in the text after every token: bounded, as OpenAI bounds them (it takes 4; clients that
