@@ -69,6 +69,20 @@ def random_tensors(w, seed: int):
     return t, norm
 
 
+def embedding_and_ends(w, seed: int, n_vocab: int, n_embd: int, *, scale: float = 1.0, tied: bool = False):
+    """The start every tiny writer shares: BOS 1 and EOS 2, the random tensors (`random_tensors`), the token embedding
+    (its values times `scale`), the output norm and, unless `tied` to the embedding, the output matrix. Returns
+    (t, norm) for the layers."""
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    t, norm = random_tensors(w, seed)
+    t("token_embd.weight", n_vocab, n_embd, scale=scale)
+    norm("output_norm.weight", n_embd)
+    if not tied:
+        t("output.weight", n_vocab, n_embd)
+    return t, norm
+
+
 def write_tiny_qwen2vl(path: Path, *, seed: int = 0) -> Path:
     """A tiny random Qwen2-VL text model: M-RoPE, whose KV positions llama.cpp cannot shift."""
     n_embd, n_head, n_head_kv, n_ff, n_layer = 64, 4, 2, 128, 1
@@ -126,11 +140,8 @@ def write_tiny_gemma3(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_sliding_window(n_swa)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    t, norm = random_tensors(w, seed)
-    t("token_embd.weight", len(tokens), n_embd, scale=0.1)  # Gemma multiplies it by sqrt(n_embd)
-    norm("output_norm.weight", n_embd)
+    # Gemma multiplies the embedding by sqrt(n_embd)
+    t, norm = embedding_and_ends(w, seed, len(tokens), n_embd, scale=0.1, tied=True)
     add_gemma_layers(t, norm, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, qk_norm=True, qk_scale=0.2)
     return finish(w, path)
 
@@ -177,12 +188,8 @@ def write_tiny_qwen3(path: Path, *, seed: int = 0) -> Path:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    t, norm = random_tensors(w, seed)
-    t("token_embd.weight", len(tokens), n_embd, scale=1.0)
-    norm("output_norm.weight", n_embd)
-    for il in range(n_layer):  # no output.weight: the embedding is tied
+    t, norm = embedding_and_ends(w, seed, len(tokens), n_embd, tied=True)
+    for il in range(n_layer):
         norm(f"blk.{il}.attn_norm.weight", n_embd)
         t(f"blk.{il}.attn_q.weight", n_head * head_dim, n_embd, scale=0.5)
         t(f"blk.{il}.attn_k.weight", n_head_kv * head_dim, n_embd, scale=0.5)
@@ -208,11 +215,7 @@ def write_tiny_gemma2(path: Path, *, seed: int = 0, n_swa: int = 32) -> Path:
     w.add_sliding_window(n_swa)
     w.add_attn_logit_softcapping(50.0)
     w.add_final_logit_softcapping(30.0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    t, norm = random_tensors(w, seed)
-    t("token_embd.weight", len(tokens), n_embd, scale=0.1)
-    norm("output_norm.weight", n_embd)
+    t, norm = embedding_and_ends(w, seed, len(tokens), n_embd, scale=0.1, tied=True)
     add_gemma_layers(t, norm, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, qk_norm=False, qk_scale=0.5)
     return finish(w, path)
 
@@ -225,12 +228,7 @@ def write_tiny_phi3(path: Path, *, seed: int = 0) -> Path:
                             n_head_kv=n_head, rms_eps=1e-5)
     w.add_rope_dimension_count(n_embd // n_head)
     w.add_sliding_window(2047)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    t, norm = random_tensors(w, seed)
-    t("token_embd.weight", len(tokens), n_embd, scale=1.0)
-    norm("output_norm.weight", n_embd)
-    t("output.weight", len(tokens), n_embd)
+    t, norm = embedding_and_ends(w, seed, len(tokens), n_embd)
     for il in range(n_layer):
         norm(f"blk.{il}.attn_norm.weight", n_embd)
         t(f"blk.{il}.attn_qkv.weight", 3 * n_embd, n_embd, scale=0.5)
@@ -261,12 +259,7 @@ def write_tiny_deepseek2(path: Path, *, seed: int = 0) -> Path:
     w.add_expert_shared_count(0)
     w.add_expert_count(0)
     w.add_expert_used_count(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    t, norm = random_tensors(w, seed)
-    t("token_embd.weight", len(tokens), n_embd, scale=1.0)
-    norm("output_norm.weight", n_embd)
-    t("output.weight", len(tokens), n_embd)
+    t, norm = embedding_and_ends(w, seed, len(tokens), n_embd)
     for il in range(n_layer):
         norm(f"blk.{il}.attn_norm.weight", n_embd)
         t(f"blk.{il}.attn_q_a.weight", q_lora, n_embd, scale=0.5)
