@@ -144,6 +144,32 @@ class ChatCompletionRequest(_Request):
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # with logprobs: true
 
 
+class TokenizeRequest(BaseModel):
+    """llama-server's /tokenize (llama-cpp-python's /extras/tokenize sends `input`, read as `content`)."""
+    model_config = ConfigDict(extra="forbid")
+
+    content: str
+    add_special: StrictBool = False  # the model's BOS, where it adds one
+    parse_special: StrictBool = True  # special-token text as its tokens (False: as plain text)
+    with_pieces: StrictBool = False  # each id with its text: a string, or its bytes where they are not whole UTF-8
+
+
+class ExtrasTokenizeRequest(BaseModel):
+    """llama-cpp-python's /extras/tokenize and /extras/tokenize/count (BOS added, special-token text parsed)."""
+    model_config = ConfigDict(extra="forbid")
+
+    input: str
+    model: Optional[str] = None
+
+
+class DetokenizeRequest(BaseModel):
+    """llama-server's /detokenize and llama-cpp-python's /extras/detokenize: token ids to text."""
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: List[StrictInt]
+    model: Optional[str] = None
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
                  code: Optional[str] = None):

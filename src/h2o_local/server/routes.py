@@ -1,4 +1,5 @@
-"""The HTTP routes: / (the chat page), /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, as
+"""The HTTP routes: / (the chat page), /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, and
+the token routes of llama-server (/tokenize, /detokenize, /apply-template) and llama-cpp-python (/extras/...), as
 importable functions on a module-level FastAPI router. Each request is translated (`requests`) into a `Job` for the
 app's `Scheduler`; the response starts once its prompt is in, so an error in the prompt is an HTTP error, not a
 broken stream."""
@@ -17,13 +18,14 @@ from fastapi.responses import FileResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
-from .. import policies, responses
+from .. import __version__, policies, responses
 from .. import tools as tools_mod
 from ..completions import chat_logprobs_k
 from ..responses import TokenLogprob
 from ..sampling import CHAT_SURFACE, COMPLETION
 from . import requests
-from .protocol import ROLES, APIError, ChatCompletionRequest, CompletionRequest, _Request
+from .protocol import (ROLES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       ExtrasTokenizeRequest, TokenizeRequest, _Request)
 from .scheduler import Busy, Cancelled, Job, Mailbox, Step
 from .state import ServerState
 
@@ -53,6 +55,28 @@ async def health(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
 async def metrics(state: ServerState = Depends(server_state)) -> Response:
     """Prometheus' text format (server/metrics.py)."""
     return Response(generate_latest(state.scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/props")
+async def props(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """llama-server's server properties, as far as they apply: the longest prompt a slot takes (`n_ctx`: with a
+    bounded cache longer than the slot's cells, `kv_cache.cells_per_slot`, since the policy evicts as it reads),
+    /v1/completions' default sampling, the slots, the chat template. `model_path` is the model's id (the file's
+    name), not its path on this machine."""
+    d = COMPLETION
+    params = {"n_predict": state.max_tokens, "max_tokens": state.max_tokens, "temperature": d.temperature,
+              "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "typical_p": d.typical_p,
+              "repeat_last_n": d.penalty_last_n, "repeat_penalty": d.repeat_penalty,
+              "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
+              "mirostat": d.mirostat_mode, "mirostat_tau": d.mirostat_tau, "mirostat_eta": d.mirostat_eta,
+              "n_keep": state.default_keep, "ignore_eos": d.ignore_eos, "stop": []}
+    llm, cells = state.llm, state.scheduler.slots.cells_per_slot
+    n_ctx = state.max_prompt_tokens if llm.policy.bounded else min(cells - 1, state.max_prompt_tokens)
+    return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
+            "total_slots": state.scheduler.slots.n_slots, "model_path": state.model_id,
+            "chat_template": llm.chat_template.source or "", "modalities": {"vision": False, "audio": False},
+            "build_info": f"h2o_local {__version__}",
+            "kv_cache": {"policy": llm.policy.label, "budget": llm.budget, "cells_per_slot": cells}}
 
 
 @router.get("/v1/models")
@@ -135,33 +159,14 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(server_state)):
     body.refuse_unsupported()
-    for i, m in enumerate(body.messages):
-        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
-                                f"{repr(m.get('role'))[:64]}", param=f"messages.{i}.role")
-    if body.tools == [] and body.tool_choice in (None, "none"):  # clients that send empty tools ask for nothing
-        body.tools = None
-    try:
-        plan = tools_mod.plan(state.llm.chat_template.source, body.tools, body.tool_choice)
-        messages = plan.messages(body.messages)
-    except (TypeError, ValueError) as e:
-        raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
+    plan, messages = _chat_messages(state, body)
     if plan.grammar is not None:
         given = [k for k in ("response_format", "grammar", "json_schema") if getattr(body, k) not in (None, "")]
         if given:
             raise APIError(400, f"a forced tool call and {given[0]} both constrain the answer: give one", param=given[0])
         body.grammar = plan.grammar
-    requests.check_prompt_bytes(state, sum(requests.text_bytes(m.get("content")) for m in messages), "messages")
-    limit_s = state.settings.template_timeout_s
-    try:  # a template can be slow on some messages: never on the event loop, and never for long
-        rendering = state.prepared( state.llm.chat_tokens, messages, limit_s, tools=plan.tools,
-                              special_in_content=body.special_in_content)
-        tokens, n_keep = await asyncio.wait_for(rendering, limit_s + 1)
-    except asyncio.TimeoutError:
-        raise APIError(400, f"preparing these messages (the chat template rendering them, then their tokenization) "
-                            f"took more than {limit_s:g} s (--template-timeout-s)", param="messages") from None
-    except (TypeError, ValueError) as e:
-        raise APIError(400, str(e), param="messages") from None
+    tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.tools,
+                                             special_in_content=body.special_in_content)
     try:
         k = chat_logprobs_k(body.logprobs, body.top_logprobs)
     except (TypeError, ValueError) as e:
@@ -195,7 +200,115 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     return out
 
 
+# ------------------------------------------------------------------------- tokens and templates (no generation)
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """llama-server's: the content's token ids, or with `with_pieces` each id with its text."""
+    tokens = await _tokenized(state, body.content, body.add_special, body.parse_special)
+    if not body.with_pieces:
+        return {"tokens": tokens}
+    return {"tokens": [{"id": t, "piece": _piece_json(state.llm.token_to_piece(t, special=True))} for t in tokens]}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """llama-server's: the text of token ids (special tokens written out)."""
+    return {"content": await _detokenized(state, body.tokens, special=True)}
+
+
+@router.post("/apply-template")
+async def apply_template(body: ChatCompletionRequest, state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """llama-server's: the prompt the chat template makes of a chat request's messages (and tools), as text, for a
+    client that edits it and sends it to /v1/completions."""
+    plan, messages = _chat_messages(state, body)
+    return {"prompt": await _prepared_in_time(state, state.llm.apply_chat_template, messages, tools=plan.tools)}
+
+
+@router.post("/extras/tokenize")
+async def extras_tokenize(body: ExtrasTokenizeRequest, state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """llama-cpp-python's: the input's token ids, BOS included where the model adds one."""
+    return {"tokens": await _tokenized(state, body.input, True, True, param="input")}
+
+
+@router.post("/extras/tokenize/count")
+async def extras_tokenize_count(body: ExtrasTokenizeRequest,
+                                state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """llama-cpp-python's: how many tokens the input is, BOS included where the model adds one."""
+    return {"count": len(await _tokenized(state, body.input, True, True, param="input"))}
+
+
+@router.post("/extras/detokenize")
+async def extras_detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """llama-cpp-python's: the text of token ids."""
+    return {"text": await _detokenized(state, body.tokens, special=False)}
+
+
+@router.post("/v1/embeddings")
+@router.post("/embeddings")
+async def embeddings() -> None:
+    raise APIError(501, "this server does not compute embeddings: it generates text with a bounded KV cache",
+                   kind="not_supported_error", code="not_supported")
+
+
+async def _tokenized(state: ServerState, text: str, add_bos: bool, special: bool, param: str = "content") -> List[int]:
+    requests.check_prompt_bytes(state, len(text.encode("utf-8", errors="surrogatepass")), param)
+    try:
+        return await state.prepared(state.llm.tokenize, text, add_bos=add_bos, special=special)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param=param) from None
+
+
+async def _detokenized(state: ServerState, tokens: List[int], special: bool) -> str:
+    n_vocab = state.llm.n_vocab()
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token ids must be in [0, {n_vocab}), got {bad}", param="tokens")
+    text = await state.prepared(state.llm.detokenize, tokens, special=special)
+    return text.decode("utf-8", errors="replace")
+
+
+def _piece_json(piece: bytes) -> Any:
+    """A token's text as llama-server shows it: a string, or its bytes where they are not whole UTF-8."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
 # ---------------------------------------------------------------------------------------------------- helpers
+def _chat_messages(state: ServerState,
+                   body: ChatCompletionRequest) -> Tuple[tools_mod.ToolPlan, List[Dict[str, Any]]]:
+    """The request's messages checked (roles, their text's bytes) and as the template takes them, with its tools'
+    plan (how they are described, forced and parsed)."""
+    for i, m in enumerate(body.messages):
+        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
+                                f"{repr(m.get('role'))[:64]}", param=f"messages.{i}.role")
+    if body.tools == [] and body.tool_choice in (None, "none"):  # clients that send empty tools ask for nothing
+        body.tools = None
+    try:
+        plan = tools_mod.plan(state.llm.chat_template.source, body.tools, body.tool_choice)
+        messages = plan.messages(body.messages)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
+    requests.check_prompt_bytes(state, sum(requests.text_bytes(m.get("content")) for m in messages), "messages")
+    return plan, messages
+
+
+async def _prepared_in_time(state: ServerState, render: Callable[..., Any], messages: List[Dict[str, Any]],
+                            **options: Any) -> Any:
+    """`render(messages, time_limit_s=..., **options)` in the preparing threads: a template can be slow on some
+    messages, so never on the event loop and never for longer than --template-timeout-s (then a 400)."""
+    limit_s = state.settings.template_timeout_s
+    try:
+        return await asyncio.wait_for(state.prepared(render, messages, time_limit_s=limit_s, **options), limit_s + 1)
+    except asyncio.TimeoutError:
+        raise APIError(400, f"preparing these messages (the chat template rendering them, then their tokenization) "
+                            f"took more than {limit_s:g} s (--template-timeout-s)", param="messages") from None
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
 async def _submit(state: ServerState, job: Job, request: Request) -> Job:
     n = len(job.prompt_tokens)
     if n > state.max_prompt_tokens:

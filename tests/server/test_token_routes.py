@@ -1,0 +1,156 @@
+"""The routes that generate nothing, as the servers a client may know them from: llama-server's /tokenize,
+/detokenize, /apply-template and /props, llama-cpp-python's /extras/tokenize, /extras/tokenize/count and
+/extras/detokenize. Each gives what `Llama` gives for the same call; bad input is a 400 naming its field."""
+import json
+
+import openai
+import pytest
+
+from test_server import CHATML, USER, get, post, raw_request, serving
+from tiny_model import write_tiny_llama
+
+SLOTS = 2
+BUDGET = 48
+TEXT = "Once upon a time, é and 😀 <|im_end|> end"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tok") / "chat.gguf", chat_template=CHATML, n_ctx_train=4096,
+                                special_tokens=["<|im_start|>", "<|im_end|>"]))
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    with serving(chat_model, slots=SLOTS, budget=BUDGET) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model):
+    from h2o_local import Llama
+    return Llama(chat_model, budget=BUDGET, n_threads=1)
+
+
+@pytest.mark.parametrize("add_special", [False, True])
+@pytest.mark.parametrize("parse_special", [True, False])
+def test_tokenize_gives_llama_s_tokens_and_detokenize_gives_the_text_back(server, llm, add_special, parse_special):
+    port, _ = server
+    status, out = post(port, "/tokenize", {"content": TEXT, "add_special": add_special, "parse_special": parse_special})
+    assert status == 200
+    assert out["tokens"] == llm.tokenize(TEXT, add_bos=add_special, special=parse_special)
+    status, back = post(port, "/detokenize", {"tokens": out["tokens"]})
+    assert (status, back["content"]) == (200, llm.detokenize(out["tokens"], special=True).decode())
+    plain = TEXT.replace("<|im_end|>", "")  # after a special token, this SPM vocabulary starts a word with a space
+    tokens = post(port, "/tokenize", {"content": plain, "add_special": add_special})[1]["tokens"]
+    assert post(port, "/detokenize", {"tokens": tokens})[1]["content"].endswith(plain)  # after BOS, where added
+
+
+def test_special_token_text_is_one_token_when_parsed_and_plain_text_when_not(server, llm):
+    port, _ = server
+    end = llm.tokenize("<|im_end|>", add_bos=False, special=True)
+    assert len(end) == 1
+    assert post(port, "/tokenize", {"content": "<|im_end|>"})[1]["tokens"] == end
+    as_text = post(port, "/tokenize", {"content": "<|im_end|>", "parse_special": False})[1]["tokens"]
+    assert len(as_text) > 1 and end[0] not in as_text
+
+
+def test_pieces_are_strings_or_the_bytes_of_a_part_of_a_character(server, llm):
+    """llama-server's with_pieces: each id with its text, a list of byte values where a token holds part of a UTF-8
+    character (this model's byte tokens split é and 😀); the pieces' bytes put together are the text's (as the
+    tokenizer reads it)."""
+    port, _ = server
+    status, out = post(port, "/tokenize", {"content": TEXT, "with_pieces": True, "parse_special": False})
+    assert status == 200
+    ids = [p["id"] for p in out["tokens"]]
+    assert ids == llm.tokenize(TEXT, add_bos=False, special=False)
+    pieces = [p["piece"] for p in out["tokens"]]
+    assert any(isinstance(p, list) for p in pieces) and any(isinstance(p, str) for p in pieces)
+    joined = b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in pieces)
+    assert joined.lstrip(b" ") == TEXT.encode()  # an SPM vocabulary starts the text with a space
+
+
+def test_llama_cpp_python_s_extras_count_the_tokens_its_tokenize_gives(server, llm):
+    port, _ = server
+    expected = llm.tokenize(TEXT, add_bos=True, special=True)  # llama-cpp-python's: BOS added, special text parsed
+    assert post(port, "/extras/tokenize", {"input": TEXT, "model": "tiny"}) == (200, {"tokens": expected})
+    assert post(port, "/extras/tokenize/count", {"input": TEXT}) == (200, {"count": len(expected)})
+    status, out = post(port, "/extras/detokenize", {"tokens": llm.tokenize(TEXT, add_bos=False)})
+    assert (status, out["text"]) == (200, TEXT)
+
+
+def test_apply_template_gives_the_prompt_a_chat_request_is_read_as(server, llm):
+    port, _ = server
+    status, out = post(port, "/apply-template", {"messages": USER})
+    assert status == 200 and out["prompt"] == llm.apply_chat_template(USER)
+    assert out["prompt"].startswith("<|im_start|>system\nYou are tiny.<|im_end|>")
+    assert out["prompt"].endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/detokenize", {"tokens": [5, 100000]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": [True]}, "tokens.0"),
+    ("/extras/detokenize", {"tokens": "12"}, "tokens"),
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"text": "the wrong name"}, "content"),
+    ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
+    ("/extras/tokenize", {"content": "llama-server's name"}, "input"),
+    ("/apply-template", {"messages": [{"role": "narrator", "content": "x"}]}, "messages.0.role"),
+    ("/apply-template", {"messages": []}, "messages"),
+])
+def test_bad_input_is_a_400_naming_its_field_and_the_server_goes_on(server, path, body, param):
+    port, client = server
+    status, out = post(port, path, body)
+    assert status == 400 and out["error"]["param"] == param, out
+    assert post(port, "/tokenize", {"content": "still here"})[0] == 200
+
+
+def test_text_longer_than_the_server_takes_is_refused_before_it_is_tokenized(chat_model):
+    with serving(chat_model, slots=1, budget=BUDGET, app_kwargs={"max_prompt_tokens": 64}) as (port, _):
+        status, out = post(port, "/tokenize", {"content": "x" * 5000})
+        assert status == 400 and out["error"]["code"] == "context_length_exceeded"
+        status, out = post(port, "/extras/tokenize/count", {"input": "x" * 5000})
+        assert status == 400 and out["error"]["param"] == "input"
+
+
+def test_props_say_the_slots_the_longest_prompt_and_the_template(server, llm):
+    port, _ = server
+    status, props = get(port, "/props")
+    assert status == 200
+    assert props["total_slots"] == SLOTS and props["model_path"] == "tiny" and props["chat_template"] == CHATML
+    status, health = get(port, "/health")
+    assert props["kv_cache"]["budget"] == BUDGET and props["kv_cache"]["cells_per_slot"] > BUDGET
+    # a bounded cache evicts as it reads: a prompt may be longer than a slot's cells
+    assert props["default_generation_settings"]["n_ctx"] == 4096 > props["kv_cache"]["cells_per_slot"]
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8
+
+
+def test_props_of_a_full_cache_give_the_prompt_that_fits_in_a_slot(chat_model):
+    with serving(chat_model, slots=1, policy="full", budget=None, n_ctx=256) as (port, _):
+        props = get(port, "/props")[1]
+        assert props["default_generation_settings"]["n_ctx"] == props["kv_cache"]["cells_per_slot"] - 1 == 255
+        too_long = {"prompt": [65] * 256, "max_tokens": 1}
+        assert post(port, "/v1/completions", too_long)[1]["error"]["code"] == "context_length_exceeded"
+        assert post(port, "/v1/completions", {**too_long, "prompt": [65] * 255})[0] == 200
+
+
+def test_embeddings_are_refused_as_not_served(server):
+    port, client = server
+    with pytest.raises(openai.APIStatusError) as e:
+        client.embeddings.create(model="tiny", input="hello")
+    assert e.value.status_code == 501 and "embeddings" in e.value.message
+    status, out = post(port, "/embeddings", {"content": "hello"})
+    assert status == 501 and out["error"]["code"] == "not_supported"
+
+
+def test_an_api_key_guards_the_token_routes_too(chat_model):
+    with serving(chat_model, slots=1, app_kwargs={"api_key": "s3cret"}) as (port, _):
+        for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"),
+                             ("POST", "/extras/tokenize"), ("GET", "/props")):
+            body = json.dumps({"content": "x"}) if method == "POST" else None
+            status, _, data = raw_request(port, method, path, {"Content-Type": "application/json"}, body)
+            assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key", path
+        headers = {"Content-Type": "application/json", "Authorization": "Bearer s3cret"}
+        status, _, data = raw_request(port, "POST", "/tokenize", headers, json.dumps({"content": "x"}))
+        assert status == 200 and json.loads(data)["tokens"]
