@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from . import responses
+from . import llama_cpp_python, responses
 from . import sampling as sampling_
 from . import tools as tools_mod
 from .grammar import response_format_grammar
@@ -22,21 +22,9 @@ Prompt = Union[str, bytes, Sequence[int]]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the top tokens given per position
 
-# llama-cpp-python's keywords for what this library does not do, with the values that ask for nothing (scripts and
-# wrappers pass them with their defaults); any other value is a ValueError naming it
-NOT_DONE = {"suffix": (None, ""), "stopping_criteria": (None,), "logits_processor": (None,),
-            "functions": (None, []), "function_call": (None, "none", "auto")}
-# and those it ignores, as llama-cpp-python does: llama.cpp removed tail-free sampling
-IGNORED = ("tfs_z",)
-
-
 def _without_not_done(params: Dict[str, Any]) -> Dict[str, Any]:
     """`params` less llama-cpp-python's keywords that ask for nothing; one that asks for something raises."""
-    for name in NOT_DONE.keys() & params.keys():
-        value = params[name]
-        if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in NOT_DONE[name]):
-            raise ValueError(f"{name} is not supported by h2o_local (got {value!r})")
-    return {k: v for k, v in params.items() if k not in NOT_DONE and k not in IGNORED}
+    return llama_cpp_python.without_not_done(params, llama_cpp_python.CALL_NOT_DONE, llama_cpp_python.CALL_IGNORED)
 
 
 class Completions:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List,
 
 import numpy as np
 
-from . import _engine, generation, rpc
+from . import _engine, generation, llama_cpp_python, rpc
 from . import sampling as sampling_
 from .chat_template import ChatTemplate, Message, content_pieces, normalize_messages
 from .text import TextAssembler, check_text
@@ -56,11 +56,6 @@ def _handed_to_completions(name: str) -> Callable[..., Any]:
         return getattr(self.completions, name)(*args, **kwargs)
 
     return call
-
-
-# llama-cpp-python's chat_format names where llama.cpp's built-in templates are named otherwise
-LLAMA_CPP_PYTHON_FORMATS = {"llama-2": "llama2-sys", "llama-3": "llama3", "mistral-instruct": "mistral-v1",
-                            "qwen": "chatml"}
 
 
 class Llama:
@@ -145,6 +140,13 @@ class Llama:
             bit for bit the one that left); "q8_0", ggml's q8_0 blocks of the F16 rows (34 bytes per 32 values:
             0.53x the bytes, and twice the tokens in recall=True's 256 MiB; a recalled entry differs from the one
             that left by q8_0's rounding). "q8_0" needs an F16 cache (no kv_f32, type_k or type_v).
+
+    llama-cpp-python's other keywords are taken where they ask for what this `Llama` does anyway: `n_ubatch` from
+    n_batch up (one ubatch per batch), `n_threads_batch` equal to n_threads, `type_k` / `type_v` as ggml type
+    numbers (8: "q8_0"), `logits_all` and `no_perf` (ignored: logprobs need no logits_all here), and at their
+    defaults the settings this library does not offer (`use_mmap=True`, `use_mlock=False`, `embedding=False`,
+    `offload_kqv=True`, `lora_path=None`, `rope_freq_base=0.0`, ...; `h2o_local.llama_cpp_python`); any other value
+    is a ValueError naming it, an unknown keyword a TypeError.
     """
 
     def __init__(
@@ -180,7 +182,13 @@ class Llama:
         recall_type: Optional[str] = None,
         verbose: bool = ENGINE_DEFAULTS.verbose,
         _scores_sum_rows: bool = False,
+        **_llama_cpp_python: Any,
     ):
+        llama_cpp_python.check_constructor(_llama_cpp_python, n_batch=n_batch, n_threads=n_threads)
+        type_k = llama_cpp_python.ggml_type_name("type_k", type_k)
+        type_v = llama_cpp_python.ggml_type_name("type_v", type_v)
+        if op_offload is None:  # llama-cpp-python's default: llama.cpp's
+            op_offload = ENGINE_DEFAULTS.op_offload
         self.model_path = os.fspath(model_path)
         if not os.path.isfile(self.model_path):
             raise FileNotFoundError(f"model file not found: {self.model_path}")
@@ -208,7 +216,7 @@ class Llama:
                 raise ValueError("give chat_template or chat_format (llama-cpp-python's name for it), not both")
             if not isinstance(chat_format, str):
                 raise TypeError(f"chat_format must be a template's name, got {chat_format!r}")
-            chat_template = LLAMA_CPP_PYTHON_FORMATS.get(chat_format, chat_format)
+            chat_template = llama_cpp_python.CHAT_FORMATS.get(chat_format, chat_format)
         if chat_template is not None and not isinstance(chat_template, str):
             raise TypeError(f"chat_template must be a string (Jinja source or a built-in name), got {chat_template!r}")
         self.keep: Union[int, str, None] = keep

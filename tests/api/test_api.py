@@ -270,3 +270,32 @@ def test_llama_cpp_python_calls_scripts_make(llm, tiny_model):
             llm.create_completion("x", max_tokens=2, **{name: value})
     with pytest.raises(TypeError, match="unknown sampling parameter"):
         llm.create_completion("x", max_tokens=2, tfz_z=1.0)  # a misspelt keyword still names itself
+
+
+def test_llama_cpp_python_s_constructor_keywords_are_taken_where_they_ask_for_what_this_llama_does(tiny_model):
+    """A script's `Llama(model_path=..., n_ctx=..., n_ubatch=512, use_mmap=True, logits_all=True, type_k=8, ...)`:
+    the keywords at values that ask for what this library does anyway make the same `Llama` (the same greedy text),
+    llama-cpp-python's type numbers name the KV types, and a value that asks for something else is a ValueError
+    naming it, a misspelt keyword a TypeError."""
+    plain = Llama(tiny_model, policy="h2o", budget=24, n_batch=32, n_threads=1)
+    script = Llama(model_path=tiny_model, policy="h2o", budget=24, n_batch=32, n_threads=1, n_ubatch=512,
+                   n_threads_batch=1, use_mmap=True, use_mlock=False, vocab_only=False, logits_all=True,
+                   embedding=False, offload_kqv=True, main_gpu=0, tensor_split=None, split_mode=1, numa=False,
+                   rope_freq_base=0, rope_freq_scale=0.0, rope_scaling_type=-1, pooling_type=-1, yarn_ext_factor=-1.0,
+                   last_n_tokens_size=64, lora_path=None, lora_scale=1.0, no_perf=True, op_offload=None,
+                   chat_handler=None, draft_model=None, verbose=False)
+    prompt = "The quick brown fox jumps over the lazy dog " * 2
+    assert script.generate(prompt, max_tokens=8, temperature=0) == plain.generate(prompt, max_tokens=8, temperature=0)
+    numbered = Llama(tiny_model, budget=24, n_threads=1, type_k=0, type_v=30)
+    named = Llama(tiny_model, budget=24, n_threads=1, type_k="f32", type_v="bf16")
+    assert numbered.kv_bytes_per_cell == named.kv_bytes_per_cell > plain.kv_bytes_per_cell
+    for keywords, name in ((dict(use_mmap=False), "use_mmap"), (dict(embedding=True), "embedding"),
+                           (dict(lora_path="adapter.gguf"), "lora_path"), (dict(n_ubatch=16), "n_ubatch"),
+                           (dict(n_threads_batch=2), "n_threads_batch"), (dict(rope_freq_base=1e6), "rope_freq_base"),
+                           (dict(type_k=12), "type_k")):
+        with pytest.raises(ValueError, match=name):
+            Llama(tiny_model, budget=24, n_batch=32, n_threads=1, **keywords)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'use_map'"):
+        Llama(tiny_model, budget=24, use_map=True)
+    with pytest.raises(TypeError, match="type_k"):
+        Llama(tiny_model, budget=24, type_k=8.0)
