@@ -243,9 +243,10 @@ async def extras_detokenize(body: DetokenizeRequest, state: ServerState = Depend
     return {"text": await _detokenized(state, body.tokens, special=False)}
 
 
-@router.post("/v1/embeddings")
-@router.post("/embeddings")
+@router.post("/v1/embeddings", include_in_schema=False)
+@router.post("/embeddings", include_in_schema=False)
 async def embeddings() -> None:
+    """Not an operation of this server: a clear answer for clients that try it."""
     raise APIError(501, "this server does not compute embeddings: it generates text with a bounded KV cache",
                    kind="not_supported_error", code="not_supported")
 
