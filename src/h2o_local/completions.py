@@ -27,6 +27,14 @@ def _without_not_done(params: Dict[str, Any]) -> Dict[str, Any]:
     return llama_cpp_python.without_not_done(params, llama_cpp_python.CALL_NOT_DONE, llama_cpp_python.CALL_IGNORED)
 
 
+def completion_prompt(llm: "Llama", prompt: Prompt) -> List[int]:
+    """The tokens a text completion reads: `llm.prompt_tokens(prompt)`, and for an empty text the BOS token alone
+    where the model has one (llama-cpp-python's rule: a text from nothing)."""
+    if isinstance(prompt, (str, bytes)) and not prompt and llm.token_bos() >= 0:
+        return [llm.token_bos()]
+    return llm.prompt_tokens(prompt)
+
+
 class Completions:
     """create_completion (also `llm(...)`) and create_chat_completion of one `Llama`."""
 
@@ -45,7 +53,7 @@ class Completions:
             check_int("logprobs", logprobs, minimum=0)
         llm = self.llm
         p = sampling_.merge(sampling_.COMPLETION, sampling, _without_not_done(params))
-        prompt_tokens = llm.prompt_tokens(prompt)
+        prompt_tokens = completion_prompt(llm, prompt)
         events = llm.generate_events(prompt_tokens, sampling=p, logits=logprobs is not None,
                                      prompt_logits=echo and logprobs is not None)
         meta = responses.completion_meta(_model_name(llm, model))

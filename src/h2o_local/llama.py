@@ -682,7 +682,11 @@ class Llama:
         llama-server parse them; token ids from `tokenize(text, special=False)` feed such text literally."""
         if isinstance(prompt, (str, bytes)):
             return self.tokenize(prompt, add_bos=self.info.add_bos if add_bos is None else add_bos, special=True)
-        return _token_list(prompt)
+        tokens = _token_list(prompt)
+        outside = next((t for t in tokens if t >= self.n_vocab()), None)
+        if outside is not None:
+            raise ValueError(f"prompt token id {outside} is outside this model's {self.n_vocab()} tokens")
+        return tokens
 
     def _answer_limit(self, params: SamplingParams) -> Optional[int]:
         """Tokens a generation may make: `max_tokens`, or with none a bounded cache's trained context (it never fills

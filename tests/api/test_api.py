@@ -4,6 +4,7 @@ import pytest
 
 from h2o_local import KVState, Llama
 from h2o_local.text import TextAssembler
+from tiny_model import write_tiny_llama
 
 
 @pytest.fixture
@@ -299,3 +300,17 @@ def test_llama_cpp_python_s_constructor_keywords_are_taken_where_they_ask_for_wh
         Llama(tiny_model, budget=24, use_map=True)
     with pytest.raises(TypeError, match="type_k"):
         Llama(tiny_model, budget=24, type_k=8.0)
+
+
+def test_an_empty_text_completion_reads_the_bos_token_alone_as_llama_cpp_python_s_does(tmp_path):
+    """`llm("")` generates a text from nothing (llama-cpp-python's rule: the BOS token alone, also for a model that
+    adds none to its prompts, as SmolLM2 and Qwen2.5); a token id outside the vocabulary is a ValueError naming it as
+    the prompt's, and the `Llama` goes on."""
+    llm = Llama(str(write_tiny_llama(tmp_path / "no-bos.gguf", add_bos=False)), policy="h2o", budget=24, n_threads=1)
+    assert not llm.info.add_bos and llm.prompt_tokens("") == []
+    out = llm("", max_tokens=4, temperature=0)
+    assert out["usage"]["prompt_tokens"] == 1 and out["usage"]["completion_tokens"] == 4
+    assert out["choices"][0]["text"] == llm.generate([llm.token_bos()], max_tokens=4, temperature=0)
+    with pytest.raises(ValueError, match="prompt token id 100000 is outside this model's"):
+        llm([5, 100000], max_tokens=2)
+    assert llm("x", max_tokens=2)["usage"]["completion_tokens"] == 2

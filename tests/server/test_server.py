@@ -231,7 +231,9 @@ def test_bad_requests_get_openai_errors(server):
     status, err = post(port, "/v1/chat/completions", None, raw=b"{not json")
     assert status == 400 and "error" in err
     status, err = post(port, "/v1/completions", {"prompt": [999999]})
-    assert status == 400 and "token ids" in err["error"]["message"]
+    assert status == 400 and "token id 999999 is outside" in err["error"]["message"]
+    status, err = post(port, "/v1/completions", {"prompt": [-1]})
+    assert status == 400 and "token id -1" in err["error"]["message"]
     status, err = post(port, "/v1/completions", {"prompt": "x" * 100_000})
     assert status == 413
     with pytest.raises(openai.BadRequestError):

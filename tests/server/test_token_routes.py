@@ -154,3 +154,9 @@ def test_an_api_key_guards_the_token_routes_too(chat_model):
         headers = {"Content-Type": "application/json", "Authorization": "Bearer s3cret"}
         status, _, data = raw_request(port, "POST", "/tokenize", headers, json.dumps({"content": "x"}))
         assert status == 200 and json.loads(data)["tokens"]
+
+
+def test_an_empty_prompt_is_completed_from_the_bos_token(server):
+    _, client = server
+    out = client.completions.create(model="tiny", prompt="", max_tokens=3, temperature=0)
+    assert out.usage.prompt_tokens == 1 and out.usage.completion_tokens == 3

@@ -15,10 +15,11 @@ from benchmarks.random_model import add_byte_tokenizer, byte_vocab, write_llama
 
 
 def write_tiny_llama(path: Path, *, n_ctx_train: int = 128, seed: int = 0, n_layer: int = 2,
-                     chat_template: str = "", n_embd: int = 64, special_tokens: Sequence[str] = ()) -> Path:
+                     chat_template: str = "", n_embd: int = 64, special_tokens: Sequence[str] = (),
+                     add_bos: bool = True) -> Path:
     rng = np.random.default_rng(seed)
     return write_llama(path, name="tiny-random-llama", n_embd=n_embd, n_layer=n_layer, n_head=4, n_head_kv=2, n_ff=128,
-                       n_ctx_train=n_ctx_train, chat_template=chat_template, f16=False,
+                       n_ctx_train=n_ctx_train, chat_template=chat_template, f16=False, add_bos=add_bos,
                        special_tokens=special_tokens,
                        # large q/k: peaked attention, so heavy hitters exist
                        scales={"token_embd": 1.0, "output": 0.2, "attn_q": 0.5, "attn_k": 0.5, "attn_v": 0.2,

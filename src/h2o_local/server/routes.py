@@ -20,7 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from .. import __version__, policies, responses
 from .. import tools as tools_mod
-from ..completions import chat_logprobs_k
+from ..completions import chat_logprobs_k, completion_prompt
 from ..responses import TokenLogprob
 from ..sampling import CHAT_SURFACE, COMPLETION
 from . import requests
@@ -115,12 +115,10 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     try:
         if isinstance(prompt, str):  # special tokens parsed, as llama-cpp-python and llama-server do
             requests.check_prompt_bytes(state, len(prompt.encode("utf-8", errors="surrogatepass")), "prompt")
-            tokens = await state.prepared( llm.tokenize, prompt, add_bos=llm.info.add_bos, special=True)
             text = prompt
         else:
-            tokens, text = [int(t) for t in prompt], None
-            if any(not 0 <= t < llm.n_vocab() for t in tokens):
-                raise ValueError(f"token ids must be in [0, {llm.n_vocab()})")
+            text = None
+        tokens = await state.prepared(completion_prompt, llm, prompt)
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="prompt") from None
     echo_logprobs = body.echo and body.logprobs is not None
