@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
 from .protocol import APIError, error_response
+from . import ollama
 from .routes import STATIC_DIR, router
 from .state import ServerState
 from .scheduler import Scheduler
@@ -73,6 +74,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
     app.include_router(router)
+    app.include_router(ollama.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 

@@ -11,7 +11,7 @@ import itertools
 import json
 import os
 import time
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse
@@ -156,30 +156,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(server_state)):
-    body.refuse_unsupported()
-    plan, messages = _chat_messages(state, body)
-    if plan.grammar is not None:
-        given = [k for k in ("response_format", "grammar", "json_schema") if getattr(body, k) not in (None, "")]
-        if given:
-            raise APIError(400, f"a forced tool call and {given[0]} both constrain the answer: give one", param=given[0])
-        body.grammar = plan.grammar
-    tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.tools,
-                                             special_in_content=body.special_in_content)
-    try:
-        k = chat_logprobs_k(body.logprobs, body.top_logprobs)
-    except (TypeError, ValueError) as e:
-        raise APIError(400, str(e), param="top_logprobs") from None
-    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    policy, view, recall = requests.conversation_cache(state, body)
-    if view and plan.parses:
-        raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
-                       param="kv_cache.view")
-    params, sampler = await requests.sampling(state, CHAT_SURFACE, body, limit, tokens)
-    job = await _submit(state, Job(tokens, params, sampler=sampler,
-                                   n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
-                                   recall=recall,
-                                   time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
-                                   logprobs=k), request)
+    job, plan, k = await chat_job(state, body, request)
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
         return _event_stream(state, _chat_stream(state, job, meta, _include_usage(body)))
@@ -275,6 +252,62 @@ def _piece_json(piece: bytes) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Request,
+                   prefix: Sequence[int] = ()) -> Tuple[Job, tools_mod.ToolPlan, Optional[int]]:
+    """A chat request checked, its prompt made and its job started (the prompt read): the job, its tools' plan and
+    the top logprobs it asked for. `prefix`: token ids read before the chat's own (Ollama's `context`)."""
+    body.refuse_unsupported()
+    plan, messages = _chat_messages(state, body)
+    if plan.grammar is not None:
+        given = [k for k in ("response_format", "grammar", "json_schema") if getattr(body, k) not in (None, "")]
+        if given:
+            raise APIError(400, f"a forced tool call and {given[0]} both constrain the answer: give one", param=given[0])
+        body.grammar = plan.grammar
+    tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.tools,
+                                             special_in_content=body.special_in_content)
+    if prefix:  # the protected prefix is the server's then: the chat's own system messages are not first
+        try:
+            tokens, n_keep = await state.prepared(completion_prompt, state.llm, list(prefix)) + tokens, None
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="context") from None
+    try:
+        k = chat_logprobs_k(body.logprobs, body.top_logprobs)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="top_logprobs") from None
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    policy, view, recall = requests.conversation_cache(state, body)
+    if view and plan.parses:
+        raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
+                       param="kv_cache.view")
+    params, sampler = await requests.sampling(state, CHAT_SURFACE, body, limit, tokens)
+    job = await _submit(state, Job(tokens, params, sampler=sampler,
+                                   n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
+                                   recall=recall,
+                                   time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
+                                   logprobs=k), request)
+    return job, plan, k
+
+
+async def raw_job(state: ServerState, body: ChatCompletionRequest, request: Request, prefix: List[int],
+                  prompt: str) -> Job:
+    """A prompt read as it is, after the token ids `prefix`, sampled as a chat answer is (Ollama's raw generate:
+    `body` carries its sampling fields)."""
+    body.refuse_unsupported()
+    requests.check_prompt_bytes(state, len(prompt.encode("utf-8", errors="surrogatepass")), "prompt")
+    try:
+        tokens = list(await state.prepared(completion_prompt, state.llm, prefix)) if prefix else []
+        if not tokens:  # a prompt of its own: with BOS where the model adds one
+            tokens = await state.prepared(completion_prompt, state.llm, prompt)
+        elif prompt:  # going on after the context
+            tokens += await state.prepared(state.llm.tokenize, prompt, add_bos=False, special=True)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="context" if prefix else "prompt") from None
+    policy, view, recall = requests.conversation_cache(state, body)
+    params, sampler = await requests.sampling(state, CHAT_SURFACE, body, body.max_tokens, tokens)
+    return await _submit(state, Job(tokens, params, sampler=sampler, n_keep=state.default_keep, policy=policy,
+                                    view=view, recall=recall, time_limit_s=requests.time_limit(state, body)), request)
+
+
 def _chat_messages(state: ServerState,
                    body: ChatCompletionRequest) -> Tuple[tools_mod.ToolPlan, List[Dict[str, Any]]]:
     """The request's messages checked (roles, their text's bytes) and as the template takes them, with its tools'
@@ -347,9 +380,10 @@ async def _events(state: ServerState, job: Job) -> AsyncIterator[Step]:
         state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
 
 
-async def _collect(state: ServerState, job: Job,
-                   request: Request) -> Tuple[List[str], Optional[str], List[TokenLogprob]]:
-    """The answer's text pieces, its finish reason and (with Job.logprobs) its tokens' logprobs."""
+async def _collect(state: ServerState, job: Job, request: Request,
+                   tokens: Optional[List[int]] = None) -> Tuple[List[str], Optional[str], List[TokenLogprob]]:
+    """The answer's text pieces, its finish reason and (with Job.logprobs) its tokens' logprobs; `tokens` gets its
+    token ids."""
     pieces: List[str] = []
     finish = None
     entries: List[TokenLogprob] = []
@@ -359,6 +393,8 @@ async def _collect(state: ServerState, job: Job,
         async for step in events:
             pieces.append(step.event.text)
             finish = step.event.finish_reason
+            if tokens is not None:
+                tokens += step.tokens
             entries += step.logprobs
     except Exception as e:  # noqa: BLE001 - said as the request's error
         raise _failed(e) from None

@@ -59,6 +59,7 @@ class Step:
     event: generation.Event
     view: Optional[Dict[str, Any]] = None
     logprobs: Tuple[TokenLogprob, ...] = ()  # with Job.logprobs: those of the step's tokens (merged steps: each)
+    tokens: Tuple[int, ...] = ()  # the step's token ids (merged steps: each; the last step: none)
 
 
 @dataclass(frozen=True)
@@ -131,14 +132,14 @@ def _token_step(item: Result) -> bool:
 
 
 def _merged(first: Step, then: Step) -> Step:
-    """Two token steps as one: the texts joined, both tokens' logprobs, the later token and view, with both tokens'
-    pieces (`pieces`, one per token, so that a view still maps pieces to positions; `piece` their text)."""
+    """Two token steps as one: the texts joined, both tokens' ids and logprobs, the later token and view, with both
+    tokens' pieces (`pieces`, one per token, so that a view still maps pieces to positions; `piece` their text)."""
     event = dataclasses.replace(then.event, text=first.event.text + then.event.text)
-    logprobs = first.logprobs + then.logprobs
+    logprobs, tokens = first.logprobs + then.logprobs, first.tokens + then.tokens
     if then.view is None or first.view is None:
-        return Step(event, then.view, logprobs)
+        return Step(event, then.view, logprobs, tokens)
     pieces = first.view.get("pieces", [first.view.get("piece", "")]) + [then.view.get("piece", "")]
-    return Step(event, {**then.view, "piece": "".join(pieces), "pieces": pieces}, logprobs)
+    return Step(event, {**then.view, "piece": "".join(pieces), "pieces": pieces}, logprobs, tokens)
 
 
 class Cancelled(Exception):
@@ -395,7 +396,8 @@ class Scheduler:
             if e.logits is not None:  # only the compact logprobs wait in the mailbox
                 logprobs = (token_logprob(e.logits, e.token, job.logprobs or 0),)
                 e = dataclasses.replace(e, logits=None)
-            job.put(Step(e, self._view(e.index, token=e.token) if job.view else None, logprobs))
+            job.put(Step(e, self._view(e.index, token=e.token) if job.view else None, logprobs,
+                         () if e.token is None else (e.token,)))
             if e.token is None:
                 self._release(e.index, save=True)
 

@@ -1,0 +1,299 @@
+"""Ollama's API on the same slots: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
+
+A request is translated into the chat request the server already takes (its messages, its `options` as sampling
+fields, `format` as a grammar, `tools`) and runs as any other, bounded cache, saved conversations and limits
+included; the answer comes back in Ollama's shapes: one JSON object, or with `stream` (Ollama's default) one JSON
+object per line as it is generated, the last with `done: true` and the counts. Errors are Ollama's {"error": "..."}.
+The server runs one model, whatever name a request gives (as its OpenAI routes do)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Union
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .. import __version__
+from . import routes
+from .protocol import APIError, ChatCompletionRequest
+from .scheduler import Job
+from .state import ServerState
+
+router = APIRouter()
+server_state = routes.server_state
+
+# Ollama's options that sample, by the chat request's field names
+SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                    "typical_p": "typical_p", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                    "mirostat": "mirostat", "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta",
+                    "seed": "seed", "stop": "stop"}
+# its options that load a model or shape its context: this server's model, cache and threads are set when it starts
+# (num_ctx included: the cache is bounded by its budget), so they are ignored, as Ollama ignores what it cannot
+# change; tfs_z and penalize_newline are ignored as llama.cpp removed them
+IGNORED_OPTIONS = frozenset({"numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
+                             "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep",
+                             "tfs_z", "penalize_newline"})
+
+
+class _OllamaRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # Ollama ignores fields it does not know (keep_alive, ...)
+
+    model: str = ""
+    stream: bool = True  # Ollama streams unless told not to
+    format: Union[str, Dict[str, Any], None] = None  # "json", or a JSON schema
+    options: Optional[Dict[str, Any]] = None
+    think: Union[bool, str, None] = None
+
+
+class OllamaChat(_OllamaRequest):
+    messages: List[Dict[str, Any]] = Field(default_factory=list)
+    tools: Optional[List[Dict[str, Any]]] = None
+
+
+class OllamaGenerate(_OllamaRequest):
+    prompt: str = ""
+    system: Optional[str] = None
+    raw: bool = False  # the prompt as it is, without the chat template
+    context: Optional[List[int]] = None  # the tokens of an earlier answer's prompt and answer, read first
+    suffix: Optional[str] = None
+    template: Optional[str] = None
+    images: Optional[List[Any]] = None
+
+
+@router.post("/api/chat")
+async def chat(request: Request, state: ServerState = Depends(server_state)):
+    try:
+        body = await _parse(request, OllamaChat)
+        if not body.messages:  # Ollama's way to load a model: nothing to answer
+            return _done(body.model or state.model_id, {"message": {"role": "assistant", "content": ""}}, "load")
+        messages = [_openai_message(i, m) for i, m in enumerate(body.messages)]
+        return await _answer(state, request, body, messages, body.tools)
+    except APIError as e:
+        return _error(e)
+
+
+@router.post("/api/generate")
+async def generate(request: Request, state: ServerState = Depends(server_state)):
+    """A prompt answered: through the chat template as a user message (after `system`), or with `raw` as it is;
+    `context` (an earlier answer's) is read first. The answer's `context` goes on from it."""
+    try:
+        body = await _parse(request, OllamaGenerate)
+        for name in ("suffix", "template"):
+            if getattr(body, name):
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        if body.images:
+            raise APIError(400, "images are not supported: this server runs a text model", param="images")
+        if not body.prompt and not body.context:  # Ollama's way to load a model
+            return _done(body.model or state.model_id, {"response": ""}, "load")
+        if body.raw:
+            messages = None
+        else:
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
+                [{"role": "user", "content": body.prompt}]
+        return await _answer(state, request, body, messages, None, prefix=body.context or ())
+    except APIError as e:
+        return _error(e)
+
+
+@router.get("/api/tags")
+async def tags(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    return {"models": [_model_card(state)]}
+
+
+@router.get("/api/ps")
+async def running(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    card = _model_card(state)
+    return {"models": [{**card, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]}
+
+
+@router.post("/api/show")
+async def show(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    llm = state.llm
+    arch = llm.info.arch
+    return {"template": llm.chat_template.source or "", "parameters": "", "modelfile": "",
+            "details": _model_card(state)["details"],
+            "model_info": {"general.architecture": arch, f"{arch}.context_length": llm.n_ctx_train(),
+                           f"{arch}.embedding_length": llm.n_embd()},
+            "capabilities": ["completion"]}
+
+
+@router.get("/api/version")
+async def version() -> Dict[str, Any]:
+    return {"version": __version__}
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+async def _parse(request: Request, model: type) -> Any:
+    try:
+        raw = await request.json()
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON") from None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise APIError(400, f"{where or 'body'}: {first['msg']}", param=where or None) from None
+
+
+def _openai_message(i: int, m: Dict[str, Any]) -> Dict[str, Any]:
+    """An Ollama message as the chat request takes it: images refused, tool calls' arguments as JSON text."""
+    if not isinstance(m, dict):
+        raise APIError(400, f"messages[{i}] must be an object", param=f"messages.{i}")
+    if m.get("images"):
+        raise APIError(400, "images are not supported: this server runs a text model", param=f"messages.{i}.images")
+    out = {k: v for k, v in m.items() if k in ("role", "content")}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"type": "function", "id": f"call_{i}_{j}",
+                              "function": {"name": (c.get("function") or {}).get("name"),
+                                           "arguments": json.dumps((c.get("function") or {}).get("arguments", {}))}}
+                             for j, c in enumerate(m["tool_calls"]) if isinstance(c, dict)]
+    return out
+
+
+def _chat_request(body: _OllamaRequest, messages: Optional[List[Dict[str, Any]]],
+                  tools: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """The OpenAI-shaped chat request of an Ollama one (its options as sampling fields, its format as a grammar)."""
+    if body.think:
+        raise APIError(400, "this server's models do not think (think: true)", param="think")
+    out: Dict[str, Any] = {"messages": messages or [{"role": "user", "content": ""}], "stream": False}
+    for name, value in (body.options or {}).items():
+        if name in SAMPLING_OPTIONS:
+            out[SAMPLING_OPTIONS[name]] = value
+        elif name == "num_predict":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise APIError(400, f"options.num_predict must be an integer, got {value!r}",
+                               param="options.num_predict")
+            out["max_tokens"] = value if value >= 0 else None  # -1: until the end (within the server's cap)
+        elif name not in IGNORED_OPTIONS:
+            raise APIError(400, f"options.{name} is not an Ollama option", param=f"options.{name}")
+    if body.format == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(body.format, dict):
+        out["json_schema"] = body.format
+    elif body.format not in (None, ""):
+        raise APIError(400, f"format must be \"json\" or a JSON schema, got {body.format!r}", param="format")
+    if tools:
+        out["tools"] = tools
+    return out
+
+
+async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
+                  messages: Optional[List[Dict[str, Any]]], tools: Optional[List[Dict[str, Any]]],
+                  prefix: Sequence[int] = ()):
+    """The request run as a chat (messages) or a raw prompt (messages None: `body.prompt` read as it is)."""
+    started = time.perf_counter()
+    try:
+        chat = ChatCompletionRequest.model_validate(_chat_request(body, messages, tools))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        option = next((o for o, field in {**SAMPLING_OPTIONS, "num_predict": "max_tokens"}.items()
+                       if where.split(".")[0] == field), None)
+        where = f"options.{option}" if option else where  # named as the request named it
+        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+    if messages is None:
+        job = await routes.raw_job(state, chat, request, list(prefix), body.prompt)
+        plan = None
+    else:
+        job, plan, _ = await routes.chat_job(state, chat, request, prefix=prefix)
+    read = time.perf_counter()
+    head = {"model": body.model or state.model_id}
+    generating = isinstance(body, OllamaGenerate)
+    if body.stream and (plan is None or not plan.parses):
+        return _Lines(_stream(state, job, head, generating, started, read), state.settings.stream_send_timeout_s)
+    tokens: List[int] = []
+    pieces, finish, _ = await routes._collect(state, job, request, tokens)
+    text = "".join(pieces)
+    if generating:
+        answer = {"response": text}
+    else:
+        content, calls = plan.parse(text) if plan is not None else (text, [])
+        answer = {"message": {"role": "assistant", "content": content or ""}}
+        if calls:
+            answer["message"]["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                                             "arguments": json.loads(c["function"]["arguments"])}}
+                                               for c in calls]
+    final = _done(head["model"], answer, finish, _counts(job, tokens, generating, started, read))
+    if body.stream:  # with tools the answer is parsed whole, then sent as one line
+        return _Lines(_one(final), state.settings.stream_send_timeout_s)
+    return final
+
+
+async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating: bool, started: float,
+                  read: float) -> AsyncIterator[str]:
+    tokens: List[int] = []
+    try:
+        async for step in routes._events(state, job):
+            e = step.event
+            tokens += step.tokens
+            if e.text:
+                piece = {"response": e.text} if generating else {"message": {"role": "assistant", "content": e.text}}
+                yield json.dumps({**head, "created_at": _now(), **piece, "done": False}) + "\n"
+            if e.token is None:
+                empty = {"response": ""} if generating else {"message": {"role": "assistant", "content": ""}}
+                counts = _counts(job, tokens, generating, started, read)
+                yield json.dumps(_done(head["model"], empty, e.finish_reason, counts)) + "\n"
+    except Exception as e:  # noqa: BLE001 - a started stream ends with an error line, as Ollama's
+        yield json.dumps({"error": routes._failed(e).message}) + "\n"
+
+
+async def _one(final: Dict[str, Any]) -> AsyncIterator[str]:
+    yield json.dumps(final) + "\n"
+
+
+def _counts(job: Job, tokens: List[int], generating: bool, started: float, read: float) -> Dict[str, Any]:
+    """Ollama's counts and durations (nanoseconds); a generate answer's `context` goes on from its prompt."""
+    end = time.perf_counter()
+    out: Dict[str, Any] = {"total_duration": int((end - started) * 1e9), "load_duration": 0,
+                           "prompt_eval_count": len(job.prompt_tokens),
+                           "prompt_eval_duration": int((read - started) * 1e9),
+                           "eval_count": job.n_generated, "eval_duration": int((end - read) * 1e9)}
+    if generating:
+        out["context"] = list(job.prompt_tokens) + tokens
+    return out
+
+
+def _done(model: str, answer: Dict[str, Any], reason: Optional[str], counts: Optional[Dict[str, Any]] = None):
+    return {"model": model, "created_at": _now(), **answer, "done": True, "done_reason": reason, **(counts or {})}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _error(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
+
+
+def _model_card(state: ServerState) -> Dict[str, Any]:
+    """The model as /api/tags lists it (its file's size and time; no digest is computed)."""
+    path = state.llm.model_path
+    stat = os.stat(path)
+    modified = datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc).isoformat()
+    arch = state.llm.info.arch
+    return {"name": state.model_id, "model": state.model_id, "modified_at": modified, "size": stat.st_size,
+            "digest": "", "details": {"format": "gguf", "family": arch, "families": [arch], "parameter_size": "",
+                                      "quantization_level": ""}}
+
+
+class _Lines(StreamingResponse):
+    """Newline-delimited JSON, as Ollama streams; a client that reads nothing for `send_timeout_s` is dropped (its
+    request's events wait merged in its mailbox meanwhile), as the server's event streams do."""
+
+    def __init__(self, lines: AsyncIterator[str], send_timeout_s: float):
+        super().__init__(lines, media_type="application/x-ndjson")
+        self.send_timeout_s = send_timeout_s
+
+    async def stream_response(self, send) -> None:
+        async def timed(message) -> None:
+            with anyio.fail_after(self.send_timeout_s):
+                await send(message)
+        await super().stream_response(timed)
