@@ -10,26 +10,8 @@ from h2o_local import Llama
 from h2o_local.server import create_app
 from h2o_local.tools import parse_calls
 from tiny_model import write_tiny_llama
+from tool_template import HERMES, WEATHER
 
-# the shape of Qwen2.5's template, reduced: tools described in the system turn, calls as <tool_call> blocks, a
-# tool's result as a user turn in <tool_response>
-HERMES = (
-    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
-    "{% endif %}# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\nCall one with "
-    "<tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n"
-    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}{%- if m.role == 'system' %}{%- elif m.role == 'tool' %}"
-    "<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
-    "{%- for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
-    "\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 12},
-                                                "unit": {"type": "string", "enum": ["c", "f"]}},
-                                                "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"],
     "additionalProperties": False}}}

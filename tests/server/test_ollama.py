@@ -131,3 +131,34 @@ def test_a_client_that_leaves_a_stream_frees_its_slot(server):
             break
         time.sleep(0.1)
     assert get(port, "/health")[1]["slots_processing"] == 0
+
+
+def test_tool_calls_go_in_and_come_out_in_ollama_s_shape(tmp_path):
+    """A conversation with a call and its result, in Ollama's shape (arguments as an object, the result by tool
+    name), reads as the same conversation in OpenAI's shape; a parsed call comes back with its arguments as an
+    object."""
+    from h2o_local.server.ollama import ollama_calls
+    from h2o_local.tools import parse_calls
+    from tool_template import HERMES, WEATHER
+
+    model = str(write_tiny_llama(tmp_path / "hermes.gguf", chat_template=HERMES, n_ctx_train=4096))
+    # Ollama's client sends a tool's schema with the keys it knows (no maxLength): the OpenAI request sends the same
+    tool = ollama._types.ChatRequest(model="m", tools=[WEATHER]).model_dump(exclude_none=True)["tools"][0]
+    asked = [{"role": "user", "content": "Weather in Oslo?"}]
+    ollama_turns = asked + [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]},
+        {"role": "tool", "content": "12 degrees", "tool_name": "get_weather"}]
+    openai_turns = asked + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                      "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+        {"role": "tool", "content": "12 degrees", "tool_call_id": "c1"}]
+    with serving(model, slots=1, budget=256) as (port, openai_client):
+        client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)
+        answer = client.chat(model="tiny", messages=ollama_turns, tools=[tool], options=GREEDY)
+        same = openai_client.chat.completions.create(model="tiny", messages=openai_turns, tools=[tool],
+                                                     temperature=0, max_tokens=8, extra_body={"repeat_penalty": 1.1})
+        assert answer.prompt_eval_count == same.usage.prompt_tokens
+        assert answer.message.content == (same.choices[0].message.content or "")
+    _, calls = parse_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
+                           '</tool_call>')
+    assert ollama_calls(calls) == [{"function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]

@@ -217,13 +217,17 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
         content, calls = plan.parse(text) if plan is not None else (text, [])
         answer = {"message": {"role": "assistant", "content": content or ""}}
         if calls:
-            answer["message"]["tool_calls"] = [{"function": {"name": c["function"]["name"],
-                                                             "arguments": json.loads(c["function"]["arguments"])}}
-                                               for c in calls]
+            answer["message"]["tool_calls"] = ollama_calls(calls)
     final = _done(head["model"], answer, finish, _counts(job, tokens, generating, started, read))
     if body.stream:  # with tools the answer is parsed whole, then sent as one line
         return _Lines(_one(final), state.settings.stream_send_timeout_s)
     return final
+
+
+def ollama_calls(calls: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """OpenAI's tool calls (arguments as JSON text) as Ollama returns them (arguments as an object)."""
+    return [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in calls]
 
 
 async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating: bool, started: float,
