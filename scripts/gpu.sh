@@ -74,6 +74,10 @@ for step in "${steps[@]}"; do
                 --n-gpu-layers -1 --repeats 1 --decode-tokens 128 --depths 8192 --no-peer \
                 --out "$OUT/graphs-$graphs-$SHAPE" --settings full+fa tova-256+s4+q32+p9+f12+r32+fa 2>&1 | tail -12
         done
+        # and why: ggml-cuda's log of a 32-token decode per setting (captured once and replayed, or reset every step)
+        python -m benchmarks.cuda_graphs --model "$model" --depth 2048 --steps 32 --out "$OUT/cuda-graphs-$SHAPE" \
+            --settings full+fa tova-256+s4+q32+p9+f12+r32+fa h2o-256 full \
+            $(python -c "import llama_cpp" 2>/dev/null && echo llama-cpp-python+fa) 2>&1 | tail -8
         ;;
     *) echo "unknown step $step (deps, build, tests, peer, bench, graphs)"; exit 2 ;;
     esac

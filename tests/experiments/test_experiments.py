@@ -261,3 +261,18 @@ def test_decide_pairs_families_row_by_row():
     diffs = [0.1, 0.2, 0.0, 1.0]  # three fidelity rows and one retrieval row, each against its own pair
     assert n == 4 and mean == pytest.approx(np.mean(diffs)) and se == pytest.approx(np.std(diffs, ddof=1) / 2)
     assert paired(values, "h2o+ph", "h2o", "10%")[2] == 0
+
+
+def test_cuda_graphs_counts_the_decode_s_graph_lines_of_each_setting(tiny_model, tmp_path):
+    """benchmarks/cuda_graphs.py: the lines after the decode's mark, by kind; on the CPU build a decode logs none."""
+    from benchmarks.cuda_graphs import MARK, counted, main
+
+    log = ("ggml_backend_cuda_graph_compute: CUDA graph warmup reset\n" + MARK + "\n"
+           + "ggml_backend_cuda_graph_compute: CUDA graph warmup reset\n" * 3
+           + "ggml_backend_cuda_graph_compute: CUDA graph warmup complete\nCUDA Graph id 7 reused\n")
+    assert counted(log) == {"warmup_complete": 1, "warmup_reset": 3, "reused": 1, "disabled": 0}
+    assert main(["--model", tiny_model, "--settings", "full", "h2o-16", "--depth", "40", "--steps", "3",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cuda-graphs.json").read_text())
+    assert [r["setting"] for r in rows] == ["full", "h2o-16"]
+    assert all(r["steps"] == 3 and r["warmup_complete"] == r["warmup_reset"] == 0 for r in rows), rows

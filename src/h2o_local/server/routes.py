@@ -220,6 +220,8 @@ async def extras_detokenize(body: DetokenizeRequest, state: ServerState = Depend
 
 @router.post("/v1/embeddings", include_in_schema=False)
 @router.post("/embeddings", include_in_schema=False)
+@router.post("/api/embed", include_in_schema=False)  # Ollama's
+@router.post("/api/embeddings", include_in_schema=False)
 async def embeddings() -> None:
     """Not an operation of this server: a clear answer for clients that try it."""
     raise APIError(501, "this server does not compute embeddings: it generates text with a bounded KV cache",
