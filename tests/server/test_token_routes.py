@@ -140,8 +140,9 @@ def test_embeddings_are_refused_as_not_served(server):
     with pytest.raises(openai.APIStatusError) as e:
         client.embeddings.create(model="tiny", input="hello")
     assert e.value.status_code == 501 and "embeddings" in e.value.message
-    status, out = post(port, "/embeddings", {"content": "hello"})
-    assert status == 501 and out["error"]["code"] == "not_supported"
+    for path in ("/embeddings", "/api/embed", "/api/embeddings"):  # llama-server's and Ollama's
+        status, out = post(port, path, {"content": "hello", "input": "hello", "prompt": "hello"})
+        assert status == 501 and out["error"]["code"] == "not_supported", path
 
 
 def test_an_api_key_guards_the_token_routes_too(chat_model):
