@@ -101,6 +101,12 @@ async def generate(request: Request, state: ServerState = Depends(server_state))
         return _error(e)
 
 
+@router.post("/api/embed", include_in_schema=False)
+@router.post("/api/embeddings", include_in_schema=False)
+async def embed() -> JSONResponse:
+    return _error(routes.NO_EMBEDDINGS)
+
+
 @router.get("/api/tags")
 async def tags(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
     return {"models": [_model_card(state)]}

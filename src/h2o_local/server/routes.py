@@ -220,12 +220,13 @@ async def extras_detokenize(body: DetokenizeRequest, state: ServerState = Depend
 
 @router.post("/v1/embeddings", include_in_schema=False)
 @router.post("/embeddings", include_in_schema=False)
-@router.post("/api/embed", include_in_schema=False)  # Ollama's
-@router.post("/api/embeddings", include_in_schema=False)
 async def embeddings() -> None:
     """Not an operation of this server: a clear answer for clients that try it."""
-    raise APIError(501, "this server does not compute embeddings: it generates text with a bounded KV cache",
-                   kind="not_supported_error", code="not_supported")
+    raise NO_EMBEDDINGS
+
+
+NO_EMBEDDINGS = APIError(501, "this server does not compute embeddings: it generates text with a bounded KV cache",
+                         kind="not_supported_error", code="not_supported")
 
 
 async def _tokenized(state: ServerState, text: str, add_bos: bool, special: bool, param: str = "content") -> List[int]:
