@@ -71,9 +71,10 @@ def test_type_k_errors(tiny_model):
     with pytest.raises(ValueError, match="type_k must be one of"):
         Llama(tiny_model, policy="h2o", budget=16, type_k="q3_k")
     with pytest.raises(TypeError, match="type_k"):
-        Llama(tiny_model, policy="h2o", budget=16, type_k=8)
-    with pytest.raises(ValueError, match="key heads hold 16"):
-        Llama(tiny_model, policy="h2o", budget=16, type_k="q8_0")  # 16 values per head: not a whole block of 32
+        Llama(tiny_model, policy="h2o", budget=16, type_k=8.0)
+    for q8_0 in ("q8_0", 8):  # by name, or llama-cpp-python's ggml type number
+        with pytest.raises(ValueError, match="key heads hold 16"):
+            Llama(tiny_model, policy="h2o", budget=16, type_k=q8_0)  # 16 values per head: not a whole block of 32
 
 
 def test_rolling_quantized_keys_needs_heads_llama_cpp_can_shift(tmp_path):

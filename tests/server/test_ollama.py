@@ -143,7 +143,7 @@ def test_tool_calls_go_in_and_come_out_in_ollama_s_shape(tmp_path):
 
     model = str(write_tiny_llama(tmp_path / "hermes.gguf", chat_template=HERMES, n_ctx_train=4096))
     # Ollama's client sends a tool's schema with the keys it knows (no maxLength): the OpenAI request sends the same
-    tool = ollama._types.ChatRequest(model="m", tools=[WEATHER]).model_dump(exclude_none=True)["tools"][0]
+    tool = ollama.Tool.model_validate(WEATHER).model_dump(exclude_none=True)
     asked = [{"role": "user", "content": "Weather in Oslo?"}]
     ollama_turns = asked + [{"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]},

@@ -215,7 +215,7 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
     if body.stream and (plan is None or not plan.parses):
         return _Lines(_stream(state, job, head, generating, started, read), state.settings.stream_send_timeout_s)
     tokens: List[int] = []
-    pieces, finish, _ = await routes._collect(state, job, request, tokens)
+    pieces, finish, _ = await routes.collect_answer(state, job, request, tokens)
     text = "".join(pieces)
     if generating:
         answer = {"response": text}
@@ -240,7 +240,7 @@ async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating
                   read: float) -> AsyncIterator[str]:
     tokens: List[int] = []
     try:
-        async for step in routes._events(state, job):
+        async for step in routes.job_steps(state, job):
             e = step.event
             tokens += step.tokens
             if e.text:
@@ -251,7 +251,7 @@ async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating
                 counts = _counts(job, tokens, generating, started, read)
                 yield json.dumps(_done(head["model"], empty, e.finish_reason, counts)) + "\n"
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error line, as Ollama's
-        yield json.dumps({"error": routes._failed(e).message}) + "\n"
+        yield json.dumps({"error": routes.as_api_error(e).message}) + "\n"
 
 
 async def _one(final: Dict[str, Any]) -> AsyncIterator[str]:

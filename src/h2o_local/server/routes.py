@@ -143,7 +143,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     if body.stream:
         return _event_stream(state, _completion_stream(state, job, meta, echo, prompt_entries, _include_usage(body),
                                                        piece))
-    pieces, finish, entries = await _collect(state, job, request)
+    pieces, finish, entries = await collect_answer(state, job, request)
     logprobs = None
     if body.logprobs is not None:
         entries = responses.shown_logprobs(llm.token_to_piece, entries, "".join(pieces))
@@ -160,7 +160,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
         return _event_stream(state, _chat_stream(state, job, meta, _include_usage(body)))
-    pieces, finish, entries = await _collect(state, job, request)
+    pieces, finish, entries = await collect_answer(state, job, request)
     content, calls = plan.parse("".join(pieces))
     if body.parallel_tool_calls is False:
         calls = calls[:1]
@@ -372,7 +372,7 @@ async def _submit(state: ServerState, job: Job, request: Request) -> Job:
     return job
 
 
-async def _events(state: ServerState, job: Job) -> AsyncIterator[Step]:
+async def job_steps(state: ServerState, job: Job) -> AsyncIterator[Step]:
     """The job's steps: each event, with the cache's view when the job asked for it and its tokens' logprobs."""
     try:
         async for step in job.mailbox.steps():
@@ -383,14 +383,14 @@ async def _events(state: ServerState, job: Job) -> AsyncIterator[Step]:
         state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
 
 
-async def _collect(state: ServerState, job: Job, request: Request,
+async def collect_answer(state: ServerState, job: Job, request: Request,
                    tokens: Optional[List[int]] = None) -> Tuple[List[str], Optional[str], List[TokenLogprob]]:
     """The answer's text pieces, its finish reason and (with Job.logprobs) its tokens' logprobs; `tokens` gets its
     token ids."""
     pieces: List[str] = []
     finish = None
     entries: List[TokenLogprob] = []
-    events = _events(state, job)
+    events = job_steps(state, job)
     watcher = asyncio.ensure_future(_disconnected(state, request, job))
     try:
         async for step in events:
@@ -400,7 +400,7 @@ async def _collect(state: ServerState, job: Job, request: Request,
                 tokens += step.tokens
             entries += step.logprobs
     except Exception as e:  # noqa: BLE001 - said as the request's error
-        raise _failed(e) from None
+        raise as_api_error(e) from None
     finally:
         watcher.cancel()
         await events.aclose()
@@ -411,7 +411,7 @@ def _piece_text(llm) -> Callable[[int], str]:
     return lambda token: llm.token_to_piece(token).decode("utf-8", errors="replace")
 
 
-def _failed(error: Exception) -> APIError:
+def as_api_error(error: Exception) -> APIError:
     """A request that failed while it generated: its own input's fault (a grammar that cannot go on: 400) or the
     server's (500)."""
     if isinstance(error, ValueError):
@@ -433,7 +433,7 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
         yield json.dumps(first)
     shown = responses.ShownLogprobs(state.llm.token_to_piece)
     try:
-        async for step in _events(state, job):
+        async for step in job_steps(state, job):
             e, lp = step.event, None
             shown.drawn(step.logprobs)
             out = shown.shown(e.text, end=e.token is None)
@@ -441,7 +441,7 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
                 lp = responses.completion_logprobs(piece, [x.token for x in out], out)
             yield json.dumps(_viewed(responses.completion_chunk(meta, e.text, e.finish_reason, lp), step.view))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
-        yield json.dumps(_failed(e).body())
+        yield json.dumps(as_api_error(e).body())
         return
     if usage:
         yield json.dumps(responses.usage_chunk(meta, _usage(job), chat=False))
@@ -452,7 +452,7 @@ async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage
     yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": ""}), job.started.view))
     shown = responses.ShownLogprobs(state.llm.token_to_piece)
     try:
-        async for step in _events(state, job):
+        async for step in job_steps(state, job):
             e, view = step.event, step.view
             shown.drawn(step.logprobs)
             out = shown.shown(e.text, end=e.token is None)  # a token's logprobs come with its text
@@ -463,7 +463,7 @@ async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage
             if e.token is None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
-        yield json.dumps(_failed(e).body())
+        yield json.dumps(as_api_error(e).body())
         return
     if usage:
         yield json.dumps(responses.usage_chunk(meta, _usage(job), chat=True))
