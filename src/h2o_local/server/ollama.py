@@ -33,6 +33,9 @@ SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "to
                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                     "mirostat": "mirostat", "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta",
                     "seed": "seed", "stop": "stop"}
+# the request's name of a chat request's field that comes from an option
+OPTION_OF_FIELD = {field: f"options.{option}"
+                   for option, field in {**SAMPLING_OPTIONS, "num_predict": "max_tokens"}.items()}
 # its options that load a model or shape its context: this server's model, cache and threads are set when it starts
 # (num_ctx included: the cache is bounded by its budget), so they are ignored, as Ollama ignores what it cannot
 # change; tfs_z and penalize_newline are ignored as llama.cpp removed them
@@ -140,11 +143,17 @@ async def _parse(request: Request, model: type) -> Any:
         raw = await request.json()
     except ValueError:
         raise APIError(400, "the body is not valid JSON") from None
+    return _validated(model, raw)
+
+
+def _validated(model: type, raw: Any, names: Optional[Dict[str, str]] = None) -> Any:
+    """`raw` as `model`, or a 400 naming the first field at fault (`names`: a field's name in the request)."""
     try:
         return model.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
+        where = (names or {}).get(where.split(".")[0], where)
         raise APIError(400, f"{where or 'body'}: {first['msg']}", param=where or None) from None
 
 
@@ -195,15 +204,7 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
                   prefix: Sequence[int] = ()):
     """The request run as a chat (messages) or a raw prompt (messages None: `body.prompt` read as it is)."""
     started = time.perf_counter()
-    try:
-        chat = ChatCompletionRequest.model_validate(_chat_request(body, messages, tools))
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        option = next((o for o, field in {**SAMPLING_OPTIONS, "num_predict": "max_tokens"}.items()
-                       if where.split(".")[0] == field), None)
-        where = f"options.{option}" if option else where  # named as the request named it
-        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+    chat = _validated(ChatCompletionRequest, _chat_request(body, messages, tools), OPTION_OF_FIELD)
     if messages is None:
         job = await routes.raw_job(state, chat, request, list(prefix), body.prompt)
         plan = None
