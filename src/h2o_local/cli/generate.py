@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                     help="wrap the prompt with the model's chat template (default: on)")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
     add_sampler_args(ap, GENERATE)
     add_penalty_args(ap)
     add_model_args(ap, budget=64)

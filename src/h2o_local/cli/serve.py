@@ -12,6 +12,10 @@ import typing
 from .common import add_model_args, load_llama
 
 
+# llama-server's spellings of the same settings
+LLAMA_SERVER_FLAGS = {"slots": ("-np", "--parallel")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="h2o-local serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,7 +30,8 @@ def main(argv=None) -> int:
     for name, field in ServerSettings.model_fields.items():
         kind = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
         shown = "" if "default" in field.description else f" (default: {field.default})"
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=field.description + shown)
+        flags = ["--" + name.replace("_", "-"), *LLAMA_SERVER_FLAGS.get(name, ())]
+        g.add_argument(*flags, dest=name, type=kind, default=None, help=field.description + shown)
     add_model_args(ap, budget=512, keep_default="system", recall_default=True)
     ap.add_argument("--export-scores", action="store_true", help="export attention scores even when the policy does "
                     "not rank by them: conversations may then choose a scoring policy (kv_cache.policy), and the web "
