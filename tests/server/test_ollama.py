@@ -116,6 +116,7 @@ def test_tags_show_ps_and_version_describe_the_one_model(server, chat_model):
     (model,) = client.list().models
     assert model.model == "tiny" and model.details.format == "gguf" and model.details.family == "llama"
     shown = client.show("tiny")
+    assert shown.capabilities == ["completion"]  # CHATML here has no tool-call format
     assert shown.template == CHATML and shown.modelinfo["llama.context_length"] == 4096
     assert [m.model for m in client.ps().models] == ["tiny"]
     assert get(port, "/api/version")[1]["version"]
@@ -154,6 +155,7 @@ def test_tool_calls_go_in_and_come_out_in_ollama_s_shape(tmp_path):
         {"role": "tool", "content": "12 degrees", "tool_call_id": "c1"}]
     with serving(model, slots=1, budget=256) as (port, openai_client):
         client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)
+        assert client.show("tiny").capabilities == ["completion", "tools"]
         answer = client.chat(model="tiny", messages=ollama_turns, tools=[tool], options=GREEDY)
         same = openai_client.chat.completions.create(model="tiny", messages=openai_turns, tools=[tool],
                                                      temperature=0, max_tokens=8, extra_body={"repeat_penalty": 1.1})

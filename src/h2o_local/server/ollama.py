@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import __version__
+from .. import tools as tools_mod
 from . import routes
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
@@ -71,6 +72,8 @@ class OllamaGenerate(_OllamaRequest):
 
 @router.post("/api/chat")
 async def chat(request: Request, state: ServerState = Depends(server_state)):
+    """A conversation answered (its messages through the chat template, `tools` where the template has a call
+    format); messages with images are refused: the models here read text."""
     try:
         body = await _parse(request, OllamaChat)
         if not body.messages:  # Ollama's way to load a model: nothing to answer
@@ -129,7 +132,7 @@ async def show(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
             "details": _model_card(state)["details"],
             "model_info": {"general.architecture": arch, f"{arch}.context_length": llm.n_ctx_train(),
                            f"{arch}.embedding_length": llm.n_embd()},
-            "capabilities": ["completion"]}
+            "capabilities": ["completion", *(["tools"] if tools_mod.supports_tools(llm.chat_template.source) else [])]}
 
 
 @router.get("/api/version")
