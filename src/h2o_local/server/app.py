@@ -61,6 +61,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache",
                   lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(JSONBodies)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
@@ -125,6 +126,26 @@ class BodyLimit:
             return event
 
         await self.app(scope, counted_receive, send)
+
+
+class JSONBodies:
+    """ASGI middleware: a POST body sent without a JSON content type (curl -d sends a form's) is read as JSON, as
+    llama-server and Ollama read theirs; what is not JSON is then the usual 400. Not for a browser's request (it
+    says its Origin): a page on another site may send a form there without asking first (no CORS preflight), and
+    that must stay a 400, not a generation."""
+
+    FORM = (b"", b"application/x-www-form-urlencoded")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            kind = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+            if kind in self.FORM and b"origin" not in dict(scope["headers"]):
+                scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 class BearerAuth:

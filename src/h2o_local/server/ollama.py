@@ -142,6 +142,11 @@ async def version() -> Dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- helpers
 async def _parse(request: Request, model: type) -> Any:
+    """The body as `model`: JSON whatever its content type says (curl -d sends a form's, as Ollama's examples do),
+    except from a browser (it says its Origin), whose form a page on another site may send without asking first."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if "origin" in request.headers and kind != "application/json":
+        raise APIError(400, "a request from a browser sends its body as application/json")
     try:
         raw = await request.json()
     except ValueError:
@@ -209,7 +214,7 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
     started = time.perf_counter()
     chat = _validated(ChatCompletionRequest, _chat_request(body, messages, tools), OPTION_OF_FIELD)
     if messages is None:
-        job = await routes.raw_job(state, chat, request, list(prefix), body.prompt)
+        job = await routes.prompt_job(state, chat, request, body.prompt, prefix=prefix, max_tokens=chat.max_tokens)
         plan = None
     else:
         job, plan, _ = await routes.chat_job(state, chat, request, prefix=prefix)

@@ -144,6 +144,13 @@ class ChatCompletionRequest(_Request):
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # with logprobs: true
 
 
+class LlamaServerCompletionRequest(_Request):
+    """llama-server's own /completion: a prompt (text, special tokens parsed, or token ids) and n_predict (-1:
+    until the end, within the server's max_tokens); the sampling fields as the OpenAI routes take them."""
+    prompt: Union[str, List[StrictInt]]
+    n_predict: Optional[StrictInt] = None
+
+
 class TokenizeRequest(BaseModel):
     """llama-server's /tokenize (llama-cpp-python's /extras/tokenize sends `input`, read as `content`)."""
     model_config = ConfigDict(extra="forbid")

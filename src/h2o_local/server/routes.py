@@ -11,7 +11,7 @@ import itertools
 import json
 import os
 import time
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse
@@ -22,10 +22,10 @@ from .. import __version__, policies, responses
 from .. import tools as tools_mod
 from ..completions import chat_logprobs_k, completion_prompt
 from ..responses import TokenLogprob
-from ..sampling import CHAT_SURFACE, COMPLETION
+from ..sampling import CHAT_SURFACE, COMPLETION, SamplingParams
 from . import requests
 from .protocol import (ROLES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                       ExtrasTokenizeRequest, TokenizeRequest, _Request)
+                       ExtrasTokenizeRequest, LlamaServerCompletionRequest, TokenizeRequest, _Request)
 from .scheduler import Busy, Cancelled, Job, Mailbox, Step
 from .state import ServerState
 
@@ -175,6 +175,50 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     return out
 
 
+# llama-server's own /completion samples as its defaults say (SamplingParams' are llama.cpp's), until the end
+LLAMA_SERVER = SamplingParams(max_tokens=None)
+
+
+@router.post("/completion")
+async def llama_server_completion(body: LlamaServerCompletionRequest, request: Request,
+                                  state: ServerState = Depends(server_state)):
+    """llama-server's own completion API: `content`, `stop` (true once it ended), `tokens_predicted`,
+    `tokens_evaluated`, `tokens_cached`, `stopped_limit` and `timings` (ms); with `stream`, server-sent events of
+    the content's pieces, the last with `stop: true` and the counts."""
+    started = time.perf_counter()
+    limit = body.max_tokens if body.n_predict is None else None if body.n_predict < 0 else body.n_predict
+    job = await prompt_job(state, body, request, body.prompt, defaults=LLAMA_SERVER, max_tokens=limit)
+    read = time.perf_counter()
+    if body.stream:
+        return _event_stream(state, _llama_server_stream(state, job, started, read))
+    pieces, finish, _ = await collect_answer(state, job, request)
+    return _llama_server_result(state, job, "".join(pieces), finish, started, read)
+
+
+def _llama_server_result(state: ServerState, job: Job, content: str, finish: Optional[str], started: float,
+                         read: float) -> Dict[str, Any]:
+    end = time.perf_counter()
+    n_prompt, n_gen = len(job.prompt_tokens), job.n_generated
+    return {"content": content, "stop": True, "model": state.model_id, "tokens_predicted": n_gen,
+            "tokens_evaluated": n_prompt, "tokens_cached": job.reused_tokens, "truncated": False,
+            "stopped_limit": finish == "length",
+            "timings": {"prompt_n": n_prompt - job.reused_tokens, "prompt_ms": (read - started) * 1e3,
+                        "predicted_n": n_gen, "predicted_ms": (end - read) * 1e3,
+                        "predicted_per_second": n_gen / max(end - read, 1e-9)}}
+
+
+async def _llama_server_stream(state: ServerState, job: Job, started: float, read: float):
+    try:
+        async for step in job_steps(state, job):
+            e = step.event
+            if e.text:
+                yield json.dumps({"content": e.text, "stop": False})
+            if e.token is None:
+                yield json.dumps(_llama_server_result(state, job, "", e.finish_reason, started, read))
+    except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
+        yield json.dumps(as_api_error(e).body())
+
+
 # ------------------------------------------------------------------------- tokens and templates (no generation)
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)) -> Dict[str, Any]:
@@ -291,24 +335,29 @@ async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Req
     return job, plan, k
 
 
-async def raw_job(state: ServerState, body: ChatCompletionRequest, request: Request, prefix: List[int],
-                  prompt: str) -> Job:
-    """A prompt read as it is, after the token ids `prefix`, sampled as a chat answer is (Ollama's raw generate:
-    `body` carries its sampling fields)."""
+async def prompt_job(state: ServerState, body: _Request, request: Request, prompt: Union[str, List[int]], *,
+                     prefix: Sequence[int] = (), defaults: SamplingParams = CHAT_SURFACE,
+                     max_tokens: Optional[int] = None) -> Job:
+    """A prompt read as it is (text, special tokens parsed, or token ids), after the token ids `prefix`, sampled
+    from `defaults` and `body`'s fields (Ollama's raw generate, llama-server's /completion)."""
     body.refuse_unsupported()
-    requests.check_prompt_bytes(state, len(prompt.encode("utf-8", errors="surrogatepass")), "prompt")
+    if isinstance(prompt, str):
+        requests.check_prompt_bytes(state, len(prompt.encode("utf-8", errors="surrogatepass")), "prompt")
     try:
-        tokens = list(await state.prepared(completion_prompt, state.llm, prefix)) if prefix else []
+        tokens = list(await state.prepared(completion_prompt, state.llm, list(prefix))) if prefix else []
         if not tokens:  # a prompt of its own: with BOS where the model adds one
             tokens = await state.prepared(completion_prompt, state.llm, prompt)
-        elif prompt:  # going on after the context
+        elif isinstance(prompt, str):  # going on after the context
             tokens += await state.prepared(state.llm.tokenize, prompt, add_bos=False, special=True)
+        else:
+            tokens += await state.prepared(state.llm.prompt_tokens, prompt)
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="context" if prefix else "prompt") from None
     policy, view, recall = requests.conversation_cache(state, body)
-    params, sampler = await requests.sampling(state, CHAT_SURFACE, body, body.max_tokens, tokens)
+    params, sampler = await requests.sampling(state, defaults, body, max_tokens, tokens)
     return await _submit(state, Job(tokens, params, sampler=sampler, n_keep=state.default_keep, policy=policy,
-                                    view=view, recall=recall, time_limit_s=requests.time_limit(state, body)), request)
+                                    view=view, recall=recall, time_limit_s=requests.time_limit(state, body),
+                                    cache_salt=body.cache_salt), request)
 
 
 def _chat_messages(state: ServerState,

@@ -1,6 +1,8 @@
-"""The routes that generate nothing, as the servers a client may know them from: llama-server's /tokenize,
-/detokenize, /apply-template and /props, llama-cpp-python's /extras/tokenize, /extras/tokenize/count and
-/extras/detokenize. Each gives what `Llama` gives for the same call; bad input is a 400 naming its field."""
+"""The routes of the servers a client may have been written for, beside OpenAI's: llama-server's /completion,
+/tokenize, /detokenize, /apply-template and /props, llama-cpp-python's /extras/tokenize, /extras/tokenize/count and
+/extras/detokenize. Each gives what `Llama` or the OpenAI route gives for the same call; bad input is a 400 naming
+its field."""
+import http.client
 import json
 
 import openai
@@ -163,3 +165,48 @@ def test_an_empty_prompt_is_completed_from_the_bos_token(server):
     _, client = server
     out = client.completions.create(model="tiny", prompt="", max_tokens=3, temperature=0)
     assert out.usage.prompt_tokens == 1 and out.usage.completion_tokens == 3
+
+
+def test_llama_server_s_completion_answers_as_the_openai_route_does_whole_or_streamed(server):
+    port, client = server
+    same = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    status, out = post(port, "/completion", {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0,
+                                             "ignore_eos": True})
+    assert status == 200 and out["stop"] and out["content"] == same.choices[0].text
+    assert (out["tokens_predicted"], out["tokens_evaluated"]) == (8, same.usage.prompt_tokens)
+    assert out["stopped_limit"] and out["timings"]["predicted_n"] == 8 and out["timings"]["predicted_ms"] > 0
+    ids = post(port, "/tokenize", {"content": "Once upon a time", "add_special": True})[1]["tokens"]
+    assert post(port, "/completion", {"prompt": ids, "n_predict": 8, "temperature": 0,
+                                      "ignore_eos": True})[1]["content"] == out["content"]
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", "/completion", body=json.dumps({"prompt": "Once upon a time", "n_predict": 8, "temperature": 0,
+                                                     "ignore_eos": True, "stream": True}),
+              headers={"Content-Type": "application/json"})
+    lines = c.getresponse().read().decode().splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == out["content"] and events[-1]["tokens_predicted"] == 8
+    for body, param in (({"prompt": "x", "n_predict": "many"}, "n_predict"), ({"prompt": "x", "n_probs": 3}, "n_probs"),
+                        ({"prompt": [10**6]}, "prompt"), ({"n_predict": 2}, "prompt")):
+        status, err = post(port, "/completion", body)
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                                        ("/completion", {"prompt": "x", "n_predict": 2}),
+                                        ("/api/generate", {"prompt": "x", "raw": True, "stream": False,
+                                                           "options": {"num_predict": 2}})])
+def test_a_body_sent_as_a_form_is_read_as_json_unless_a_browser_sent_it(server, path, body):
+    """curl -d sends JSON with a form's content type (llama-server's and Ollama's examples do): read as JSON. A
+    browser says its Origin, and a page on another site may send a form without asking first: that stays a 400."""
+    port, _ = server
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, _, data = raw_request(port, "POST", path, form, json.dumps(body))
+    assert status == 200, data
+    status, _, data = raw_request(port, "POST", path, {}, json.dumps(body))  # no content type at all
+    assert status == 200, data
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        status, _, data = raw_request(port, "POST", path, {"Content-Type": kind, "Origin": "http://evil.example"},
+                                      json.dumps(body))
+        assert status == 400, (kind, data)
