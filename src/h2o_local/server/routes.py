@@ -1,6 +1,6 @@
 """The HTTP routes: / (the chat page), /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, and
-the token routes of llama-server (/tokenize, /detokenize, /apply-template) and llama-cpp-python (/extras/...), as
-importable functions on a module-level FastAPI router. Each request is translated (`requests`) into a `Job` for the
+llama-server's own (/completion, /tokenize, /detokenize, /apply-template, /props) and llama-cpp-python's
+(/extras/...), as importable functions on a module-level FastAPI router. Each request is translated (`requests`) into a `Job` for the
 app's `Scheduler`; the response starts once its prompt is in, so an error in the prompt is an HTTP error, not a
 broken stream."""
 from __future__ import annotations
@@ -61,9 +61,9 @@ async def metrics(state: ServerState = Depends(server_state)) -> Response:
 async def props(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
     """llama-server's server properties, as far as they apply: the longest prompt a slot takes (`n_ctx`: with a
     bounded cache longer than the slot's cells, `kv_cache.cells_per_slot`, since the policy evicts as it reads),
-    /v1/completions' default sampling, the slots, the chat template. `model_path` is the model's id (the file's
-    name), not its path on this machine."""
-    d = COMPLETION
+    /completion's default sampling (`n_predict`: the most a request may generate), the slots, the chat template.
+    `model_path` is the model's id (the file's name), not its path on this machine."""
+    d = LLAMA_SERVER
     params = {"n_predict": state.max_tokens, "max_tokens": state.max_tokens, "temperature": d.temperature,
               "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "typical_p": d.typical_p,
               "repeat_last_n": d.penalty_last_n, "repeat_penalty": d.repeat_penalty,
