@@ -682,10 +682,10 @@ class Llama:
         llama-server parse them; token ids from `tokenize(text, special=False)` feed such text literally."""
         if isinstance(prompt, (str, bytes)):
             return self.tokenize(prompt, add_bos=self.info.add_bos if add_bos is None else add_bos, special=True)
-        tokens = _token_list(prompt)
-        outside = next((t for t in tokens if t >= self.n_vocab()), None)
+        tokens, n_vocab = _token_list(prompt), self.n_vocab()
+        outside = next((t for t in tokens if t >= n_vocab), None)
         if outside is not None:
-            raise ValueError(f"prompt token id {outside} is outside this model's {self.n_vocab()} tokens")
+            raise ValueError(f"prompt token id {outside} is outside this model's {n_vocab} tokens")
         return tokens
 
     def _answer_limit(self, params: SamplingParams) -> Optional[int]:

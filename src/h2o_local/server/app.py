@@ -141,10 +141,11 @@ class JSONBodies:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            kind = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
-            if kind in self.FORM and b"origin" not in dict(scope["headers"]):
-                scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+            headers = dict(scope["headers"])
+            kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if kind in self.FORM and b"origin" not in headers:
+                rest = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                scope = {**scope, "headers": rest + [(b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
 
 

@@ -110,7 +110,7 @@ async def generate(request: Request, state: ServerState = Depends(server_state))
 @router.post("/api/embed", include_in_schema=False)
 @router.post("/api/embeddings", include_in_schema=False)
 async def embed() -> JSONResponse:
-    return _error(routes.NO_EMBEDDINGS)
+    return _error(routes.no_embeddings())
 
 
 @router.get("/api/tags")
@@ -142,11 +142,10 @@ async def version() -> Dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- helpers
 async def _parse(request: Request, model: type) -> Any:
-    """The body as `model`: JSON whatever its content type says (curl -d sends a form's, as Ollama's examples do),
-    except from a browser (it says its Origin), whose form a page on another site may send without asking first."""
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if "origin" in request.headers and kind != "application/json":
-        raise APIError(400, "a request from a browser sends its body as application/json")
+    """The body as `model`, sent as JSON (curl -d's form content type is made JSON by the app's JSONBodies, except
+    from a browser)."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise APIError(400, "send the body as JSON (Content-Type: application/json)")
     try:
         raw = await request.json()
     except ValueError:

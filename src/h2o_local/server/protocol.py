@@ -152,7 +152,7 @@ class LlamaServerCompletionRequest(_Request):
 
 
 class TokenizeRequest(BaseModel):
-    """llama-server's /tokenize (llama-cpp-python's /extras/tokenize sends `input`, read as `content`)."""
+    """llama-server's /tokenize."""
     model_config = ConfigDict(extra="forbid")
 
     content: str

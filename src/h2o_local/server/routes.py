@@ -266,11 +266,12 @@ async def extras_detokenize(body: DetokenizeRequest, state: ServerState = Depend
 @router.post("/embeddings", include_in_schema=False)
 async def embeddings() -> None:
     """Not an operation of this server: a clear answer for clients that try it."""
-    raise NO_EMBEDDINGS
+    raise no_embeddings()
 
 
-NO_EMBEDDINGS = APIError(501, "this server does not compute embeddings: it generates text with a bounded KV cache",
-                         kind="not_supported_error", code="not_supported")
+def no_embeddings() -> APIError:
+    return APIError(501, "this server does not compute embeddings: it generates text with a bounded KV cache",
+                    kind="not_supported_error", code="not_supported")
 
 
 async def _tokenized(state: ServerState, text: str, add_bos: bool, special: bool, param: str = "content") -> List[int]:
@@ -433,7 +434,7 @@ async def job_steps(state: ServerState, job: Job) -> AsyncIterator[Step]:
 
 
 async def collect_answer(state: ServerState, job: Job, request: Request,
-                   tokens: Optional[List[int]] = None) -> Tuple[List[str], Optional[str], List[TokenLogprob]]:
+                         tokens: Optional[List[int]] = None) -> Tuple[List[str], Optional[str], List[TokenLogprob]]:
     """The answer's text pieces, its finish reason and (with Job.logprobs) its tokens' logprobs; `tokens` gets its
     token ids."""
     pieces: List[str] = []
