@@ -7,12 +7,17 @@ of one of llama.cpp's built-in templates ("chatml", "llama3", "gemma", ...).
 """
 from __future__ import annotations
 
+import copy
 import datetime
+import functools
+import json
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 Message = Dict[str, Any]
@@ -79,12 +84,75 @@ def _content_text(content: Any, i: int) -> str:
                     f"got {type(content).__name__}")
 
 
+_SYSTEM_PROBE = "<system prompt 5f3a>"
+
+
+def _system_merged(msgs: List[Message]) -> List[Message]:
+    """The leading system messages written at the start of the next message's content, one per line."""
+    n = 0
+    while n < len(msgs) and msgs[n]["role"] == "system":
+        n += 1
+    if n == 0:
+        return msgs
+    system = "\n".join(m["content"] for m in msgs[:n])
+    if n == len(msgs):
+        return [{"role": "user", "content": system}]
+    first = msgs[n]
+    return [{**first, "content": system + "\n" + first["content"] if first["content"] else system}] + msgs[n + 1:]
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
 def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[Tuple[str, str]] = None, sort_keys: bool = False) -> str:
+    # Hugging Face's tojson: JSON as json.dumps writes it (jinja2's own escapes <, >, & and ' for HTML, which a
+    # prompt must not see), with the keywords templates pass (ensure_ascii=False, indent, separators); what a filter
+    # such as map() yields is written as the list it stands for
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                      default=_json_list)
+
+
+def _json_list(value: Any) -> Any:
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: Hugging Face's marker of the assistant's text (for training
+    masks); rendering writes its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _Sandbox(jinja2.sandbox.SandboxedEnvironment):
+    """The sandbox templates render in: Hugging Face's (loop controls, `generation`, its tojson) where templates may
+    build their own lists and dicts (`ns.calls.append(...)`, as llama.cpp's Jinja engine lets them), and every call
+    checks the render's time limit, so that no loop (a list that grows while it is walked) outlives it."""
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, loader=jinja2.BaseLoader(),
+                         extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, range=_timed_range)
+        self.filters.update(tojson=_tojson, from_json=json.loads)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja2's names)
+        _check_deadline()
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 class ChatTemplate:
@@ -106,11 +174,8 @@ class ChatTemplate:
         self._jinja: Optional[jinja2.Template] = None
         self.jinja_error: Optional[str] = None  # why the Jinja template cannot be used (then the built-in is)
         if source is not None and _looks_like_jinja(source):
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                               loader=jinja2.BaseLoader())
-            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, range=_timed_range)
             try:
-                self._jinja = env.from_string(source)
+                self._jinja = _Sandbox().from_string(source)
             except jinja2.TemplateError as e:
                 self.jinja_error = f"{type(e).__name__}: {e}"
 
@@ -123,12 +188,34 @@ class ChatTemplate:
         """The prompt text for `messages` (normalised first), ending with the assistant's turn opened when
         `add_generation_prompt`. Raises ValueError when there is no template, or neither renderer accepts it, or
         (with `time_limit_s`) when the template's loops run past that many seconds."""
-        msgs = normalize_messages(messages)
+        msgs = copy.deepcopy(normalize_messages(messages))  # a template may change what it is given
+        if self.source is not None and "developer" not in self.source:
+            msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
         _deadline.at = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
-            return self._render(msgs, add_generation_prompt, tools)
+            if self._jinja is not None and not self.supports_system_role:
+                msgs = _system_merged(msgs)
+            return self._render(msgs, add_generation_prompt, copy.deepcopy(tools))
         finally:
             _deadline.at = None
+
+    @functools.cached_property
+    def writes_tool_calls(self) -> bool:
+        """Whether tools can be used with this template (`tools.supports_tools`, probed once)."""
+        from .tools import supports_tools
+        return supports_tools(self)
+
+    @functools.cached_property
+    def supports_system_role(self) -> bool:
+        """Whether the Jinja template writes a system message: Gemma's refuse one, and some drop it. Probed once, as
+        llama.cpp does; where it does not, leading system messages are written at the start of the next message
+        (llama.cpp's and Ollama's rule), a system message alone as the user's."""
+        probe = [{"role": "system", "content": _SYSTEM_PROBE}, {"role": "user", "content": "Hello"}]
+        try:
+            return _SYSTEM_PROBE in self._jinja.render(messages=probe, add_generation_prompt=True,  # type: ignore
+                                                       bos_token=self.bos_token, eos_token=self.eos_token)
+        except Exception:
+            return False
 
     def _render(self, msgs: List[Message], add_generation_prompt: bool,
                 tools: Optional[List[Dict[str, Any]]] = None) -> str:
@@ -163,13 +250,24 @@ class ChatTemplate:
 _deadline = threading.local()  # when the render in this thread must stop (None: never)
 
 
-def _timed_range(*args: int) -> Iterator[int]:
-    """The sandbox's range (at most MAX_RANGE items), stopping a render that runs past its time limit."""
-    for i in jinja2.sandbox.safe_range(*args):
-        at = getattr(_deadline, "at", None)
-        if at is not None and time.monotonic() > at:
-            raise TimeoutError("the chat template ran past its time limit")
-        yield i
+class _TimedRange(list):
+    """The sandbox's range (at most MAX_RANGE items) as a list (`range(n) | length`, `tojson`), whose walk stops a
+    render that runs past its time limit."""
+
+    def __iter__(self) -> Iterator[int]:
+        for i in super().__iter__():
+            _check_deadline()
+            yield i
+
+
+def _timed_range(*args: int) -> _TimedRange:
+    return _TimedRange(jinja2.sandbox.safe_range(*args))
+
+
+def _check_deadline() -> None:
+    at = getattr(_deadline, "at", None)
+    if at is not None and time.monotonic() > at:
+        raise TimeoutError("the chat template ran past its time limit")
 
 
 def _looks_like_jinja(source: str) -> bool:

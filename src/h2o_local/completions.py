@@ -139,7 +139,7 @@ class Completions:
         k = chat_logprobs_k(logprobs, top_logprobs)
         params = _without_not_done(params)
         llm = self.llm
-        plan = tools_mod.plan(llm.chat_template.source, tools, tool_choice)
+        plan = tools_mod.plan(llm.chat_template, tools, tool_choice)
         messages = plan.messages(messages)
         for extra in (response_format_grammar(response_format), plan.grammar):
             if extra is not None:

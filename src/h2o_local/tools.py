@@ -20,9 +20,34 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def supports_tools(template_source: Optional[str]) -> bool:
-    """True when the chat template renders `tools` and writes calls as `<tool_call>` blocks (Hermes, Qwen2.5)."""
-    return bool(template_source) and "tools" in template_source and CALL_OPEN in template_source
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe_tool", "description": "Looks a probe up.",
+    "parameters": {"type": "object", "properties": {"probe_arg": {"type": "string", "description": "What to look up."}},
+                   "required": ["probe_arg"]}}}
+_PROBE_ARGUMENTS = {"probe_arg": "probe value 5f3a"}
+
+
+def supports_tools(template: Any) -> bool:
+    """True when the chat template (a `ChatTemplate`) describes the tools it is given and writes an assistant's call
+    as a `<tool_call>` block of JSON that `parse_calls` reads back (Hermes, Qwen2.5, Qwen3): a model trained on it
+    writes its calls so. Found by rendering a probe call (once per template: `ChatTemplate.writes_tool_calls`), not
+    by the template's name, so that a template that writes other markup inside `<tool_call>` (Qwen3-Coder's
+    `<function=...>`) is refused rather than misread."""
+    source = getattr(template, "source", None)
+    if not source or CALL_OPEN not in source:
+        return False
+    ask = [{"role": "user", "content": "Look the probe up."}]
+    called = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": _PROBE_ARGUMENTS}}]}]
+    try:
+        described = template.render(ask, add_generation_prompt=True, tools=[_PROBE_TOOL])
+        written = template.render(called, add_generation_prompt=False, tools=[_PROBE_TOOL])
+    except (ValueError, TypeError):
+        return False
+    calls = parse_calls(written[len(described):] if written.startswith(described) else written)[1]
+    return "Looks a probe up." in described and any(
+        c["function"]["name"] == "probe_tool" and json.loads(c["function"]["arguments"]) == _PROBE_ARGUMENTS
+        for c in calls)
 
 
 def check_tools(tools: Any, tool_choice: Any) -> Tuple[List[Dict[str, Any]], Any]:
@@ -140,14 +165,15 @@ class ToolPlan:
         return parse_calls(text, [t["function"]["name"] for t in self.tools or []]) if self.parses else (text, [])
 
 
-def plan(template_source: Optional[str], tools: Any, tool_choice: Any) -> ToolPlan:
-    """The ToolPlan of a request; ValueError for tools a template cannot take or a choice without tools."""
+def plan(template: Any, tools: Any, tool_choice: Any) -> ToolPlan:
+    """The ToolPlan of a request with this `ChatTemplate`; ValueError for tools a template cannot take or a choice
+    without tools."""
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice needs tools")
         return ToolPlan()
     checked, choice = check_tools(tools, tool_choice)
-    if choice != "none" and not supports_tools(template_source):
-        raise ValueError("this model's chat template has no tool-call format this library reads (Hermes / Qwen2.5 "
-                         "<tool_call> blocks): tools are not supported with it")
+    if choice != "none" and not template.writes_tool_calls:
+        raise ValueError("this model's chat template has no tool-call format this library reads (<tool_call> "
+                         "blocks of JSON, as Hermes, Qwen2.5 and Qwen3 write them): tools are not supported with it")
     return ToolPlan(checked, choice)

@@ -1,10 +1,14 @@
 """Chat templates: the GGUF's Jinja template rendered with jinja2, llama.cpp's built-ins as the fallback."""
+import json
+
 import pytest
 
 from h2o_local import Llama
+from h2o_local import tools as tools_mod
 from h2o_local.chat_template import ChatTemplate, normalize_messages
 from tiny_model import write_tiny_llama
 from engine_view import engine
+from real_templates import pinned_templates
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -68,7 +72,7 @@ def test_no_template_is_a_clear_error(bare_model):
 def test_a_template_that_rejects_the_messages_says_so():
     strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('must start with user') }}{% endif %}ok")
     with pytest.raises(ValueError, match="must start with user"):
-        strict.render(CONVERSATION)
+        strict.render(CONVERSATION[2:])
     assert strict.render(CONVERSATION[1:]) == "ok"
 
 
@@ -107,3 +111,94 @@ def test_llama_cpp_pythons_chat_format_names_a_built_in_template(tiny_model):
         Llama(tiny_model, budget=16, chat_format="nonsense")
     with pytest.raises(ValueError, match="not both"):
         Llama(tiny_model, budget=16, chat_format="qwen", chat_template="chatml")
+
+
+# ------------------------------------------------------------------ the real templates llama.cpp tests itself with
+REAL = pinned_templates()
+needs_real = pytest.mark.skipif(not REAL, reason="the pinned llama.cpp sdist is not on this machine")
+# Fireworks' template reads a `functions` variable that only Fireworks' own server passes
+NEEDS_ITS_OWN_SERVER = {"fireworks-ai-llama-3-firefunction-v2"}
+
+
+def _in_order(text, contents):
+    at = 0
+    for c in contents:
+        found = text.find(c, at)
+        if found < 0:
+            return False
+        at = found + len(c)
+    return True
+
+
+@needs_real
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_every_real_template_writes_every_message_in_order(name):
+    """Loop controls (`{% break %}`), Hugging Face's `{% generation %}`, `tojson(ensure_ascii=False)`, lists a
+    template builds itself: whatever 70 families' templates use, each message's content is in the prompt, the turns
+    in order, the system message's too (where the template takes no system role, in the user's turn; Mistral's put
+    it in the last one)."""
+    template = ChatTemplate(REAL[name], bos_token="<s>", eos_token="</s>")
+    assert template.is_jinja, template.jinja_error
+    for messages in (CONVERSATION[1:2], CONVERSATION[:2], CONVERSATION):
+        if name in NEEDS_ITS_OWN_SERVER:
+            with pytest.raises(ValueError, match="'functions' is undefined"):
+                template.render(messages)
+            continue
+        text = template.render(messages)
+        assert _in_order(text, [m["content"] for m in messages if m["role"] != "system"]), text
+        assert all(m["content"] in text for m in messages), text
+
+
+@needs_real
+def test_a_template_without_a_system_role_gets_the_system_message_in_the_users_turn():
+    """Gemma 2 refuses a system message (raise_exception): as llama.cpp and Ollama do, it is written at the start of
+    the first user message; a system message alone is the user's."""
+    gemma = ChatTemplate(REAL["google-gemma-2-2b-it"], bos_token="<bos>")
+    assert not gemma.supports_system_role
+    assert gemma.render(CONVERSATION) == gemma.render([{"role": "user", "content": "Be brief.\nHi"}] + CONVERSATION[2:])
+    assert gemma.render(CONVERSATION[:1]) == gemma.render([{"role": "user", "content": "Be brief."}])
+    assert ChatTemplate(REAL["Qwen-Qwen2.5-7B-Instruct"]).supports_system_role
+
+
+def test_the_developer_role_is_the_system_role_unless_the_template_knows_it():
+    """OpenAI's newer clients send "developer" for system instructions; llama.cpp reads it as "system"."""
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert ChatTemplate(CHATML).render(messages).startswith("<|im_start|>system\nBe brief.")
+    knows = ChatTemplate(CHATML.replace("{% for", "{# developer #}{% for"))
+    assert knows.render(messages).startswith("<|im_start|>developer\nBe brief.")
+
+
+def test_json_in_a_prompt_is_written_as_json_not_escaped_for_html():
+    """jinja2's own tojson writes <, > and & as \\u003c ...; the prompt gets them as the model saw them in
+    training (Hugging Face's tojson, with its keywords)."""
+    template = ChatTemplate("{{ tools | tojson }}|{{ tools | tojson(ensure_ascii=False, indent=1) }}|"
+                            "{{ tools | map(attribute='name') | tojson }}|{{ '[1]' | from_json | length }}")
+    tools = [{"name": "cmp", "description": "a < b && c > 'd' é"}]
+    text = template.render([{"role": "user", "content": "hi"}], tools=tools)
+    assert text == (json.dumps(tools, ensure_ascii=False) + "|" + json.dumps(tools, ensure_ascii=False, indent=1)
+                    + '|["cmp"]|1')
+
+
+def test_a_template_cannot_change_the_callers_messages_or_loop_past_its_time_limit():
+    grows = ChatTemplate("{% set ns = namespace(l=[1]) %}{% for x in ns.l %}{% set _ = ns.l.append(x) %}{% endfor %}")
+    with pytest.raises(ValueError, match="time limit"):
+        grows.render([{"role": "user", "content": "hi"}], time_limit_s=0.2)
+    messages = [{"role": "assistant", "content": "", "tool_calls": [{"id": "a", "function": {"name": "f"}}]}]
+    ChatTemplate("{% set _ = messages[0].tool_calls.append(1) %}{{ messages[0].tool_calls | length }}").render(messages)
+    assert len(messages[0]["tool_calls"]) == 1
+
+
+@needs_real
+def test_tools_go_to_the_templates_whose_calls_are_read_back():
+    """A template takes tools when it describes them and writes a call as `<tool_call>` JSON, found by rendering
+    a call: Hermes, Qwen2.5, Qwen3 and their kin do; Qwen3-Coder / Qwen3.5 (`<function=...>` inside
+    `<tool_call>`), GLM (`<arg_key>`) and templates with other formats are refused, not misread."""
+    takes = {name for name, source in REAL.items() if ChatTemplate(source).writes_tool_calls}
+    assert {"Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+            "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"} <= takes
+    assert not takes & {"Qwen3-Coder", "Qwen3.5-4B", "GLM-4.6", "meta-llama-Llama-3.1-8B-Instruct",
+                        "mistralai-Mistral-Nemo-Instruct-2407"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(ValueError, match="no tool-call format this library reads"):
+        tools_mod.plan(ChatTemplate(REAL["Qwen3.5-4B"]), [tool], "auto")
+    assert tools_mod.plan(ChatTemplate(REAL["Qwen-Qwen3-0.6B"]), [tool], "auto").parses

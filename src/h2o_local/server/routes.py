@@ -372,7 +372,7 @@ def _chat_messages(state: ServerState,
     if body.tools == [] and body.tool_choice in (None, "none"):  # clients that send empty tools ask for nothing
         body.tools = None
     try:
-        plan = tools_mod.plan(state.llm.chat_template.source, body.tools, body.tool_choice)
+        plan = tools_mod.plan(state.llm.chat_template, body.tools, body.tool_choice)
         messages = plan.messages(body.messages)
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
