@@ -85,6 +85,25 @@ def _content_text(content: Any, i: int) -> str:
 
 
 _SYSTEM_PROBE = "<system prompt 5f3a>"
+_ARGUMENT_PROBE = "argument 5f3a"
+
+
+def _arguments_as(msgs: List[Message], objects: bool) -> None:
+    """The arguments of the messages' tool calls as objects (JSON text that does not parse stays text), or as JSON
+    text; in place."""
+    for m in msgs:
+        calls = m.get("tool_calls")
+        for c in calls if isinstance(calls, list) else ():
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or "arguments" not in fn:
+                continue
+            if objects and isinstance(fn["arguments"], str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass
+            elif not objects and not isinstance(fn["arguments"], str):
+                fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
 
 
 def _system_merged(msgs: List[Message]) -> List[Message]:
@@ -191,6 +210,8 @@ class ChatTemplate:
         msgs = copy.deepcopy(normalize_messages(messages))  # a template may change what it is given
         if self.source is not None and "developer" not in self.source:
             msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
+        if self._jinja is not None and any(m.get("tool_calls") for m in msgs):
+            _arguments_as(msgs, objects=self.takes_object_arguments)
         _deadline.at = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
             if self._jinja is not None and not self.supports_system_role:
@@ -200,10 +221,25 @@ class ChatTemplate:
             _deadline.at = None
 
     @functools.cached_property
-    def writes_tool_calls(self) -> bool:
-        """Whether tools can be used with this template (`tools.supports_tools`, probed once)."""
-        from .tools import supports_tools
-        return supports_tools(self)
+    def tool_format(self) -> Any:
+        """The `tool_formats.CallFormat` this template writes calls in, None where tools cannot be used with it
+        (`tools.call_format`, probed once)."""
+        from .tools import call_format
+        return call_format(self)
+
+    @functools.cached_property
+    def takes_object_arguments(self) -> bool:
+        """Whether the Jinja template writes a call's arguments from an object (`tojson`, `| items`: most do, as
+        Hugging Face's convention has them) rather than as the JSON text OpenAI sends; probed once, as llama.cpp
+        does. Calls are given to the template in the form it takes, whichever form the messages hold."""
+        probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": {"probe_arg": _ARGUMENT_PROBE}}}]}]
+        try:
+            text = self._jinja.render(messages=probe, add_generation_prompt=False,  # type: ignore[union-attr]
+                                      bos_token=self.bos_token, eos_token=self.eos_token)
+        except Exception:
+            return False
+        return _ARGUMENT_PROBE in text and "{'probe_arg'" not in text
 
     @functools.cached_property
     def supports_system_role(self) -> bool:

@@ -140,7 +140,6 @@ class Completions:
         params = _without_not_done(params)
         llm = self.llm
         plan = tools_mod.plan(llm.chat_template, tools, tool_choice)
-        messages = plan.messages(messages)
         for extra in (response_format_grammar(response_format), plan.grammar):
             if extra is not None:
                 if params.get("grammar") is not None:

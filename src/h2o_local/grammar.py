@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from . import _llama_grammar
 
@@ -211,17 +211,27 @@ _llama_grammar._build_repetition = _repetition
 def json_schema_grammar(schema: Mapping[str, Any], limits: GrammarLimits = DEFAULT_LIMITS) -> str:
     """GBNF that accepts exactly the JSON values `schema` describes. A schema the converter cannot read, or whose
     grammar is over `limits` (checked before the converter runs where the schema alone tells), raises ValueError."""
-    if not isinstance(schema, Mapping):
-        raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
-    _check_schema_repetitions(schema, limits)
+    return json_schema_rules({"": schema}, limits)[1]
+
+
+def json_schema_rules(schemas: Mapping[str, Mapping[str, Any]],
+                      limits: GrammarLimits = DEFAULT_LIMITS) -> Tuple[Dict[str, str], str]:
+    """Several JSON schemas in one grammar: ({name: the rule that accepts what schemas[name] describes}, the rules'
+    GBNF), for a grammar that writes its own `root` around them (the name "" is `root` itself). ValueError as
+    `json_schema_grammar`."""
+    for schema in schemas.values():
+        if not isinstance(schema, Mapping):
+            raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+        _check_schema_repetitions(schema, limits)
     try:
         converter = _SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-        converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "stdin"), "")
+        refs = {name: converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), name or "stdin"), name)
+                for name, schema in schemas.items()}
         gbnf = converter.format_grammar()
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError, AssertionError) as e:
         raise ValueError(f"the JSON schema could not be converted to a grammar: {e!r}") from None
     check_grammar(gbnf, limits)
-    return gbnf
+    return refs, gbnf
 
 
 def response_format_grammar(response_format: Optional[Mapping[str, Any]],

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from h2o_local import Llama
-from h2o_local import tools as tools_mod
+from h2o_local import tool_formats, tools as tools_mod
 from h2o_local.chat_template import ChatTemplate, normalize_messages
 from tiny_model import write_tiny_llama
 from engine_view import engine
@@ -190,15 +190,37 @@ def test_a_template_cannot_change_the_callers_messages_or_loop_past_its_time_lim
 
 @needs_real
 def test_tools_go_to_the_templates_whose_calls_are_read_back():
-    """A template takes tools when it describes them and writes a call as `<tool_call>` JSON, found by rendering
-    a call: Hermes, Qwen2.5, Qwen3 and their kin do; Qwen3-Coder / Qwen3.5 (`<function=...>` inside
-    `<tool_call>`), GLM (`<arg_key>`) and templates with other formats are refused, not misread."""
-    takes = {name for name, source in REAL.items() if ChatTemplate(source).writes_tool_calls}
-    assert {"Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
-            "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"} <= takes
-    assert not takes & {"Qwen3-Coder", "Qwen3.5-4B", "GLM-4.6", "meta-llama-Llama-3.1-8B-Instruct",
-                        "mistralai-Mistral-Nemo-Instruct-2407"}
+    """A template takes tools when it describes them and writes a call in a format `tool_formats` reads back, found
+    by rendering a probe call: `<tool_call>` JSON (Hermes, Qwen2.5, Qwen3), `<function=...>` tags (Qwen3-Coder,
+    Qwen3.5, Seed-OSS with its own wrapping tag), `<arg_key>` pairs (GLM 4.6 with line breaks, 4.7 without). Other
+    formats (Llama 3.1's bare JSON, Mistral's [TOOL_CALLS], Kimi's, gpt-oss's) are refused, not misread."""
+    formats = {name: ChatTemplate(source).tool_format for name, source in REAL.items()}
+    named = {name: fmt.name for name, fmt in formats.items() if fmt is not None}
+    assert {named[n] for n in ("Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B",
+                               "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use")} == {"json"}
+    assert {named[n] for n in ("Qwen3-Coder", "Qwen3.5-4B", "ByteDance-Seed-OSS")} == {"function-tags"}
+    assert {named[n] for n in ("GLM-4.6", "GLM-4.7-Flash")} == {"arg-keys"}
+    assert formats["ByteDance-Seed-OSS"] == tool_formats.FunctionTags(open="<seed:tool_call>", lines=False)
+    assert formats["GLM-4.6"].lines and not formats["GLM-4.7-Flash"].lines
+    assert not named.keys() & {"meta-llama-Llama-3.1-8B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407",
+                               "moonshotai-Kimi-K2", "openai-gpt-oss-120b", "HuggingFaceTB-SmolLM3-3B"}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(ValueError, match="no tool-call format this library reads"):
-        tools_mod.plan(ChatTemplate(REAL["Qwen3.5-4B"]), [tool], "auto")
-    assert tools_mod.plan(ChatTemplate(REAL["Qwen-Qwen3-0.6B"]), [tool], "auto").parses
+        tools_mod.plan(ChatTemplate(REAL["meta-llama-Llama-3.1-8B-Instruct"]), [tool], "auto")
+    assert tools_mod.plan(ChatTemplate(REAL["Qwen3.5-4B"]), [tool], "auto").format.name == "function-tags"
+
+
+@needs_real
+def test_a_calls_arguments_reach_the_template_in_the_form_it_takes():
+    """OpenAI sends a call's arguments as JSON text, Ollama and Hugging Face as an object: each template gets the
+    form it reads (probed, as llama.cpp does), so either gives the same prompt."""
+    def history(arguments):
+        return [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call00001", "content": "3 C"}, {"role": "user", "content": "Thanks"}]
+    for name, takes_objects in (("Qwen3.5-4B", True), ("GLM-4.6", True), ("meta-llama-Llama-3.1-8B-Instruct", True),
+                                ("meetkai-functionary-medium-v3.2", False)):
+        template = ChatTemplate(REAL[name])
+        assert template.takes_object_arguments == takes_objects, name
+        text = template.render(history('{"city": "Oslo"}'))
+        assert text == template.render(history({"city": "Oslo"})) and "Oslo" in text and "{'city'" not in text

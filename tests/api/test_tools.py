@@ -1,16 +1,20 @@
-"""Tool calls in OpenAI's shape, through a Hermes / Qwen2.5-style template (`<tool_call>` blocks): forced calls by a
-grammar, parsed calls, the round trip with a tool's result, streaming, and refusal where a template has no format."""
+"""Tool calls in OpenAI's shape, through templates in each format `tool_formats` reads (Hermes / Qwen2.5's
+`<tool_call>` JSON, Qwen3.5's `<function=...>` tags, GLM's `<arg_key>` pairs): forced calls by a grammar, parsed
+calls, the round trip with a tool's result, streaming, and refusal where a template has no format."""
 import json
 
+import numpy as np
 import pytest
 
 import openai
 
-from h2o_local import Llama
+from h2o_local import Llama, SamplingParams, tool_formats
+from h2o_local.chat_template import ChatTemplate
 from h2o_local.server import create_app
-from h2o_local.tools import parse_calls
+from h2o_local.tools import _PROBE_ARGUMENTS, _PROBE_TOOL, parse_calls
+from real_templates import pinned_templates
 from tiny_model import write_tiny_llama
-from tool_template import HERMES, WEATHER
+from tool_template import HERMES, TEMPLATES, WEATHER
 
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"],
@@ -18,10 +22,10 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 ASK = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"}]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(write_tiny_llama(tmp_path_factory.mktemp("tools") / "hermes.gguf", chat_template=HERMES,
-                                n_ctx_train=4096))
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def model(request, tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tools") / f"{request.param}.gguf",
+                                chat_template=TEMPLATES[request.param], n_ctx_train=4096))
 
 
 def test_a_forced_call_follows_the_tools_schema(model):
@@ -29,7 +33,7 @@ def test_a_forced_call_follows_the_tools_schema(model):
     for choice, names in (("required", {"get_weather", "get_time"}),
                           ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
         for seed in range(3):
-            out = llm.create_chat_completion(ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=120,
+            out = llm.create_chat_completion(ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=200,
                                              temperature=0.7, seed=seed)
             choice0 = out["choices"][0]
             assert choice0["finish_reason"] == "tool_calls" and choice0["message"]["content"] is None
@@ -61,6 +65,65 @@ def test_parsing_calls_out_of_text():
     assert parse_calls(bare)[1] == []  # no tool names given: text stays text
 
 
+def test_the_xml_formats_read_values_by_the_tools_schema():
+    """In `<function=...>` / `<arg_key>` calls a value is text: a string parameter's as written (a number-like
+    string stays a string), another's as JSON (text that is not JSON stays text)."""
+    tools = [WEATHER, TIME]
+    tags = ('Checking.\n<tool_call>\n<function=get_time>\n<parameter=zone>\n2\n</parameter>\n</function>\n</tool_call>'
+            '<tool_call>\n<function=get_weather>\n<parameter=city>\n007\n</parameter>\n<parameter=unit>\nc\n'
+            '</parameter>\n</function>\n</tool_call>')
+    content, calls = parse_calls(tags, tools, tool_formats.FunctionTags())
+    assert content == "Checking." and [json.loads(c["function"]["arguments"]) for c in calls] == \
+        [{"zone": 2}, {"city": "007", "unit": "c"}]
+    keys = "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>two</arg_value>\n</tool_call>"
+    content, (call,) = parse_calls(keys, tools, tool_formats.ArgKeys())
+    assert content is None and json.loads(call["function"]["arguments"]) == {"zone": "two"}
+    assert parse_calls("<tool_call>\n<function=get_time>\n", tools, tool_formats.FunctionTags()) == \
+        ("<tool_call>\n<function=get_time>\n", [])  # cut short: text
+
+
+def _accepts(llm, grammar, text):
+    """Whether `grammar` lets the sampler write exactly `text` (the tiny model's vocabulary is bytes) and end."""
+    sampler = llm.sampler(SamplingParams(temperature=0, grammar=grammar))
+    tokens = llm.tokenize(text, add_bos=False, special=False)
+    if llm.token_to_piece(tokens[0]) == b" " and not text.startswith(" "):
+        tokens = tokens[1:]  # the tokenizer's leading space
+    for token in tokens + [llm.token_eos()]:
+        logits = np.zeros(llm.n_vocab(), np.float32)
+        logits[token] = 10.0
+        if sampler.sample(logits) != token:
+            return False
+    return True
+
+
+REAL = pinned_templates()
+
+
+@pytest.mark.skipif(not REAL, reason="the pinned llama.cpp sdist is not on this machine")
+def test_a_forced_call_is_written_as_each_real_template_writes_calls(tiny_model):
+    """For every real template with a format (22 of the pinned llama.cpp's 70): the call its grammar forces is
+    exactly the template's own rendering of that call (its wrapping tag, its line breaks), and nothing else: not a
+    tool that was not given, not a call without a required parameter."""
+    llm = Llama(tiny_model, budget=64)
+    ask = [{"role": "user", "content": "Look the probe up."}]
+    called = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": _PROBE_ARGUMENTS}}]}]
+    checked = 0
+    for name, source in sorted(REAL.items()):
+        template = ChatTemplate(source)
+        fmt = template.tool_format
+        if fmt is None:
+            continue
+        written = template.render(called, add_generation_prompt=False, tools=[_PROBE_TOOL])
+        start, end = [f[:2] for f in fmt.find(written, [_PROBE_TOOL]) if f[2] == "probe_tool"][-1]
+        grammar = fmt.grammar([_PROBE_TOOL])
+        assert _accepts(llm, grammar, written[start:end]), name
+        assert not _accepts(llm, grammar, written[start:end].replace("probe_tool", "probe_tooo")), name
+        assert not _accepts(llm, grammar, written[start:end].replace("probe_arg", "probe_arh")), name
+        checked += 1
+    assert checked >= 20
+
+
 def test_tools_need_a_template_that_has_a_call_format(tiny_model, model):
     chatml = Llama(tiny_model, budget=64, chat_template="chatml")
     with pytest.raises(ValueError, match="no tool-call format"):
@@ -81,7 +144,7 @@ def test_the_official_client_round_trip_and_streaming(model):
     with serve_in_background(create_app(llm, model_id="hermes")) as port:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         first = client.chat.completions.create(model="hermes", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                               max_tokens=120, temperature=0)
+                                               max_tokens=200, temperature=0)
         assert first.choices[0].finish_reason == "tool_calls"
         call = first.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "unit"}
@@ -93,7 +156,7 @@ def test_the_official_client_round_trip_and_streaming(model):
         assert second.choices[0].finish_reason in ("stop", "length") and not second.choices[0].message.tool_calls
         assert '{"temperature": 3}' in llm.apply_chat_template(history, tools=[WEATHER])
         stream = client.chat.completions.create(model="hermes", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                                max_tokens=120, temperature=0, stream=True)
+                                                max_tokens=200, temperature=0, stream=True)
         chunks = list(stream)
         deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
         assert deltas and deltas[0][0].function.name == "get_weather"
@@ -107,7 +170,7 @@ def test_the_official_client_round_trip_and_streaming(model):
 def test_a_calls_logprobs_come_whole_or_streamed(model):
     """A call's answer is parsed whole, then streamed: its tokens' logprobs come with the first piece after the role."""
     llm = Llama(model, budget=512, n_batch=64)
-    kwargs = dict(tools=[WEATHER], tool_choice="required", max_tokens=120, temperature=0, logprobs=True, top_logprobs=1)
+    kwargs = dict(tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0, logprobs=True, top_logprobs=1)
     whole = llm.create_chat_completion(ASK, **kwargs)
     content = whole["choices"][0]["logprobs"]["content"]
     assert whole["choices"][0]["finish_reason"] == "tool_calls" and len(content) == whole["usage"]["completion_tokens"]

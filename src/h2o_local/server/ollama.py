@@ -132,7 +132,7 @@ async def show(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
             "details": _model_card(state)["details"],
             "model_info": {"general.architecture": arch, f"{arch}.context_length": llm.n_ctx_train(),
                            f"{arch}.embedding_length": llm.n_embd()},
-            "capabilities": ["completion", *(["tools"] if llm.chat_template.writes_tool_calls else [])]}
+            "capabilities": ["completion", *(["tools"] if llm.chat_template.tool_format is not None else [])]}
 
 
 @router.get("/api/version")

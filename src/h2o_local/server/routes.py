@@ -373,7 +373,7 @@ def _chat_messages(state: ServerState,
         body.tools = None
     try:
         plan = tools_mod.plan(state.llm.chat_template, body.tools, body.tool_choice)
-        messages = plan.messages(body.messages)
+        messages = body.messages
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
     requests.check_prompt_bytes(state, sum(requests.text_bytes(m.get("content")) for m in messages), "messages")

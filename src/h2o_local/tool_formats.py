@@ -1,0 +1,218 @@
+"""How a chat template writes a tool call: one small class per format, each reading calls out of an answer and
+writing the grammar that forces one.
+
+    <tool_call>{"name": ..., "arguments": {...}}</tool_call>          JsonBlocks  (Hermes, Qwen2.5, Qwen3, Granite 4)
+    <tool_call><function=NAME><parameter=K>V</parameter></function>   FunctionTags (Qwen3-Coder, Qwen3.5, Nemotron 3)
+    <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>        ArgKeys     (GLM 4.5-4.7, Laguna, Ling)
+
+A template's format is found by rendering a probe call with it and reading it back (`tools.call_format`), never by
+the template's name. In the two XML formats a value is written as it is when its parameter is a string, else as
+JSON; reading follows the tool's schema the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .grammar import json_schema_rules
+
+# (start, end) of the call in the text, the tool's name, its arguments (an object, or JSON text as written)
+Found = Tuple[int, int, str, Any]
+
+
+def _lit(text: str) -> str:
+    """A GBNF string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _parameters(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CallFormat:
+    """One way of writing calls. `marker`: text every template of the format holds (a cheap first filter)."""
+
+    name: ClassVar[str]
+    marker: ClassVar[str] = "<tool_call>"
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        raise NotImplementedError
+
+    def fitted(self, written: str) -> "CallFormat":
+        """This format as a template wrote a call in `written` (its wrapping tag, its line breaks), so that a forced
+        call is written as the model saw calls in training."""
+        return self
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        """GBNF (rule `root`) for one call of one of `tools`, as this format writes it."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonBlocks(CallFormat):
+    name = "json"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        found = []
+        for m in self._BLOCK.finditer(text):
+            call = _json_call(m.group(1))
+            if call is not None:
+                found.append((m.start(), m.end()) + call)
+        names = {t["function"]["name"] for t in tools}
+        if not found and names and text.strip():
+            # where <tool_call> is a control token (Qwen2.5) its text is not in the answer: an answer that is only
+            # calls of the tools given, one JSON object per line, is those calls
+            lines = [m for m in re.finditer(r"[^\n]+", text) if m.group().strip()]
+            bare = [_json_call(m.group()) for m in lines]
+            if all(c is not None and c[0] in names for c in bare):
+                return [(m.start(), m.end()) + c for m, c in zip(lines, bare)]  # type: ignore[operator]
+        return found
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                     "arguments": _parameters(t)},
+                    "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        refs, rules = json_schema_rules({"call": options[0] if len(options) == 1 else {"anyOf": options}})
+        return f'root ::= "<tool_call>\\n" {refs["call"]} "\\n</tool_call>"\n{rules}'
+
+
+class _XmlFormat(CallFormat):
+    """A format whose values are text: strings as they are, other types as JSON. `_CALL` matches a call (group 1
+    its name, group 2 its parameters), `_PARAM` one parameter (its key, its value)."""
+
+    _CALL: ClassVar["re.Pattern[str]"]
+    _PARAM: ClassVar["re.Pattern[str]"]
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        by_name = {t["function"]["name"]: t for t in tools}
+        found = []
+        for m in self._CALL.finditer(text):
+            name = m.group(1).strip()
+            pairs = [(p.group(1).strip(), p.group(2)) for p in self._PARAM.finditer(m.group(2))]
+            found.append((m.start(), m.end(), name, self._arguments(by_name.get(name), pairs)))
+        return found
+
+
+    def _arguments(self, tool: Optional[Mapping[str, Any]], pairs: List[Tuple[str, str]]) -> Dict[str, Any]:
+        props = (_parameters(tool).get("properties") or {}) if tool is not None else {}
+        out: Dict[str, Any] = {}
+        for key, value in pairs:
+            schema = props.get(key)
+            if isinstance(schema, Mapping) and schema.get("type") == "string":
+                out[key] = value
+            else:
+                try:
+                    out[key] = json.loads(value)
+                except ValueError:
+                    out[key] = value
+        return out
+
+    def _value_rules(self, tools: Sequence[Mapping[str, Any]]) -> Tuple[List[List[Tuple[str, str, bool]]], str]:
+        """Per tool, its parameters as (name, value rule, required), and the rules they use: a string parameter's
+        value is text (its enum's values, its length within minLength / maxLength; a pattern is not enforced),
+        another's the JSON its schema allows."""
+        schemas: Dict[str, Any] = {}
+        params: List[List[Tuple[str, str, bool]]] = []
+        for i, t in enumerate(tools):
+            p = _parameters(t)
+            required = set(p.get("required") or ())
+            mine = []
+            for j, (key, schema) in enumerate((p.get("properties") or {}).items()):
+                schema = schema if isinstance(schema, Mapping) else {}
+                if schema.get("type") == "string":
+                    rule = _text_rule(schema)
+                else:
+                    schemas[f"t{i}-p{j}"] = schema
+                    rule = f"@t{i}-p{j}"
+                mine.append((key, rule, key in required))
+            params.append(mine)
+        refs, rules = json_schema_rules(schemas) if schemas else ({}, "")
+        params = [[(k, refs[r[1:]] if r.startswith("@") else r, req) for k, r, req in mine] for mine in params]
+        # a value's character: anything up to the closing tag (a value cannot hold "</")
+        return params, 'xml-char ::= [^<] | "<" [^/]\n' + rules
+
+
+def _text_rule(schema: Mapping[str, Any]) -> str:
+    values = schema.get("enum")
+    if isinstance(values, list) and values and all(isinstance(v, str) for v in values):
+        return "(" + " | ".join(_lit(v) for v in values) + ")"
+    if isinstance(schema.get("const"), str):
+        return _lit(schema["const"])
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    low = low if type(low) is int and low > 0 else 0
+    if type(high) is int and high >= low:
+        return f"xml-char{{{low},{high}}}"
+    return f"xml-char{{{low},}}" if low else "xml-char*"
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionTags(_XmlFormat):
+    open: str = "<tool_call>"  # the wrapping tag ("<seed:tool_call>" for Seed-OSS; "" for none)
+    lines: bool = True          # each tag and value on a line of its own (Qwen), or not (Seed-OSS)
+    name = "function-tags"
+    marker = "<function="
+    _CALL = re.compile(r"(?:<[\w:]*tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</[\w:]*tool_call>)?", re.S)
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def fitted(self, written: str) -> "FunctionTags":
+        m = re.search(r"(<[\w:]*tool_call>)?\s*<function=", written)
+        return dataclasses.replace(self, open=(m.group(1) or "") if m else self.open,
+                                   lines=bool(re.search(r"<parameter=[^>\n]+>\n", written)))
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        nl = "\\n" if self.lines else ""
+        params, rules = self._value_rules(tools)
+        calls = []
+        for t, mine in zip(tools, params):
+            parts = [f'"<function=" {_lit(t["function"]["name"])} ">\\n"']
+            for key, rule, required in mine:
+                param = f'"<parameter=" {_lit(key)} ">{nl}" {rule} "{nl}</parameter>\\n"'
+                parts.append(param if required else f"({param})?")
+            parts.append('"</function>"')
+            calls.append(" ".join(parts))
+        body = "(" + " | ".join(calls) + ")"
+        if self.open:
+            body = f'{_lit(self.open + chr(10))} {body} {_lit(chr(10) + "</" + self.open[1:])}'
+        return f"root ::= {body}\n{rules}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgKeys(_XmlFormat):
+    lines: bool = True  # a line break after the name and each tag (GLM 4.5 / 4.6), or none (GLM 4.7)
+    name = "arg-keys"
+    marker = "<arg_key>"
+    _CALL = re.compile(r"<tool_call>\s*([^<\n]+?)\s*((?:<arg_key>(?:(?!</tool_call>).)*?</arg_value>\s*)*)</tool_call>",
+                       re.S)
+    _PARAM = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def fitted(self, written: str) -> "ArgKeys":
+        return dataclasses.replace(self, lines="</arg_key>\n" in written)
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        nl = ' "\\n"? ' if self.lines else " "  # Ling breaks some lines and not others
+        params, rules = self._value_rules(tools)
+        calls = []
+        for t, mine in zip(tools, params):
+            parts = [_lit(t["function"]["name"]) + nl]
+            for key, rule, required in mine:
+                param = f'"<arg_key>" {_lit(key)} "</arg_key>"{nl}"<arg_value>" {rule} "</arg_value>"{nl}'
+                parts.append(f"({param})" if required else f"({param})?")
+            calls.append(" ".join(parts))
+        return 'root ::= "<tool_call>" (' + " | ".join(calls) + ') "</tool_call>"\n' + rules
+
+
+FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys())
+
+
+def _json_call(source: str) -> Optional[Tuple[str, Any]]:
+    try:
+        value = json.loads(source, strict=False)  # a control character inside a string is still a call
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return value["name"], value.get("arguments", {})
