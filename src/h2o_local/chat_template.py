@@ -13,7 +13,7 @@ import functools
 import json
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import jinja2
 import jinja2.ext
@@ -82,6 +82,26 @@ def _content_text(content: Any, i: int) -> str:
         return "".join(texts)
     raise TypeError(f"message {i}: content must be a string, a list of text parts or None, "
                     f"got {type(content).__name__}")
+
+
+# what a template is given by the renderer itself, which `variables` may not replace
+RENDERER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                      "strftime_now", "range")
+
+
+def check_variables(variables: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+    """`chat_template_kwargs` as a template takes them: a mapping of names to JSON values, none of the renderer's
+    own (RENDERER_VARIABLES); ValueError / TypeError otherwise."""
+    if variables is None:
+        return None
+    if not isinstance(variables, Mapping):
+        raise TypeError(f"chat_template_kwargs must be an object of names to values, got {type(variables).__name__}")
+    for name in variables:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"chat_template_kwargs: {name!r} is not a name a template can read")
+        if name in RENDERER_VARIABLES:
+            raise ValueError(f"chat_template_kwargs: {name!r} is given to the template by the renderer itself")
+    return copy.deepcopy(dict(variables))
 
 
 _SYSTEM_PROBE = "<system prompt 5f3a>"
@@ -203,10 +223,14 @@ class ChatTemplate:
         return self._jinja is not None
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-               time_limit_s: Optional[float] = None, tools: Optional[List[Dict[str, Any]]] = None) -> str:
+               time_limit_s: Optional[float] = None, tools: Optional[List[Dict[str, Any]]] = None,
+               variables: Optional[Mapping[str, Any]] = None) -> str:
         """The prompt text for `messages` (normalised first), ending with the assistant's turn opened when
-        `add_generation_prompt`. Raises ValueError when there is no template, or neither renderer accepts it, or
-        (with `time_limit_s`) when the template's loops run past that many seconds."""
+        `add_generation_prompt`. `variables`: more the template reads (llama-server's and vLLM's
+        `chat_template_kwargs`, as `{"enable_thinking": False}` for Qwen3; `check_variables`). Raises ValueError
+        when there is no template, or neither renderer accepts it, or (with `time_limit_s`) when the template's
+        loops run past that many seconds."""
+        variables = check_variables(variables)
         msgs = copy.deepcopy(normalize_messages(messages))  # a template may change what it is given
         if self.source is not None and "developer" not in self.source:
             msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
@@ -216,7 +240,7 @@ class ChatTemplate:
         try:
             if self._jinja is not None and not self.supports_system_role:
                 msgs = _system_merged(msgs)
-            return self._render(msgs, add_generation_prompt, copy.deepcopy(tools))
+            return self._render(msgs, add_generation_prompt, copy.deepcopy(tools), variables)
         finally:
             _deadline.at = None
 
@@ -254,13 +278,13 @@ class ChatTemplate:
             return False
 
     def _render(self, msgs: List[Message], add_generation_prompt: bool,
-                tools: Optional[List[Dict[str, Any]]] = None) -> str:
+                tools: Optional[List[Dict[str, Any]]] = None, variables: Optional[Dict[str, Any]] = None) -> str:
         if self.source is None:
             raise ValueError("this model has no chat template: give one (chat_template='chatml', a built-in name, "
                              "or Jinja source) or use create_completion with your own prompt")
         if self._jinja is not None:
             try:
-                extra = {} if tools is None else {"tools": tools}
+                extra = dict(variables or {}) if tools is None else {**(variables or {}), "tools": tools}
                 return self._jinja.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                           bos_token=self.bos_token, eos_token=self.eos_token, **extra)
             except jinja2.TemplateError as e:

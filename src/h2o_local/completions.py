@@ -125,17 +125,21 @@ class Completions:
                                tools: Optional[List[Dict[str, Any]]] = None, tool_choice: Any = None,
                                special_in_content: bool = False, logprobs: Optional[bool] = None,
                                top_logprobs: Optional[int] = None, model: Optional[str] = None,
+                               chat_template_kwargs: Optional[Dict[str, Any]] = None,
                                **params: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
         as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`). `response_format`: `{"type":
         "json_object"}` or `{"type": "json_schema", "json_schema": {"schema": {...}}}` constrains the answer with
         a grammar (`h2o_local.grammar`; or give `grammar=` GBNF text yourself). `tools` / `tool_choice`: OpenAI's,
-        for templates that write calls as `<tool_call>` blocks (Hermes, Qwen2.5; `h2o_local.tools`): calls come
+        for templates whose call format `h2o_local.tool_formats` reads (`<tool_call>` JSON as Qwen2.5, `<function=...>`
+        tags as Qwen3.5, `<arg_key>` pairs as GLM; `h2o_local.tools`): calls come
         back as `message.tool_calls` with `finish_reason` "tool_calls"; "required" or a named tool forces a call
         with a grammar. A template without that format raises ValueError. Messages' contents are text: their
         special-token text stays text unless `special_in_content=True` (`Llama.chat_tokens`). `logprobs=True`:
         `choices[0]["logprobs"]["content"]` gives each answer token's log-probability, with the `top_logprobs`
-        (0-20) most likely tokens at its position, as OpenAI's. `model`: the name the response gives."""
+        (0-20) most likely tokens at its position, as OpenAI's. `model`: the name the response gives.
+        `chat_template_kwargs`: more variables the template reads, as llama-server takes them
+        (`{"enable_thinking": False}` for Qwen3)."""
         k = chat_logprobs_k(logprobs, top_logprobs)
         params = _without_not_done(params)
         llm = self.llm
@@ -146,7 +150,8 @@ class Completions:
                     raise ValueError("give one of response_format, a forced tool call or grammar, not several")
                 params = {**params, "grammar": extra}
         p = sampling_.merge(sampling_.CHAT, sampling, params)
-        tokens, n_keep = llm.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content)
+        tokens, n_keep = llm.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content,
+                                         chat_template_kwargs=chat_template_kwargs)
         events = llm.generate_events(tokens, keep=n_keep, sampling=p, logits=k is not None)
         meta = responses.chat_meta(_model_name(llm, model))
         if stream and not plan.parses:

@@ -883,15 +883,17 @@ class Llama:
         return self._chat_template
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                            time_limit_s: Optional[float] = None, tools: Optional[List[Dict[str, Any]]] = None) -> str:
+                            time_limit_s: Optional[float] = None, tools: Optional[List[Dict[str, Any]]] = None,
+                            chat_template_kwargs: Optional[Dict[str, Any]] = None) -> str:
         """The prompt text the chat template makes of OpenAI-style `messages` ([{"role": ..., "content": ...}];
         content may be a string, a list of text parts or None). `time_limit_s`: a template whose loops run longer
-        raises ValueError. `tools`: OpenAI tool definitions, for templates that describe them."""
-        return self.chat_template.render(messages, add_generation_prompt, time_limit_s, tools)
+        raises ValueError. `tools`: OpenAI tool definitions, for templates that describe them.
+        `chat_template_kwargs`: more variables the template reads (`{"enable_thinking": False}` for Qwen3)."""
+        return self.chat_template.render(messages, add_generation_prompt, time_limit_s, tools, chat_template_kwargs)
 
     def chat_tokens(self, messages: Sequence[Message], time_limit_s: Optional[float] = None,
-                    tools: Optional[List[Dict[str, Any]]] = None, *,
-                    special_in_content: bool = False) -> Tuple[List[int], Optional[int]]:
+                    tools: Optional[List[Dict[str, Any]]] = None, *, special_in_content: bool = False,
+                    chat_template_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[List[int], Optional[int]]:
         """The prompt tokens of a chat, and its protected prefix with `keep="system"` (the tokens of the leading
         system messages; None with another `keep`, which then applies as set).
 
@@ -902,8 +904,8 @@ class Llama:
         turns into messages on purpose."""
         msgs = normalize_messages(messages)
         contents = None if special_in_content else [m["content"] for m in msgs]
-        tokens = self._template_tokens(self.apply_chat_template(msgs, time_limit_s=time_limit_s, tools=tools),
-                                       contents)
+        tokens = self._template_tokens(self.apply_chat_template(msgs, time_limit_s=time_limit_s, tools=tools,
+                                                                chat_template_kwargs=chat_template_kwargs), contents)
         if self.keep != "system":
             return tokens, None
         n_system = 0
@@ -912,7 +914,8 @@ class Llama:
         if n_system == 0:
             return tokens, 0
         prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False,
-                                                                time_limit_s=time_limit_s, tools=tools),
+                                                                time_limit_s=time_limit_s, tools=tools,
+                                                                chat_template_kwargs=chat_template_kwargs),
                                        None if contents is None else contents[:n_system])
         n = 0
         while n < min(len(prefix), len(tokens)) and prefix[n] == tokens[n]:

@@ -224,3 +224,27 @@ def test_a_calls_arguments_reach_the_template_in_the_form_it_takes():
         assert template.takes_object_arguments == takes_objects, name
         text = template.render(history('{"city": "Oslo"}'))
         assert text == template.render(history({"city": "Oslo"})) and "Oslo" in text and "{'city'" not in text
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_replace_the_renderers_own():
+    """llama-server's and vLLM's `chat_template_kwargs`: Qwen3's `enable_thinking`, say."""
+    template = ChatTemplate("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+                            "{{ messages[0].content }}")
+    hi = [{"role": "user", "content": "hi"}]
+    assert template.render(hi, variables={"enable_thinking": False}) == "/no_think hi"
+    assert template.render(hi) == template.render(hi, variables={"enable_thinking": True}) == "hi"
+    for bad, error in (({"messages": []}, ValueError), ({"not a name": 1}, ValueError), ([("a", 1)], TypeError)):
+        with pytest.raises(error, match="chat_template_kwargs"):
+            template.render(hi, variables=bad)
+
+
+@needs_real
+def test_qwen3_thinks_or_not_as_chat_template_kwargs_say(tiny_model):
+    llm = Llama(tiny_model, budget=64, chat_template=REAL["Qwen-Qwen3-0.6B"])
+    hi = [{"role": "user", "content": "hi"}]
+    quiet = llm.apply_chat_template(hi, chat_template_kwargs={"enable_thinking": False})
+    assert quiet.endswith("<think>\n\n</think>\n\n") and not llm.apply_chat_template(hi).endswith("</think>\n\n")
+    assert llm.chat_tokens(hi, chat_template_kwargs={"enable_thinking": False})[0] == \
+        llm.tokenize(quiet, special=True)
+    out = llm.create_chat_completion(hi, max_tokens=2, chat_template_kwargs={"enable_thinking": False})
+    assert out["usage"]["prompt_tokens"] == len(llm.tokenize(quiet, special=True))

@@ -87,6 +87,9 @@ def test_apply_template_gives_the_prompt_a_chat_request_is_read_as(server, llm):
     assert status == 200 and out["prompt"] == llm.apply_chat_template(USER)
     assert out["prompt"].startswith("<|im_start|>system\nYou are tiny.<|im_end|>")
     assert out["prompt"].endswith("<|im_start|>assistant\n")
+    # variables the template does not read change nothing (llama-server's chat_template_kwargs)
+    status, out = post(port, "/apply-template", {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and out["prompt"] == llm.apply_chat_template(USER)
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -100,6 +103,9 @@ def test_apply_template_gives_the_prompt_a_chat_request_is_read_as(server, llm):
     ("/extras/tokenize", {"content": "llama-server's name"}, "input"),
     ("/apply-template", {"messages": [{"role": "narrator", "content": "x"}]}, "messages.0.role"),
     ("/apply-template", {"messages": []}, "messages"),
+    ("/apply-template", {"messages": USER, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"a b": 1}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
 ])
 def test_bad_input_is_a_400_naming_its_field_and_the_server_goes_on(server, path, body, param):
     port, client = server

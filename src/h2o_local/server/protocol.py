@@ -142,6 +142,8 @@ class ChatCompletionRequest(_Request):
     special_in_content: bool = False
     logprobs: Optional[StrictBool] = None  # choices[0].logprobs.content: each answer token's logprob
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # with logprobs: true
+    # llama-server's and vLLM's: more variables the chat template reads ({"enable_thinking": false} for Qwen3)
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
 class LlamaServerCompletionRequest(_Request):

@@ -20,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from .. import __version__, policies, responses
 from .. import tools as tools_mod
+from ..chat_template import check_variables
 from ..completions import chat_logprobs_k, completion_prompt
 from ..responses import TokenLogprob
 from ..sampling import CHAT_SURFACE, COMPLETION, SamplingParams
@@ -240,7 +241,8 @@ async def apply_template(body: ChatCompletionRequest, state: ServerState = Depen
     """llama-server's: the prompt the chat template makes of a chat request's messages (and tools), as text, for a
     client that edits it and sends it to /v1/completions."""
     plan, messages = _chat_messages(state, body)
-    return {"prompt": await _prepared_in_time(state, state.llm.apply_chat_template, messages, tools=plan.tools)}
+    return {"prompt": await _prepared_in_time(state, state.llm.apply_chat_template, messages, tools=plan.tools,
+                                              chat_template_kwargs=body.chat_template_kwargs)}
 
 
 @router.post("/extras/tokenize")
@@ -312,7 +314,8 @@ async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Req
             raise APIError(400, f"a forced tool call and {given[0]} both constrain the answer: give one", param=given[0])
         body.grammar = plan.grammar
     tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.tools,
-                                             special_in_content=body.special_in_content)
+                                             special_in_content=body.special_in_content,
+                                             chat_template_kwargs=body.chat_template_kwargs)
     if prefix:  # the protected prefix is the server's then: the chat's own system messages are not first
         try:
             tokens, n_keep = await state.prepared(completion_prompt, state.llm, list(prefix)) + tokens, None
@@ -369,6 +372,10 @@ def _chat_messages(state: ServerState,
         if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
                                 f"{repr(m.get('role'))[:64]}", param=f"messages.{i}.role")
+    try:
+        check_variables(body.chat_template_kwargs)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from None
     if body.tools == [] and body.tool_choice in (None, "none"):  # clients that send empty tools ask for nothing
         body.tools = None
     try:
