@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from . import llama_cpp_python, responses
+from . import llama_cpp_python, reasoning, responses
 from . import sampling as sampling_
 from . import tools as tools_mod
 from .grammar import response_format_grammar
@@ -125,7 +125,7 @@ class Completions:
                                tools: Optional[List[Dict[str, Any]]] = None, tool_choice: Any = None,
                                special_in_content: bool = False, logprobs: Optional[bool] = None,
                                top_logprobs: Optional[int] = None, model: Optional[str] = None,
-                               chat_template_kwargs: Optional[Dict[str, Any]] = None,
+                               chat_template_kwargs: Optional[Dict[str, Any]] = None, reasoning_format: str = "none",
                                **params: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """An OpenAI-style chat completion with the model's own chat template (from the GGUF). Sampling keywords
         as in `generate` (defaults: `max_tokens=None`, `temperature=0.2`). `response_format`: `{"type":
@@ -139,7 +139,10 @@ class Completions:
         `choices[0]["logprobs"]["content"]` gives each answer token's log-probability, with the `top_logprobs`
         (0-20) most likely tokens at its position, as OpenAI's. `model`: the name the response gives.
         `chat_template_kwargs`: more variables the template reads, as llama-server takes them
-        (`{"enable_thinking": False}` for Qwen3)."""
+        (`{"enable_thinking": False}` for Qwen3). `reasoning_format="auto"`: a thinking model's reasoning (between
+        its template's think tags) comes as `message["reasoning_content"]` (streamed as `delta["reasoning_content"]`)
+        and the rest as `content`, as llama-server gives them (`h2o_local.reasoning`); "none" (the default, as
+        llama-cpp-python) leaves the answer as written."""
         k = chat_logprobs_k(logprobs, top_logprobs)
         params = _without_not_done(params)
         llm = self.llm
@@ -152,10 +155,11 @@ class Completions:
         p = sampling_.merge(sampling_.CHAT, sampling, params)
         tokens, n_keep = llm.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content,
                                          chat_template_kwargs=chat_template_kwargs)
+        thinking = reasoning.thinking(reasoning_format, llm.chat_template.source, prompt_end(llm, tokens))
         events = llm.generate_events(tokens, keep=n_keep, sampling=p, logits=k is not None)
         meta = responses.chat_meta(_model_name(llm, model))
         if stream and not plan.parses:
-            return self._chat_chunks(events, meta, k)
+            return self._chat_chunks(events, meta, k, thinking)
         text, entries, n, finish = [], [], 0, None
         with llm.lock:
             for e in events:
@@ -166,16 +170,20 @@ class Completions:
                 n += 1
                 if k is not None:
                     entries.append(responses.token_logprob(e.logits, e.token, k))
-        content, calls = plan.parse("".join(text))
+        thought, answer = (None, "".join(text)) if thinking is None else thinking.split("".join(text))
+        content, calls = plan.parse(answer)
         lp = None if k is None else responses.chat_logprobs(
             self.llm.token_to_piece, responses.shown_logprobs(self.llm.token_to_piece, entries, "".join(text)))
         out = responses.chat_completion(meta, content, "tool_calls" if calls else finish,
-                                        responses.usage(len(tokens), n), tool_calls=calls, logprobs=lp)
+                                        responses.usage(len(tokens), n), tool_calls=calls, logprobs=lp,
+                                        reasoning=thought)
         return responses.chat_completion_chunks(meta, out) if stream else out
 
-    def _chat_chunks(self, events, meta, k: Optional[int]) -> Iterator[ChatCompletionChunk]:
+    def _chat_chunks(self, events, meta, k: Optional[int],
+                     thinking: Optional[reasoning.Thinking]) -> Iterator[ChatCompletionChunk]:
         yield responses.chat_chunk(meta, {"role": "assistant", "content": ""})
         shown = responses.ShownLogprobs(self.llm.token_to_piece)
+        splitter = None if thinking is None else thinking.splitter()
         for e in events:
             lp = None
             if k is not None:  # a token's entry comes with its text
@@ -183,10 +191,16 @@ class Completions:
                     shown.drawn([responses.token_logprob(e.logits, e.token, k)])
                 out = shown.shown(e.text, end=e.token is None)
                 lp = responses.chat_logprobs(self.llm.token_to_piece, out) if out else None
-            if e.text or lp is not None:
-                yield responses.chat_chunk(meta, {"content": e.text}, logprobs=lp)
+            delta = responses.chat_delta(*reasoning.pieces(splitter, e.text, end=e.token is None))
+            if delta or lp is not None:
+                yield responses.chat_chunk(meta, delta or {"content": ""}, logprobs=lp)
             if e.token is None:
                 yield responses.chat_chunk(meta, {}, e.finish_reason)
+
+
+def prompt_end(llm: "Llama", tokens: Sequence[int]) -> str:
+    """The last characters of a prompt, its special tokens written out (whether it opened a think tag)."""
+    return llm.detokenize(list(tokens[-8:]), special=True).decode("utf-8", errors="replace")
 
 
 def _model_name(llm: "Llama", model: Optional[str]) -> str:

@@ -53,6 +53,8 @@ class ChatCompletionRequestMessage(TypedDict):
 class ChatCompletionResponseMessage(TypedDict):
     role: Literal["assistant"]
     content: Optional[str]
+    reasoning_content: NotRequired[str]  # llama-server's: a thinking model's reasoning (reasoning_format "auto")
+    tool_calls: NotRequired[List[Dict[str, object]]]
 
 
 class ChatCompletionTopLogprobToken(TypedDict):
@@ -89,6 +91,8 @@ class ChatCompletion(TypedDict):
 class ChatCompletionChunkDelta(TypedDict, total=False):
     role: Literal["assistant"]
     content: str
+    reasoning_content: str
+    tool_calls: List[Dict[str, object]]
 
 
 class ChatCompletionChunkChoice(TypedDict):

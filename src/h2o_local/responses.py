@@ -52,8 +52,11 @@ def completion_chunk(meta: Dict[str, Any], text: str, finish_reason: Optional[st
 
 def chat_completion(meta: Dict[str, Any], content: Optional[str], finish_reason: Optional[str],
                     use: CompletionUsage, tool_calls: Optional[List[Dict[str, Any]]] = None,
-                    logprobs: Optional[ChatCompletionLogprobs] = None) -> ChatCompletion:
+                    logprobs: Optional[ChatCompletionLogprobs] = None, reasoning: Optional[str] = None) -> ChatCompletion:
+    """`reasoning`: a thinking model's reasoning, apart (llama-server's `reasoning_content`; None: none)."""
     message: Dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {**meta, "object": "chat.completion",
@@ -67,12 +70,18 @@ def chat_completion_chunks(meta: Dict[str, Any], whole: Dict[str, Any]) -> Itera
     (when asked) with the first piece after the role."""
     choice = whole["choices"][0]
     message = choice["message"]
-    pieces = ([{"content": message["content"]}] if message.get("content") else []) + \
+    pieces = ([{"reasoning_content": message["reasoning_content"]}] if message.get("reasoning_content") else []) + \
+        ([{"content": message["content"]}] if message.get("content") else []) + \
         [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(message.get("tool_calls") or [])]
     yield chat_chunk(meta, {"role": "assistant", "content": ""})
     for i, delta in enumerate(pieces):
         yield chat_chunk(meta, delta, logprobs=choice.get("logprobs") if i == 0 else None)
     yield chat_chunk(meta, {}, choice["finish_reason"], logprobs=None if pieces else choice.get("logprobs"))
+
+
+def chat_delta(reasoning: str, content: str) -> Dict[str, str]:
+    """A streamed piece's delta: its reasoning (`reasoning_content`) and content, each where there is some."""
+    return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
 
 
 def chat_chunk(meta: Dict[str, Any], delta: Dict[str, Any], finish_reason: Optional[str] = None,

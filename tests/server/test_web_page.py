@@ -179,3 +179,20 @@ def test_with_recall_the_page_shows_what_waits_in_host_memory(tmp_path, browser)
         assert host > 0 and f"in host memory {host}" in stats.text
         assert len([c for c in classes if "kept" in c.split()]) <= 48
         browser.save_screenshot(str(tmp_path / "recall.png"))
+
+
+@needs_browser
+def test_a_thinking_models_reasoning_is_shown_above_its_answer(tmp_path, browser):
+    """The server gives a thinking model's reasoning apart (reasoning_content); the page shows it, dimmed. The
+    template opens the think tags itself, so the tiny model's text is all reasoning."""
+    from selenium.webdriver.common.by import By
+    from test_reasoning import OPENED
+
+    model = str(write_tiny_llama(tmp_path / "think.gguf", chat_template=OPENED, n_ctx_train=4096))
+    with serving(model, slots=1, budget=48) as (port, _):
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
+        answer = ask(browser, "Think first.")
+        thinking = answer.find_elements(By.CSS_SELECTOR, ".thinking")
+        assert thinking and thinking[0].text.strip() and thinking[0].value_of_css_property("font-style") == "italic"
+        browser.save_screenshot(str(tmp_path / "thinking.png"))

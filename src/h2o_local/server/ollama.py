@@ -18,8 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .. import __version__
-from .. import tools as tools_mod
+from .. import __version__, reasoning
 from . import routes
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
@@ -132,7 +131,8 @@ async def show(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
             "details": _model_card(state)["details"],
             "model_info": {"general.architecture": arch, f"{arch}.context_length": llm.n_ctx_train(),
                            f"{arch}.embedding_length": llm.n_embd()},
-            "capabilities": ["completion", *(["tools"] if llm.chat_template.tool_format is not None else [])]}
+            "capabilities": ["completion", *(["tools"] if llm.chat_template.tool_format is not None else []),
+                             *(["thinking"] if reasoning.think_tags(llm.chat_template.source) else [])]}
 
 
 @router.get("/api/version")
@@ -183,9 +183,17 @@ def _openai_message(i: int, m: Dict[str, Any]) -> Dict[str, Any]:
 def _chat_request(body: _OllamaRequest, messages: Optional[List[Dict[str, Any]]],
                   tools: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
     """The OpenAI-shaped chat request of an Ollama one (its options as sampling fields, its format as a grammar)."""
-    if body.think:
-        raise APIError(400, "this server's models do not think (think: true)", param="think")
     out: Dict[str, Any] = {"messages": messages or [{"role": "user", "content": ""}], "stream": False}
+    # think: true gives the reasoning apart (message.thinking), false asks the template not to think (Qwen3's
+    # enable_thinking); unset, the answer is as the model wrote it
+    if body.think is not None and not isinstance(body.think, bool):
+        raise APIError(400, f"think must be true or false here (levels are gpt-oss's), got {body.think!r}",
+                       param="think")
+    if body.think is not None and messages is None:
+        raise APIError(400, "think needs the chat template, which a raw prompt does not use", param="think")
+    out["reasoning_format"] = "none" if body.think is None else "auto"
+    if body.think is False:
+        out["chat_template_kwargs"] = {"enable_thinking": False}
     for name, value in (body.options or {}).items():
         if name in SAMPLING_OPTIONS:
             out[SAMPLING_OPTIONS[name]] = value
@@ -212,25 +220,32 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
                   prefix: Sequence[int] = ()):
     """The request run as a chat (messages) or a raw prompt (messages None: `body.prompt` read as it is)."""
     started = time.perf_counter()
+    if body.think is not None and reasoning.think_tags(state.llm.chat_template.source) is None:
+        raise APIError(400, f"{state.model_id} does not think (its chat template has no think tags)", param="think")
     chat = _validated(ChatCompletionRequest, _chat_request(body, messages, tools), OPTION_OF_FIELD)
+    thinking = None
     if messages is None:
         job = await routes.prompt_job(state, chat, request, body.prompt, prefix=prefix, max_tokens=chat.max_tokens)
         plan = None
     else:
         job, plan, _ = await routes.chat_job(state, chat, request, prefix=prefix)
+        thinking = routes.chat_thinking(state, chat, job)
     read = time.perf_counter()
     head = {"model": body.model or state.model_id}
     generating = isinstance(body, OllamaGenerate)
     if body.stream and (plan is None or not plan.parses):
-        return _Lines(_stream(state, job, head, generating, started, read), state.settings.stream_send_timeout_s)
+        return _Lines(_stream(state, job, head, generating, started, read, thinking),
+                      state.settings.stream_send_timeout_s)
     tokens: List[int] = []
     pieces, finish, _ = await routes.collect_answer(state, job, request, tokens)
-    text = "".join(pieces)
+    thought, text = (None, "".join(pieces)) if thinking is None else thinking.split("".join(pieces))
     if generating:
-        answer = {"response": text}
+        answer = {"response": text, **({"thinking": thought} if thought is not None else {})}
     else:
         content, calls = plan.parse(text) if plan is not None else (text, [])
         answer = {"message": {"role": "assistant", "content": content or ""}}
+        if thought is not None:
+            answer["message"]["thinking"] = thought
         if calls:
             answer["message"]["tool_calls"] = ollama_calls(calls)
     final = _done(head["model"], answer, finish, _counts(job, tokens, generating, started, read))
@@ -246,14 +261,18 @@ def ollama_calls(calls: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating: bool, started: float,
-                  read: float) -> AsyncIterator[str]:
+                  read: float, thinking: Optional[reasoning.Thinking] = None) -> AsyncIterator[str]:
     tokens: List[int] = []
+    splitter = None if thinking is None else thinking.splitter()
     try:
         async for step in routes.job_steps(state, job):
             e = step.event
             tokens += step.tokens
-            if e.text:
-                piece = {"response": e.text} if generating else {"message": {"role": "assistant", "content": e.text}}
+            thought, text = reasoning.pieces(splitter, e.text, end=e.token is None)
+            if thought or text:
+                said = {**({"thinking": thought} if thought else {}), "content": text}
+                piece = {"response": text, **({"thinking": thought} if thought else {})} if generating else \
+                    {"message": {"role": "assistant", **said}}
                 yield json.dumps({**head, "created_at": _now(), **piece, "done": False}) + "\n"
             if e.token is None:
                 empty = {"response": ""} if generating else {"message": {"role": "assistant", "content": ""}}

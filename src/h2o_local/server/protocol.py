@@ -144,6 +144,9 @@ class ChatCompletionRequest(_Request):
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # with logprobs: true
     # llama-server's and vLLM's: more variables the chat template reads ({"enable_thinking": false} for Qwen3)
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    # llama-server's: "auto" (the default here, as there) gives a thinking model's reasoning as
+    # message.reasoning_content, apart from its content; "none" leaves the answer as written
+    reasoning_format: Optional[str] = None
 
 
 class LlamaServerCompletionRequest(_Request):

@@ -18,10 +18,10 @@ from fastapi.responses import FileResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
-from .. import __version__, policies, responses
+from .. import __version__, policies, reasoning, responses
 from .. import tools as tools_mod
 from ..chat_template import check_variables
-from ..completions import chat_logprobs_k, completion_prompt
+from ..completions import chat_logprobs_k, completion_prompt, prompt_end
 from ..responses import TokenLogprob
 from ..sampling import CHAT_SURFACE, COMPLETION, SamplingParams
 from . import requests
@@ -159,10 +159,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(server_state)):
     job, plan, k = await chat_job(state, body, request)
     meta = responses.chat_meta(state.model_id)
+    thinking = chat_thinking(state, body, job)
     if body.stream and not plan.parses:
-        return _event_stream(state, _chat_stream(state, job, meta, _include_usage(body)))
+        return _event_stream(state, _chat_stream(state, job, meta, _include_usage(body), thinking))
     pieces, finish, entries = await collect_answer(state, job, request)
-    content, calls = plan.parse("".join(pieces))
+    thought, answer = (None, "".join(pieces)) if thinking is None else thinking.split("".join(pieces))
+    content, calls = plan.parse(answer)
     if body.parallel_tool_calls is False:
         calls = calls[:1]
     logprobs = None
@@ -170,7 +172,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         piece = state.llm.token_to_piece
         logprobs = responses.chat_logprobs(piece, responses.shown_logprobs(piece, entries, "".join(pieces)))
     out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, _usage(job),
-                                    tool_calls=calls, logprobs=logprobs)
+                                    tool_calls=calls, logprobs=logprobs, reasoning=thought)
     if body.stream:  # with tools the answer is parsed whole, then streamed
         return _event_stream(state, _whole_stream(meta, out, _include_usage(body)))
     return out
@@ -372,10 +374,12 @@ def _chat_messages(state: ServerState,
         if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}, got "
                                 f"{repr(m.get('role'))[:64]}", param=f"messages.{i}.role")
-    try:
-        check_variables(body.chat_template_kwargs)
-    except (TypeError, ValueError) as e:
-        raise APIError(400, str(e), param="chat_template_kwargs") from None
+    for param, check in (("chat_template_kwargs", lambda: check_variables(body.chat_template_kwargs)),
+                         ("reasoning_format", lambda: reasoning.check_format(body.reasoning_format or "auto"))):
+        try:
+            check()
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param=param) from None
     if body.tools == [] and body.tool_choice in (None, "none"):  # clients that send empty tools ask for nothing
         body.tools = None
     try:
@@ -385,6 +389,12 @@ def _chat_messages(state: ServerState,
         raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
     requests.check_prompt_bytes(state, sum(requests.text_bytes(m.get("content")) for m in messages), "messages")
     return plan, messages
+
+
+def chat_thinking(state: ServerState, body: ChatCompletionRequest, job: Job) -> Optional[reasoning.Thinking]:
+    """How the request's answer is split into reasoning and content (reasoning_format, "auto" by default)."""
+    return reasoning.thinking(body.reasoning_format or "auto", state.llm.chat_template.source,
+                              prompt_end(state.llm, job.prompt_tokens))
 
 
 async def _prepared_in_time(state: ServerState, render: Callable[..., Any], messages: List[Dict[str, Any]],
@@ -505,18 +515,21 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
     yield "[DONE]"
 
 
-async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool):
+async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool,
+                       thinking: Optional[reasoning.Thinking]):
     yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": ""}), job.started.view))
     shown = responses.ShownLogprobs(state.llm.token_to_piece)
+    splitter = None if thinking is None else thinking.splitter()
     try:
         async for step in job_steps(state, job):
             e, view = step.event, step.view
             shown.drawn(step.logprobs)
             out = shown.shown(e.text, end=e.token is None)  # a token's logprobs come with its text
             lp = responses.chat_logprobs(state.llm.token_to_piece, out) if out else None
+            delta = responses.chat_delta(*reasoning.pieces(splitter, e.text, end=e.token is None))
             # the view goes with every token; logprobs with their tokens' text (at the end, maybe with none)
-            if e.text or (view is not None and e.token is not None) or lp is not None:
-                yield json.dumps(_viewed(responses.chat_chunk(meta, {"content": e.text}, logprobs=lp), view))
+            if delta or (view is not None and e.token is not None) or lp is not None:
+                yield json.dumps(_viewed(responses.chat_chunk(meta, delta or {"content": ""}, logprobs=lp), view))
             if e.token is None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's

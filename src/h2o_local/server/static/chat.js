@@ -198,7 +198,7 @@ async function send(text) {
   setBusy(true);
   ui.policy.disabled = ui.budget.disabled = true;  // chosen once per conversation
   chat.controller = new AbortController();
-  let answer = "";
+  let answer = "", reasoning = "";
   let finish = null;
   try {
     const response = await fetch("v1/chat/completions", {
@@ -216,9 +216,10 @@ async function send(text) {
       if (chunk.kv_cache) takeView(chunk.kv_cache);
       const choice = chunk.choices && chunk.choices[0];
       if (!choice) continue;
-      if (choice.delta && choice.delta.content) {
-        answer += choice.delta.content;
-        bubble.textContent = answer;
+      if (choice.delta && (choice.delta.content || choice.delta.reasoning_content)) {
+        answer += choice.delta.content || "";
+        reasoning += choice.delta.reasoning_content || "";
+        fillAnswer(bubble, reasoning, answer);
         ui.messages.scrollTop = ui.messages.scrollHeight;
       }
       if (choice.finish_reason) finish = choice.finish_reason;
@@ -236,6 +237,18 @@ async function send(text) {
   meta.textContent = (finish || "stopped") + (cache.info ? " · " + cache.info.policy : "");
   bubble.appendChild(meta);
   bubble.dataset.finish = finish || "stopped";
+}
+
+// a thinking model's reasoning (the server gives it apart, as llama-server does) above its answer, dimmed
+function fillAnswer(bubble, reasoning, answer) {
+  bubble.textContent = "";
+  if (reasoning) {
+    const thinking = document.createElement("span");
+    thinking.className = "thinking";
+    thinking.textContent = reasoning.trim();
+    bubble.appendChild(thinking);
+  }
+  bubble.appendChild(document.createTextNode(answer));
 }
 
 function newConversation() {

@@ -1,0 +1,115 @@
+"""A thinking model's reasoning apart from its answer, as llama-server gives it (`reasoning_content`, its default
+"auto"; "none" leaves the answer as written) and as Ollama does (`think`, `message.thinking`); through `Llama`,
+the OpenAI route and Ollama's, whole and streamed. The tiny model writes what a grammar tells it to."""
+import json
+
+import httpx
+import ollama
+import pytest
+
+from h2o_local import Llama
+from test_server import post, serving
+from tiny_model import write_tiny_llama
+from tool_template import WEATHER
+
+# Qwen3's shape, reduced: think tags, `enable_thinking`, calls as <tool_call> JSON
+THINKING = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{{ (m.content or '').split('</think>')[-1].lstrip() }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}\n</tool_call>{%- endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+# DeepSeek-R1's distills: the generation prompt opens the tags, the answer starts inside them
+OPENED = THINKING.replace("<|im_start|>assistant\n{%- if enable_thinking", "<|im_start|>assistant\n<think>\n{% if enable_thinking")
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+WRITTEN = "<think>\nTwo and two, a < b.\n</think>\n\nIt is 4."
+
+
+def forced(text):
+    return 'root ::= ' + json.dumps(text)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("think") / "think.gguf", chat_template=THINKING,
+                                n_ctx_train=4096))
+
+
+@pytest.fixture(scope="module")
+def opened_model(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("think") / "r1.gguf", chat_template=OPENED, n_ctx_train=4096))
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return Llama(model, budget=256, n_threads=1)
+
+
+def test_llama_gives_the_reasoning_apart_when_asked_and_the_answer_as_written_by_default(llm):
+    kw = dict(max_tokens=80, temperature=0, grammar=forced(WRITTEN))
+    assert llm.create_chat_completion(ASK, **kw)["choices"][0]["message"] == {"role": "assistant", "content": WRITTEN}
+    message = llm.create_chat_completion(ASK, reasoning_format="auto", **kw)["choices"][0]["message"]
+    assert message == {"role": "assistant", "reasoning_content": "\nTwo and two, a < b.\n", "content": "It is 4."}
+    deltas = [c["choices"][0]["delta"] for c in llm.create_chat_completion(ASK, stream=True, reasoning_format="auto", **kw)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    with pytest.raises(ValueError, match="reasoning_format"):
+        llm.create_chat_completion(ASK, reasoning_format="sometimes", **kw)
+
+
+def test_an_answer_that_starts_inside_the_tags_or_never_closes_them(opened_model):
+    opened = Llama(opened_model, budget=256)
+    assert opened.apply_chat_template(ASK).endswith("<think>\n")
+    out = opened.create_chat_completion(ASK, reasoning_format="auto", max_tokens=40, temperature=0,
+                                        grammar=forced("Sum it.\n</think>\nIt is 4."))["choices"][0]["message"]
+    assert (out["reasoning_content"], out["content"]) == ("Sum it.\n", "It is 4.")
+    cut = opened.create_chat_completion(ASK, reasoning_format="auto", max_tokens=5, temperature=0)["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] == "" and cut["message"]["reasoning_content"]
+
+
+def test_the_server_splits_by_default_as_llama_server_and_a_call_follows_the_reasoning(model):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+    with serving(model, slots=2, budget=256) as (port, client):
+        kw = dict(model="tiny", messages=ASK, max_tokens=80, temperature=0, extra_body={"grammar": forced(WRITTEN)})
+        message = client.chat.completions.create(**kw).choices[0].message
+        assert (message.content, message.model_extra["reasoning_content"]) == ("It is 4.", "\nTwo and two, a < b.\n")
+        raw = client.chat.completions.create(**{**kw, "extra_body": {"grammar": forced(WRITTEN), "reasoning_format": "none"}})
+        assert raw.choices[0].message.content == WRITTEN
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "\nTwo and two, a < b.\n"
+        assert "".join(d.content or "" for d in deltas) == "It is 4."
+        status, out = post(port, "/v1/chat/completions", {"messages": ASK, "reasoning_format": "maybe"})
+        assert status == 400 and out["error"]["param"] == "reasoning_format"
+        tooled = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=120,
+                                                temperature=0, extra_body={"grammar": forced("<think>x</think>" + call)})
+        message = tooled.choices[0].message
+        assert message.model_extra["reasoning_content"] == "x" and message.tool_calls[0].function.name == "get_weather"
+        # the reasoning goes back with the answer; the template drops it from the history
+        history = ASK + [{"role": "assistant", "content": WRITTEN}, {"role": "user", "content": "And 3 + 3?"}]
+        assert client.chat.completions.create(model="tiny", messages=history, max_tokens=2).choices[0].finish_reason
+
+
+def test_ollama_thinks_as_told(opened_model):
+    """A model whose prompt opens the tags (so that the tiny model's text is all reasoning): `think: true` gives it
+    as `message.thinking`, `false` tells the template (Qwen3's enable_thinking), unset leaves the answer as written."""
+    with serving(opened_model, slots=2, budget=256) as (port, _):
+        client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)
+        options = {"temperature": 0, "num_predict": 6}
+        asked = client.chat(model="tiny", messages=ASK, think=True, options=options)
+        unset = client.chat(model="tiny", messages=ASK, options=options)
+        assert asked.message.thinking == unset.message.content and asked.message.content == ""
+        assert unset.message.thinking is None
+        quiet = client.chat(model="tiny", messages=ASK, think=False, options=options)
+        assert quiet.prompt_eval_count > unset.prompt_eval_count  # the template's empty think block
+        lines = list(client.chat(model="tiny", messages=ASK, think=True, options=options, stream=True))
+        assert "".join(x.message.thinking or "" for x in lines) == asked.message.thinking
+        assert "".join(x.message.content or "" for x in lines) == ""
+        generated = client.generate(model="tiny", prompt="What is 2 + 2?", think=True, options=options)
+        assert generated.thinking and generated.response == ""
+        assert "thinking" in client.show("tiny").capabilities
+        with pytest.raises(ollama.ResponseError, match="think"):
+            client.chat(model="tiny", messages=ASK, think="high")
