@@ -4,6 +4,7 @@ writing the grammar that forces one.
     <tool_call>{"name": ..., "arguments": {...}}</tool_call>          JsonBlocks  (Hermes, Qwen2.5, Qwen3, Granite 4)
     <tool_call><function=NAME><parameter=K>V</parameter></function>   FunctionTags (Qwen3-Coder, Qwen3.5, Nemotron 3)
     <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>        ArgKeys     (GLM 4.5-4.7, Laguna, Ling)
+    {"name": ..., "parameters": {...}} as the whole answer             BareJson    (Llama 3.1-3.3)
 
 A template's format is found by rendering a probe call with it and reading it back (`tools.call_format`), never by
 the template's name. In the two XML formats a value is written as it is when its parameter is a string, else as
@@ -205,7 +206,39 @@ class ArgKeys(_XmlFormat):
         return 'root ::= "<tool_call>" (' + " | ".join(calls) + ') "</tool_call>"\n' + rules
 
 
-FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys())
+@dataclasses.dataclass(frozen=True)
+class BareJson(CallFormat):
+    """Llama 3.1-3.3's: the whole answer is one JSON object {"name": ..., "parameters": {...}} (after
+    `<|python_tag|>`, where the model writes it), of one of the tools given."""
+
+    name = "bare-json"
+    marker = '"parameters"'
+    _END = re.compile(r"(?:\s*<\|\w+\|>)*\s*$")  # the end-of-turn token a rendered call ends with
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        names = {t["function"]["name"] for t in tools}
+        start = len(text) - len(text.lstrip())
+        if text.startswith("<|python_tag|>", start):
+            start += len("<|python_tag|>")
+        body = text[start:].lstrip()
+        start = len(text) - len(body)
+        try:
+            value, end = json.JSONDecoder(strict=False).raw_decode(body)
+        except ValueError:
+            return []
+        if not self._END.fullmatch(body, end) or not isinstance(value, dict) or value.get("name") not in names:
+            return []
+        arguments = value.get("parameters", value.get("arguments", {}))
+        return [(0, start + end, value["name"], arguments)]
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                     "parameters": _parameters(t)},
+                    "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        return json_schema_rules({"": options[0] if len(options) == 1 else {"anyOf": options}})[1]
+
+
+FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson())
 
 
 def _json_call(source: str) -> Optional[Tuple[str, Any]]:

@@ -192,21 +192,24 @@ def test_a_template_cannot_change_the_callers_messages_or_loop_past_its_time_lim
 def test_tools_go_to_the_templates_whose_calls_are_read_back():
     """A template takes tools when it describes them and writes a call in a format `tool_formats` reads back, found
     by rendering a probe call: `<tool_call>` JSON (Hermes, Qwen2.5, Qwen3), `<function=...>` tags (Qwen3-Coder,
-    Qwen3.5, Seed-OSS with its own wrapping tag), `<arg_key>` pairs (GLM 4.6 with line breaks, 4.7 without). Other
-    formats (Llama 3.1's bare JSON, Mistral's [TOOL_CALLS], Kimi's, gpt-oss's) are refused, not misread."""
+    Qwen3.5, Seed-OSS with its own wrapping tag), `<arg_key>` pairs (GLM 4.6 with line breaks, 4.7 without), the
+    bare JSON answer (Llama 3.1-3.3). Other formats (Mistral's [TOOL_CALLS], Kimi's, gpt-oss's) are refused, not
+    misread."""
     formats = {name: ChatTemplate(source).tool_format for name, source in REAL.items()}
     named = {name: fmt.name for name, fmt in formats.items() if fmt is not None}
     assert {named[n] for n in ("Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B",
                                "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use")} == {"json"}
     assert {named[n] for n in ("Qwen3-Coder", "Qwen3.5-4B", "ByteDance-Seed-OSS")} == {"function-tags"}
     assert {named[n] for n in ("GLM-4.6", "GLM-4.7-Flash")} == {"arg-keys"}
+    assert {named[n] for n in ("meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
+                               "meta-llama-Llama-3.3-70B-Instruct")} == {"bare-json"}
     assert formats["ByteDance-Seed-OSS"] == tool_formats.FunctionTags(open="<seed:tool_call>", lines=False)
     assert formats["GLM-4.6"].lines and not formats["GLM-4.7-Flash"].lines
-    assert not named.keys() & {"meta-llama-Llama-3.1-8B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407",
+    assert not named.keys() & {"mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506",
                                "moonshotai-Kimi-K2", "openai-gpt-oss-120b", "HuggingFaceTB-SmolLM3-3B"}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(ValueError, match="no tool-call format this library reads"):
-        tools_mod.plan(ChatTemplate(REAL["meta-llama-Llama-3.1-8B-Instruct"]), [tool], "auto")
+        tools_mod.plan(ChatTemplate(REAL["mistralai-Mistral-Nemo-Instruct-2407"]), [tool], "auto")
     assert tools_mod.plan(ChatTemplate(REAL["Qwen3.5-4B"]), [tool], "auto").format.name == "function-tags"
 
 

@@ -1,5 +1,6 @@
 """Chat templates with a tool-call format (Hermes / Qwen2.5's `<tool_call>` JSON blocks, Qwen3.5's `<function=...>`
-tags, GLM's `<arg_key>` pairs) and a tool, for the tests of tool calls through `Llama` and both servers' APIs."""
+tags, GLM's `<arg_key>` pairs, Llama 3.1's bare JSON) and a tool, for the tests of tool calls through `Llama` and
+both servers' APIs."""
 
 # the shape of Qwen2.5's template, reduced: tools described in the system turn, calls as <tool_call> blocks, a
 # tool's result as a user turn in <tool_response>
@@ -40,4 +41,7 @@ FUNCTION_TAGS = _with_calls("<tool_call>\n<function={{ c.function.name }}>\n{% f
 ARG_KEYS = _with_calls("<tool_call>{{ c.function.name }}\n{% for k, v in c.function.arguments | items %}<arg_key>{{ k }}"
                        "</arg_key>\n<arg_value>" + _VALUE + "</arg_value>\n{% endfor %}</tool_call>",
                        "Call one with <tool_call>name and <arg_key> <arg_value> pairs")
-TEMPLATES = {"json": HERMES, "function-tags": FUNCTION_TAGS, "arg-keys": ARG_KEYS}
+# Llama 3.1's format, reduced: the whole answer is the call
+BARE_JSON = _with_calls("{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}",
+                        'Call one by answering {"name": function name, "parameters": its arguments} only')
+TEMPLATES = {"json": HERMES, "function-tags": FUNCTION_TAGS, "arg-keys": ARG_KEYS, "bare-json": BARE_JSON}
