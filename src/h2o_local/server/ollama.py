@@ -166,12 +166,16 @@ def _validated(model: type, raw: Any, names: Optional[Dict[str, str]] = None) ->
 
 def _openai_message(i: int, m: Dict[str, Any]) -> Dict[str, Any]:
     """An Ollama message as the chat request takes it: images refused, tool calls' arguments as JSON text, a
-    missing content empty."""
+    missing content empty, an answer's `thinking` as `reasoning_content` and a tool result's `tool_name` as `name`
+    (the fields templates read)."""
     if not isinstance(m, dict):
         raise APIError(400, f"messages[{i}] must be an object", param=f"messages.{i}")
     if m.get("images"):
         raise APIError(400, "images are not supported: this server runs a text model", param=f"messages.{i}.images")
     out = {"content": "", **{k: v for k, v in m.items() if k in ("role", "content")}}  # Ollama's content: "" if none
+    for ollama_name, name in (("thinking", "reasoning_content"), ("tool_name", "name")):
+        if isinstance(m.get(ollama_name), str):
+            out[name] = m[ollama_name]
     if m.get("tool_calls"):
         out["tool_calls"] = [{"type": "function", "id": f"call_{i}_{j}",
                               "function": {"name": (c.get("function") or {}).get("name"),
