@@ -5,7 +5,7 @@ llama-cpp-python has them. `Completions` holds a `Llama` and shapes what its pub
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import llama_cpp_python, reasoning, responses
 from . import sampling as sampling_
@@ -156,6 +156,7 @@ class Completions:
         tokens, n_keep = llm.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content,
                                          chat_template_kwargs=chat_template_kwargs)
         thinking = reasoning.thinking(reasoning_format, llm.chat_template.source, prompt_end(llm, tokens))
+        p = p.replace(preserved_tokens=p.preserved_tokens + answer_markup(llm, plan, thinking))
         events = llm.generate_events(tokens, keep=n_keep, sampling=p, logits=k is not None)
         meta = responses.chat_meta(_model_name(llm, model))
         if stream and not plan.parses:
@@ -196,6 +197,14 @@ class Completions:
                 yield responses.chat_chunk(meta, delta or {"content": ""}, logprobs=lp)
             if e.token is None:
                 yield responses.chat_chunk(meta, {}, e.finish_reason)
+
+
+def answer_markup(llm: "Llama", plan: tools_mod.ToolPlan, thinking: Optional[reasoning.Thinking]) -> Tuple[int, ...]:
+    """The control tokens a chat's answer must show to be read: its tool-call format's tags (when calls are parsed)
+    and its think tags (when the reasoning is split)."""
+    texts = (plan.format.tags if plan.parses else ()) + \
+        ((thinking.tags.open, thinking.tags.close) if thinking is not None else ())
+    return llm.preserved_tokens(texts) if texts else ()
 
 
 def prompt_end(llm: "Llama", tokens: Sequence[int]) -> str:

@@ -737,7 +737,8 @@ class Llama:
         if not prompt_tokens and reset:
             raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
         sampler = self._sampler(params, history=prompt_tokens)
-        run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), self._answer_limit(params))
+        run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), self._answer_limit(params),
+                                shown_special=frozenset(params.preserved_tokens))
         with self.lock:
             # the token the last generation showed but did not feed goes first when the session goes on
             feed = prompt_tokens if reset else self._pending + prompt_tokens
@@ -845,7 +846,8 @@ class Llama:
         for wave in range(0, len(token_lists), self.n_seq_max):
             idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
             runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i, history=token_lists[i]),
-                                      TextAssembler(p.stop), self._answer_limit(p))
+                                      TextAssembler(p.stop), self._answer_limit(p),
+                                      shown_special=frozenset(p.preserved_tokens))
                     for s, i in enumerate(idx)]
             with self.lock:
                 owner = self._take_over()
@@ -935,6 +937,18 @@ class Llama:
         for piece, special in content_pieces(text, contents, plain):
             tokens += self.tokenize(piece, add_bos=add_bos and not tokens, special=special)
         return tokens
+
+    def preserved_tokens(self, texts: Iterable[str]) -> Tuple[int, ...]:
+        """The tokens among `texts` that are one special token each whose text an answer would not show (control
+        tokens): what a chat keeps in its answer to read its tool calls and reasoning (`SamplingParams.
+        preserved_tokens`, llama-server's)."""
+        out = []
+        for text in texts:
+            ids = self.tokenize(text, add_bos=False, special=True)
+            if len(ids) == 1 and not self._engine.token_to_piece(ids[0], False) and \
+                    self._engine.token_to_piece(ids[0], True).decode("utf-8", errors="replace") == text:
+                out.append(ids[0])
+        return tuple(out)
 
     def _holds_special_text(self, text: str) -> bool:
         """Whether `text` spells a special token (it tokenizes otherwise with special tokens parsed)."""

@@ -36,6 +36,8 @@ class SamplingParams:
         repetitions; a larger one raises ValueError before any work is done on it) and how much work one step of it
         may take (GrammarTooLarge when the sampler is made; a generation whose grammar needs more later ends with
         `_engine.GrammarWorkExceeded`, a ValueError).
+    preserved_tokens: special tokens whose text the answer shows, where it would not (control tokens; llama-server's
+        name): a chat sets the tags of its tool-call format and think tags (`Llama.preserved_tokens`).
     """
 
     max_tokens: Optional[int] = 128
@@ -57,6 +59,7 @@ class SamplingParams:
     mirostat_mode: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    preserved_tokens: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -99,6 +102,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(s for s in stops if s))
         if self.ignore_eos and self.max_tokens is None:
             raise ValueError("ignore_eos=True needs max_tokens")
+        preserved = tuple(self.preserved_tokens or ())
+        for t in preserved:
+            check_int("preserved_tokens", t, minimum=0, maximum=None)
+        object.__setattr__(self, "preserved_tokens", preserved)
 
     def replace(self, **changes: Any) -> "SamplingParams":
         """A copy with `changes` applied (unknown names raise TypeError)."""

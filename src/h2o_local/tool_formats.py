@@ -47,6 +47,12 @@ class CallFormat:
         call is written as the model saw calls in training."""
         return self
 
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        """The markup a call is read by: where a vocabulary has a control token for one, the answer must show its
+        text (`Llama.preserved_tokens`)."""
+        return ("<tool_call>", "</tool_call>")
+
     def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """GBNF (rule `root`) for one call of one of `tools`, as this format writes it."""
         raise NotImplementedError
@@ -159,6 +165,11 @@ class FunctionTags(_XmlFormat):
     _CALL = re.compile(r"(?:<[\w:]*tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</[\w:]*tool_call>)?", re.S)
     _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        wrapper = (self.open, "</" + self.open[1:]) if self.open else ()
+        return wrapper + ("<function=", "</function>", "<parameter=", "</parameter>")
+
     def fitted(self, written: str) -> "FunctionTags":
         m = re.search(r"(<[\w:]*tool_call>)?\s*<function=", written)
         return dataclasses.replace(self, open=(m.group(1) or "") if m else self.open,
@@ -190,6 +201,10 @@ class ArgKeys(_XmlFormat):
                        re.S)
     _PARAM = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        return ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
     def fitted(self, written: str) -> "ArgKeys":
         return dataclasses.replace(self, lines="</arg_key>\n" in written)
 
@@ -214,6 +229,10 @@ class BareJson(CallFormat):
     name = "bare-json"
     marker = '"parameters"'
     _END = re.compile(r"(?:\s*<\|\w+\|>)*\s*$")  # the end-of-turn token a rendered call ends with
+
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        return ("<|python_tag|>",)
 
     def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
         names = {t["function"]["name"] for t in tools}

@@ -191,3 +191,25 @@ def test_a_calls_logprobs_come_whole_or_streamed(model):
     chunks = list(llm.create_chat_completion(ASK, stream=True, **kwargs))
     carried = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
     assert carried == [whole["choices"][0]["logprobs"]] and chunks[1]["choices"][0]["logprobs"] == carried[0]
+
+
+@pytest.mark.parametrize("fmt", ["json", "arg-keys"])
+def test_markup_that_is_a_control_token_is_shown_so_that_the_call_is_read(tmp_path, fmt):
+    """Where the vocabulary has control tokens for a format's tags (GLM's <arg_key>, Qwen's <tool_call>), an answer
+    does not show their text, and the call could not be read: a chat keeps them shown (llama-server's
+    preserved_tokens)."""
+    from h2o_local import tools as tools_mod
+
+    tags = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
+    llm = Llama(str(write_tiny_llama(tmp_path / "ctl.gguf", chat_template=TEMPLATES[fmt], n_ctx_train=4096,
+                                     special_tokens=tags)), budget=512, n_batch=64)
+    plan = tools_mod.plan(llm.chat_template, [WEATHER], "required")
+    controls = llm.preserved_tokens(plan.format.tags)
+    assert set(controls) == {llm.tokenize(t, add_bos=False, special=True)[0] for t in plan.format.tags}
+    prefer = {"max_tokens": 200, "temperature": 0, "logit_bias": {t: 30.0 for t in controls}}  # as a trained model
+    tokens, _ = llm.chat_tokens(ASK, tools=plan.tools)
+    hidden = "".join(e.text for e in llm.generate_events(tokens, grammar=plan.grammar, **prefer))
+    assert "<tool_call>" not in hidden  # the grammar wrote the control token; its text is not shown
+    out = llm.create_chat_completion(ASK, tools=[WEATHER], tool_choice="required", **prefer)
+    (call,) = out["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city", "unit"}

@@ -113,3 +113,16 @@ def test_ollama_thinks_as_told(opened_model):
         assert "thinking" in client.show("tiny").capabilities
         with pytest.raises(ollama.ResponseError, match="think"):
             client.chat(model="tiny", messages=ASK, think="high")
+
+
+def test_think_tags_that_are_control_tokens_still_split_the_answer(tmp_path):
+    """DeepSeek-R1's vocabulary has control tokens for its tags: the answer shows their text when the reasoning is
+    split (preserved_tokens), so that the split finds them."""
+    llm = Llama(str(write_tiny_llama(tmp_path / "ctl.gguf", chat_template=OPENED, n_ctx_train=4096,
+                                     special_tokens=["<think>", "</think>"])), budget=256)
+    close = llm.tokenize("</think>", add_bos=False, special=True)
+    assert len(close) == 1 and llm.preserved_tokens(["</think>"]) == tuple(close)
+    kw = dict(max_tokens=40, temperature=0, grammar=forced("Sum it.</think>It is 4."), logit_bias={close[0]: 30.0})
+    assert "</think>" not in llm.create_chat_completion(ASK, **kw)["choices"][0]["message"]["content"]  # hidden
+    message = llm.create_chat_completion(ASK, reasoning_format="auto", **kw)["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Sum it.", "It is 4.")

@@ -232,8 +232,7 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
         job = await routes.prompt_job(state, chat, request, body.prompt, prefix=prefix, max_tokens=chat.max_tokens)
         plan = None
     else:
-        job, plan, _ = await routes.chat_job(state, chat, request, prefix=prefix)
-        thinking = routes.chat_thinking(state, chat, job)
+        job, plan, _, thinking = await routes.chat_job(state, chat, request, prefix=prefix)
     read = time.perf_counter()
     head = {"model": body.model or state.model_id}
     generating = isinstance(body, OllamaGenerate)

@@ -108,10 +108,10 @@ def check_echo_logprobs(state: ServerState, n_tokens: int) -> None:
 
 
 async def sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int],
-                    tokens: List[int]) -> Tuple[SamplingParams, Any]:
+                    tokens: List[int], preserved: Tuple[int, ...] = ()) -> Tuple[SamplingParams, Any]:
     """The request's sampling parameters, and with a grammar its sampler, made (the grammar parsed and checked
     against the vocabulary) in the preparing threads: a grammar that does not parse, allows nothing or needs more
-    work than allowed is the request's 400, here."""
+    work than allowed is the request's 400, here. `preserved`: the special tokens its answer shows."""
     changes: Dict[str, Any] = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "typical_p",
                                                               "mirostat_mode", "mirostat_tau", "mirostat_eta", "seed",
                                                               "presence_penalty", "frequency_penalty", "repeat_penalty")
@@ -131,6 +131,8 @@ async def sampling(state: ServerState, defaults: SamplingParams, body: _Request,
         raise APIError(400, f"give one of {', '.join(given)}, not several", param=given[1])
     limits = state.settings.grammar_limits()
     changes["grammar_limits"] = limits
+    if preserved:
+        changes["preserved_tokens"] = preserved
     try:
         if body.grammar:
             changes["grammar"] = body.grammar

@@ -21,7 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from .. import __version__, policies, reasoning, responses
 from .. import tools as tools_mod
 from ..chat_template import check_variables
-from ..completions import chat_logprobs_k, completion_prompt, prompt_end
+from ..completions import answer_markup, chat_logprobs_k, completion_prompt, prompt_end
 from ..responses import TokenLogprob
 from ..sampling import CHAT_SURFACE, COMPLETION, SamplingParams
 from . import requests
@@ -157,9 +157,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(server_state)):
-    job, plan, k = await chat_job(state, body, request)
+    job, plan, k, thinking = await chat_job(state, body, request)
     meta = responses.chat_meta(state.model_id)
-    thinking = chat_thinking(state, body, job)
     if body.stream and not plan.parses:
         return _event_stream(state, _chat_stream(state, job, meta, _include_usage(body), thinking))
     pieces, finish, entries = await collect_answer(state, job, request)
@@ -305,9 +304,11 @@ def _piece_json(piece: bytes) -> Any:
 
 # ---------------------------------------------------------------------------------------------------- helpers
 async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Request,
-                   prefix: Sequence[int] = ()) -> Tuple[Job, tools_mod.ToolPlan, Optional[int]]:
-    """A chat request checked, its prompt made and its job started (the prompt read): the job, its tools' plan and
-    the top logprobs it asked for. `prefix`: token ids read before the chat's own (Ollama's `context`)."""
+                   prefix: Sequence[int] = ()) -> Tuple[Job, tools_mod.ToolPlan, Optional[int],
+                                                         Optional[reasoning.Thinking]]:
+    """A chat request checked, its prompt made and its job started (the prompt read): the job, its tools' plan,
+    the top logprobs it asked for and how its answer's reasoning is split. `prefix`: token ids read before the
+    chat's own (Ollama's `context`)."""
     body.refuse_unsupported()
     plan, messages = _chat_messages(state, body)
     if plan.grammar is not None:
@@ -332,13 +333,15 @@ async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Req
     if view and plan.parses:
         raise APIError(400, "kv_cache.view streams the answer token by token; with tools it is parsed whole",
                        param="kv_cache.view")
-    params, sampler = await requests.sampling(state, CHAT_SURFACE, body, limit, tokens)
+    thinking = chat_thinking(state, body, tokens)
+    params, sampler = await requests.sampling(state, CHAT_SURFACE, body, limit, tokens,
+                                              preserved=answer_markup(state.llm, plan, thinking))
     job = await _submit(state, Job(tokens, params, sampler=sampler,
                                    n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
                                    recall=recall,
                                    time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
                                    logprobs=k), request)
-    return job, plan, k
+    return job, plan, k, thinking
 
 
 async def prompt_job(state: ServerState, body: _Request, request: Request, prompt: Union[str, List[int]], *,
@@ -391,10 +394,11 @@ def _chat_messages(state: ServerState,
     return plan, messages
 
 
-def chat_thinking(state: ServerState, body: ChatCompletionRequest, job: Job) -> Optional[reasoning.Thinking]:
+def chat_thinking(state: ServerState, body: ChatCompletionRequest,
+                  tokens: Sequence[int]) -> Optional[reasoning.Thinking]:
     """How the request's answer is split into reasoning and content (reasoning_format, "auto" by default)."""
     return reasoning.thinking(body.reasoning_format or "auto", state.llm.chat_template.source,
-                              prompt_end(state.llm, job.prompt_tokens))
+                              prompt_end(state.llm, tokens))
 
 
 async def _prepared_in_time(state: ServerState, render: Callable[..., Any], messages: List[Dict[str, Any]],
