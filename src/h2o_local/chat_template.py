@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import datetime
 import functools
+import hashlib
 import json
+import re
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -140,6 +142,20 @@ def _system_merged(msgs: List[Message]) -> List[Message]:
     return [{**first, "content": system + "\n" + first["content"] if first["content"] else system}] + msgs[n + 1:]
 
 
+def _ids_of_nine(msgs: List[Message]) -> None:
+    """Tool-call ids of 9 letters and digits (an id that is one stays), in calls and results alike; in place."""
+    def nine(call_id: Any) -> Any:
+        if not isinstance(call_id, str) or re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+            return call_id
+        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+    for m in msgs:
+        for c in m.get("tool_calls") or ():
+            if isinstance(c, dict) and "id" in c:
+                c["id"] = nine(c["id"])
+        if "tool_call_id" in m:
+            m["tool_call_id"] = nine(m["tool_call_id"])
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -236,6 +252,9 @@ class ChatTemplate:
             msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
         if self._jinja is not None and any(m.get("tool_calls") for m in msgs):
             _arguments_as(msgs, objects=self.takes_object_arguments)
+        if self._jinja is not None and any(m.get("tool_calls") or m.get("tool_call_id") for m in msgs) and \
+                self.takes_nine_character_ids:
+            _ids_of_nine(msgs)
         _deadline.at = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
             if self._jinja is not None and not self.supports_system_role:
@@ -264,6 +283,24 @@ class ChatTemplate:
         except Exception:
             return False
         return _ARGUMENT_PROBE in text and "{'probe_arg'" not in text
+
+    @functools.cached_property
+    def takes_nine_character_ids(self) -> bool:
+        """Whether the template takes only tool-call ids of 9 letters and digits (Mistral's refuse others); probed
+        once. Ids are then written so: each id another maker wrote ("call_...") as 9 characters of its hash, the
+        same for a call and its result."""
+        def conversation(call_id: str) -> List[Message]:
+            return [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "probe_tool", "arguments": {"a": "b"}}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": "done"}]
+        for call_id, takes in (("call_0123456789abcdef", False), ("a1b2c3d4e", True)):
+            try:
+                self._jinja.render(messages=conversation(call_id), add_generation_prompt=True,  # type: ignore
+                                   bos_token=self.bos_token, eos_token=self.eos_token)
+                return takes
+            except Exception:
+                continue
+        return False
 
     @functools.cached_property
     def supports_system_role(self) -> bool:

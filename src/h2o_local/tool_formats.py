@@ -5,6 +5,8 @@ writing the grammar that forces one.
     <tool_call><function=NAME><parameter=K>V</parameter></function>   FunctionTags (Qwen3-Coder, Qwen3.5, Nemotron 3)
     <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>        ArgKeys     (GLM 4.5-4.7, Laguna, Ling)
     {"name": ..., "parameters": {...}} as the whole answer             BareJson    (Llama 3.1-3.3)
+    [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]          MistralList (Mistral Nemo)
+    [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}                             MistralArgs (Mistral Small 3.2, Devstral)
 
 A template's format is found by rendering a probe call with it and reading it back (`tools.call_format`), never by
 the template's name. In the two XML formats a value is written as it is when its parameter is a string, else as
@@ -15,6 +17,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
+import string
+import uuid
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .grammar import json_schema_rules
@@ -56,6 +61,10 @@ class CallFormat:
     def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """GBNF (rule `root`) for one call of one of `tools`, as this format writes it."""
         raise NotImplementedError
+
+    def new_id(self) -> str:
+        """An id for a call read from an answer (OpenAI's shape)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +266,82 @@ class BareJson(CallFormat):
         return json_schema_rules({"": options[0] if len(options) == 1 else {"anyOf": options}})[1]
 
 
-FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson())
+class _Mistral(CallFormat):
+    """Mistral's formats, after a `[TOOL_CALLS]` control token; their templates take only ids of 9 letters and
+    digits."""
+
+    marker = "[TOOL_CALLS]"
+
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        return ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+
+    def new_id(self) -> str:
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+@dataclasses.dataclass(frozen=True)
+class MistralList(_Mistral):
+    """Mistral Nemo's: `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}, ...]`."""
+
+    name = "mistral-list"
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        names = {t["function"]["name"] for t in tools}
+        found = []
+        for m in re.finditer(r"\[TOOL_CALLS\]\s*", text):
+            try:
+                value, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
+            except ValueError:
+                continue
+            items = value if isinstance(value, list) else [value]
+            calls = [c for c in items if isinstance(c, dict) and c.get("name") in names]
+            if calls and len(calls) == len(items):
+                found += [(m.start(), end, c["name"], c.get("arguments", {})) for c in calls[:1]]
+                found += [(end, end, c["name"], c.get("arguments", {})) for c in calls[1:]]
+        return found
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                     "arguments": _parameters(t),
+                                                     "id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}},
+                    "required": ["name", "arguments", "id"], "additionalProperties": False} for t in tools]
+        one = options[0] if len(options) == 1 else {"anyOf": options}
+        refs, rules = json_schema_rules({"calls": {"type": "array", "items": one, "minItems": 1, "maxItems": 1}})
+        return f'root ::= "[TOOL_CALLS]" {refs["calls"]}\n{rules}'
+
+
+@dataclasses.dataclass(frozen=True)
+class MistralArgs(_Mistral):
+    """Mistral Small 3.2's, Devstral's and Ministral 3's: `[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}` (the id where the
+    template writes one), one after another for several calls."""
+
+    call_id: bool = False
+    name = "mistral-args"
+    marker = "[ARGS]"
+    _CALL = re.compile(r"\[TOOL_CALLS\]\s*([^\[\s{]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9_-]*\s*)?\[ARGS\]\s*")
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        found = []
+        for m in self._CALL.finditer(text):
+            try:
+                arguments, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
+            except ValueError:
+                continue
+            found.append((m.start(), end, m.group(1), arguments))
+        return found
+
+    def fitted(self, written: str) -> "MistralArgs":
+        return dataclasses.replace(self, call_id="[CALL_ID]" in written)
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        refs, rules = json_schema_rules({f"args-{i}": _parameters(t) for i, t in enumerate(tools)})
+        call_id = ' "[CALL_ID]" [a-zA-Z0-9]{9}' if self.call_id else ""
+        calls = [f'{_lit(t["function"]["name"])}{call_id} "[ARGS]" {refs[f"args-{i}"]}' for i, t in enumerate(tools)]
+        return 'root ::= "[TOOL_CALLS]" (' + " | ".join(calls) + ")\n" + rules
+
+
+FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson(), MistralList(), MistralArgs())
 
 
 def _json_call(source: str) -> Optional[Tuple[str, Any]]:

@@ -1,6 +1,7 @@
 """Tool calls in OpenAI's shape, for chat templates that describe the tools given to them (rendered with `tools=`)
 and write calls in a format `h2o_local.tool_formats` reads: `<tool_call>` blocks of JSON (Hermes, Qwen2.5, Qwen3),
-of `<function=...>` tags (Qwen3-Coder, Qwen3.5) or of `<arg_key>` pairs (GLM), or a bare JSON answer (Llama 3.1).
+of `<function=...>` tags (Qwen3-Coder, Qwen3.5) or of `<arg_key>` pairs (GLM), a bare JSON answer (Llama 3.1), or
+after Mistral's `[TOOL_CALLS]`.
 
 `tool_choice`: "none" (the tools are described, no call is parsed), "auto" (the model may call: its text is parsed
 for calls), "required" or {"type": "function", "function": {"name": N}} (a call is forced by a grammar over the
@@ -10,7 +11,6 @@ ValueError (HTTP 400), never guessed.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .tool_formats import FORMATS, CallFormat, JsonBlocks
@@ -27,7 +27,7 @@ def call_format(template: Any) -> Optional[CallFormat]:
     """The format in which the chat template (a `ChatTemplate`) writes an assistant's call, when it also describes
     the tools it is given: a model trained on it writes its calls so. Found by rendering a probe call (once per
     template: `ChatTemplate.tool_format`) and reading it back with each format, not by the template's name; None
-    when no format reads it (Llama 3.1's bare JSON, Mistral's [TOOL_CALLS], ...)."""
+    when no format reads it (Kimi's, gpt-oss's, ...)."""
     source = getattr(template, "source", None)
     candidates = [f for f in FORMATS if source and f.marker in source]
     if not candidates:
@@ -96,7 +96,7 @@ def parse_calls(text: str, tools: Sequence[Union[str, Mapping[str, Any]]] = (),
     for start, end, name, arguments in sorted(fmt.find(text, given), key=lambda f: f[0]):
         if start < last:
             continue
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        calls.append({"id": fmt.new_id(), "type": "function",
                       "function": {"name": name,
                                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
         kept.append(text[last:start])
@@ -134,5 +134,6 @@ def plan(template: Any, tools: Any, tool_choice: Any) -> ToolPlan:
     if choice != "none" and fmt is None:
         raise ValueError("this model's chat template has no tool-call format this library reads (<tool_call> blocks "
                          "of JSON as Hermes and Qwen3 write them, of <function=...> tags as Qwen3.5, of <arg_key> "
-                         "pairs as GLM, or a bare JSON answer as Llama 3.1): tools are not supported with it")
+                         "pairs as GLM, a bare JSON answer as Llama 3.1, [TOOL_CALLS] as Mistral): tools are not supported "
+                         "with it")
     return ToolPlan(checked, choice, fmt or JsonBlocks())

@@ -193,8 +193,8 @@ def test_tools_go_to_the_templates_whose_calls_are_read_back():
     """A template takes tools when it describes them and writes a call in a format `tool_formats` reads back, found
     by rendering a probe call: `<tool_call>` JSON (Hermes, Qwen2.5, Qwen3), `<function=...>` tags (Qwen3-Coder,
     Qwen3.5, Seed-OSS with its own wrapping tag), `<arg_key>` pairs (GLM 4.6 with line breaks, 4.7 without), the
-    bare JSON answer (Llama 3.1-3.3). Other formats (Mistral's [TOOL_CALLS], Kimi's, gpt-oss's) are refused, not
-    misread."""
+    bare JSON answer (Llama 3.1-3.3), Mistral's `[TOOL_CALLS]` list (Nemo) or `[ARGS]` (Small 3.2 with its
+    `[CALL_ID]`, Devstral without). Other formats (Kimi's, gpt-oss's) are refused, not misread."""
     formats = {name: ChatTemplate(source).tool_format for name, source in REAL.items()}
     named = {name: fmt.name for name, fmt in formats.items() if fmt is not None}
     assert {named[n] for n in ("Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B",
@@ -205,11 +205,13 @@ def test_tools_go_to_the_templates_whose_calls_are_read_back():
                                "meta-llama-Llama-3.3-70B-Instruct")} == {"bare-json"}
     assert formats["ByteDance-Seed-OSS"] == tool_formats.FunctionTags(open="<seed:tool_call>", lines=False)
     assert formats["GLM-4.6"].lines and not formats["GLM-4.7-Flash"].lines
-    assert not named.keys() & {"mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506",
-                               "moonshotai-Kimi-K2", "openai-gpt-oss-120b", "HuggingFaceTB-SmolLM3-3B"}
+    assert named["mistralai-Mistral-Nemo-Instruct-2407"] == "mistral-list"
+    assert formats["Mistral-Small-3.2-24B-Instruct-2506"] == tool_formats.MistralArgs(call_id=True)
+    assert formats["unsloth-mistral-Devstral-Small-2507"] == tool_formats.MistralArgs(call_id=False)
+    assert not named.keys() & {"moonshotai-Kimi-K2", "openai-gpt-oss-120b", "HuggingFaceTB-SmolLM3-3B"}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(ValueError, match="no tool-call format this library reads"):
-        tools_mod.plan(ChatTemplate(REAL["mistralai-Mistral-Nemo-Instruct-2407"]), [tool], "auto")
+        tools_mod.plan(ChatTemplate(REAL["moonshotai-Kimi-K2"]), [tool], "auto")
     assert tools_mod.plan(ChatTemplate(REAL["Qwen3.5-4B"]), [tool], "auto").format.name == "function-tags"
 
 
@@ -251,3 +253,21 @@ def test_qwen3_thinks_or_not_as_chat_template_kwargs_say(tiny_model):
         llm.tokenize(quiet, special=True)
     out = llm.create_chat_completion(hi, max_tokens=2, chat_template_kwargs={"enable_thinking": False})
     assert out["usage"]["prompt_tokens"] == len(llm.tokenize(quiet, special=True))
+
+
+@needs_real
+def test_a_template_that_takes_only_nine_character_ids_gets_them(tiny_model):
+    """Mistral's templates refuse a call id that is not 9 letters and digits: ids from elsewhere ("call_...") are
+    written as 9 characters of their hash, the same for the call and its result; ids of 9 stay."""
+    def history(call_id):
+        return [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "3 C"}]
+    for name in ("mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506"):
+        template = ChatTemplate(REAL[name])
+        assert template.takes_nine_character_ids
+        text = template.render(history("call_8f2c1a0e9b7d4c3a2f1e0d9c"))
+        nine = __import__("hashlib").sha256(b"call_8f2c1a0e9b7d4c3a2f1e0d9c").hexdigest()[:9]
+        assert text.count(nine) == 2 and "call_8f2c" not in text
+        assert template.render(history("Ab3dE6gH9")).count("Ab3dE6gH9") == 2
+    assert not ChatTemplate(REAL["Qwen-Qwen2.5-7B-Instruct"]).takes_nine_character_ids

@@ -1,5 +1,5 @@
 """Chat templates with a tool-call format (Hermes / Qwen2.5's `<tool_call>` JSON blocks, Qwen3.5's `<function=...>`
-tags, GLM's `<arg_key>` pairs, Llama 3.1's bare JSON) and a tool, for the tests of tool calls through `Llama` and
+tags, GLM's `<arg_key>` pairs, Llama 3.1's bare JSON, Mistral's `[TOOL_CALLS]...[ARGS]`) and a tool, for the tests of tool calls through `Llama` and
 both servers' APIs."""
 
 # the shape of Qwen2.5's template, reduced: tools described in the system turn, calls as <tool_call> blocks, a
@@ -44,4 +44,8 @@ ARG_KEYS = _with_calls("<tool_call>{{ c.function.name }}\n{% for k, v in c.funct
 # Llama 3.1's format, reduced: the whole answer is the call
 BARE_JSON = _with_calls("{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}",
                         'Call one by answering {"name": function name, "parameters": its arguments} only')
-TEMPLATES = {"json": HERMES, "function-tags": FUNCTION_TAGS, "arg-keys": ARG_KEYS, "bare-json": BARE_JSON}
+# Mistral Small 3.2's format, reduced
+MISTRAL_ARGS = _with_calls("[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}",
+                           "Call one with [TOOL_CALLS]name[ARGS]arguments")
+TEMPLATES = {"json": HERMES, "function-tags": FUNCTION_TAGS, "arg-keys": ARG_KEYS, "bare-json": BARE_JSON,
+             "mistral-args": MISTRAL_ARGS}
