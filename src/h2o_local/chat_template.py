@@ -103,7 +103,10 @@ def check_variables(variables: Optional[Mapping[str, Any]]) -> Optional[Dict[str
             raise ValueError(f"chat_template_kwargs: {name!r} is not a name a template can read")
         if name in RENDERER_VARIABLES:
             raise ValueError(f"chat_template_kwargs: {name!r} is given to the template by the renderer itself")
-    return copy.deepcopy(dict(variables))
+    try:
+        return copy.deepcopy(dict(variables))
+    except RecursionError:
+        raise ValueError("chat_template_kwargs are nested too deeply") from None
 
 
 _SYSTEM_PROBE = "<system prompt 5f3a>"
@@ -246,6 +249,13 @@ class ChatTemplate:
         `chat_template_kwargs`, as `{"enable_thinking": False}` for Qwen3; `check_variables`). Raises ValueError
         when there is no template, or neither renderer accepts it, or (with `time_limit_s`) when the template's
         loops run past that many seconds."""
+        try:
+            return self._render_copies(messages, add_generation_prompt, time_limit_s, tools, variables)
+        except RecursionError:
+            raise ValueError("the messages, tools or chat_template_kwargs are nested too deeply") from None
+
+    def _render_copies(self, messages: Sequence[Message], add_generation_prompt: bool, time_limit_s: Optional[float],
+                       tools: Optional[List[Dict[str, Any]]], variables: Optional[Mapping[str, Any]]) -> str:
         variables = check_variables(variables)
         msgs = copy.deepcopy(normalize_messages(messages))  # a template may change what it is given
         if self.source is not None and "developer" not in self.source:
