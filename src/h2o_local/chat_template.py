@@ -110,6 +110,7 @@ def check_variables(variables: Optional[Mapping[str, Any]]) -> Optional[Dict[str
 
 
 _SYSTEM_PROBE = "<system prompt 5f3a>"
+PROBE_TIME_LIMIT_S = 5.0  # the most one probe of what a template takes may render for
 _ARGUMENT_PROBE = "argument 5f3a"
 
 
@@ -260,16 +261,18 @@ class ChatTemplate:
         msgs = copy.deepcopy(normalize_messages(messages))  # a template may change what it is given
         if self.source is not None and "developer" not in self.source:
             msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
-        if self._jinja is not None and any(m.get("tool_calls") for m in msgs):
-            _arguments_as(msgs, objects=self.takes_object_arguments)
-        if self._jinja is not None and any(m.get("tool_calls") or m.get("tool_call_id") for m in msgs) and \
-                self.takes_nine_character_ids:
-            _ids_of_nine(msgs)
         _deadline.at = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
+            if self._jinja is not None and any(m.get("tool_calls") for m in msgs):
+                _arguments_as(msgs, objects=self.takes_object_arguments)
+            if self._jinja is not None and any(m.get("tool_calls") or m.get("tool_call_id") for m in msgs) and \
+                    self.takes_nine_character_ids:
+                _ids_of_nine(msgs)
             if self._jinja is not None and not self.supports_system_role:
                 msgs = _system_merged(msgs)
             return self._render(msgs, add_generation_prompt, copy.deepcopy(tools), variables)
+        except TimeoutError as e:  # a probe of what the template takes ran past the render's limit
+            raise ValueError(str(e)) from None
         finally:
             _deadline.at = None
 
@@ -285,14 +288,10 @@ class ChatTemplate:
         """Whether the Jinja template writes a call's arguments from an object (`tojson`, `| items`: most do, as
         Hugging Face's convention has them) rather than as the JSON text OpenAI sends; probed once, as llama.cpp
         does. Calls are given to the template in the form it takes, whichever form the messages hold."""
-        probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": {"probe_arg": _ARGUMENT_PROBE}}}]}]
-        try:
-            text = self._jinja.render(messages=probe, add_generation_prompt=False,  # type: ignore[union-attr]
-                                      bos_token=self.bos_token, eos_token=self.eos_token)
-        except Exception:
-            return False
-        return _ARGUMENT_PROBE in text and "{'probe_arg'" not in text
+        text = self._probe([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call00001", "type": "function", "function": {"name": "probe_tool",
+                                                                 "arguments": {"probe_arg": _ARGUMENT_PROBE}}}]}], False)
+        return text is not None and _ARGUMENT_PROBE in text and "{'probe_arg'" not in text
 
     @functools.cached_property
     def takes_nine_character_ids(self) -> bool:
@@ -304,12 +303,8 @@ class ChatTemplate:
                 {"id": call_id, "type": "function", "function": {"name": "probe_tool", "arguments": {"a": "b"}}}]},
                 {"role": "tool", "tool_call_id": call_id, "content": "done"}]
         for call_id, takes in (("call_0123456789abcdef", False), ("a1b2c3d4e", True)):
-            try:
-                self._jinja.render(messages=conversation(call_id), add_generation_prompt=True,  # type: ignore
-                                   bos_token=self.bos_token, eos_token=self.eos_token)
+            if self._probe(conversation(call_id)) is not None:
                 return takes
-            except Exception:
-                continue
         return False
 
     @functools.cached_property
@@ -317,12 +312,23 @@ class ChatTemplate:
         """Whether the Jinja template writes a system message: Gemma's refuse one, and some drop it. Probed once, as
         llama.cpp does; where it does not, leading system messages are written at the start of the next message
         (llama.cpp's and Ollama's rule), a system message alone as the user's."""
-        probe = [{"role": "system", "content": _SYSTEM_PROBE}, {"role": "user", "content": "Hello"}]
+        text = self._probe([{"role": "system", "content": _SYSTEM_PROBE}, {"role": "user", "content": "Hello"}])
+        return text is not None and _SYSTEM_PROBE in text
+
+    def _probe(self, messages: List[Message], add_generation_prompt: bool = True) -> Optional[str]:
+        """What the Jinja template makes of a few fixed messages, or None where it refuses them (or takes more than
+        PROBE_TIME_LIMIT_S: a template that slow is not probed further). The render's own time limit, if any, stays."""
+        outer = getattr(_deadline, "at", None)
+        _deadline.at = min(time.monotonic() + PROBE_TIME_LIMIT_S, outer if outer is not None else float("inf"))
         try:
-            return _SYSTEM_PROBE in self._jinja.render(messages=probe, add_generation_prompt=True,  # type: ignore
-                                                       bos_token=self.bos_token, eos_token=self.eos_token)
+            return self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,  # type: ignore
+                                      bos_token=self.bos_token, eos_token=self.eos_token)
         except Exception:
-            return False
+            return None
+        finally:
+            _deadline.at = outer
+            if outer is not None and time.monotonic() > outer:
+                raise TimeoutError("the chat template ran past its time limit")
 
     def _render(self, msgs: List[Message], add_generation_prompt: bool,
                 tools: Optional[List[Dict[str, Any]]] = None, variables: Optional[Dict[str, Any]] = None) -> str:

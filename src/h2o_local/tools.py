@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from .chat_template import PROBE_TIME_LIMIT_S
 from .tool_formats import FORMATS, CallFormat, JsonBlocks
 
 _PROBE_TOOL = {"type": "function", "function": {
@@ -36,8 +37,8 @@ def call_format(template: Any) -> Optional[CallFormat]:
     called = ask + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": _PROBE_ARGUMENTS}}]}]
     try:
-        described = template.render(ask, add_generation_prompt=True, tools=[_PROBE_TOOL])
-        written = template.render(called, add_generation_prompt=False, tools=[_PROBE_TOOL])
+        described = template.render(ask, True, PROBE_TIME_LIMIT_S, tools=[_PROBE_TOOL])
+        written = template.render(called, False, PROBE_TIME_LIMIT_S, tools=[_PROBE_TOOL])
     except (ValueError, TypeError):
         return None
     if "Looks a probe up." not in described:

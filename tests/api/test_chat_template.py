@@ -271,3 +271,22 @@ def test_a_template_that_takes_only_nine_character_ids_gets_them(tiny_model):
         assert text.count(nine) == 2 and "call_8f2c" not in text
         assert template.render(history("Ab3dE6gH9")).count("Ab3dE6gH9") == 2
     assert not ChatTemplate(REAL["Qwen-Qwen2.5-7B-Instruct"]).takes_nine_character_ids
+
+
+def test_a_template_too_slow_to_probe_is_taken_as_taking_nothing_and_renders_within_its_limit():
+    """The probes of what a template takes stop after PROBE_TIME_LIMIT_S each, and within a render's own limit."""
+    import time
+    from h2o_local import chat_template
+
+    slow = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                        "{{ messages[0].content }}")
+    old, chat_template.PROBE_TIME_LIMIT_S = chat_template.PROBE_TIME_LIMIT_S, 0.2
+    try:
+        start = time.monotonic()
+        assert not slow.supports_system_role and not slow.takes_object_arguments
+        assert time.monotonic() - start < 5
+        fresh = ChatTemplate(slow.source)
+        with pytest.raises(ValueError, match="time limit"):
+            fresh.render([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], time_limit_s=0.1)
+    finally:
+        chat_template.PROBE_TIME_LIMIT_S = old

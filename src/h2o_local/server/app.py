@@ -51,6 +51,11 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
         max_tokens=settings.max_tokens or llm.n_ctx_train(),
         default_keep=llm.keep if isinstance(llm.keep, int) else 0,
         prepare=concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h2o-local-prepare"))
+    # what the chat template takes (its tool-call format, system role, argument form, call ids), probed once now
+    # rather than inside the first request that needs it
+    template = llm.chat_template
+    for probe in ("tool_format", "supports_system_role", "takes_object_arguments", "takes_nine_character_ids"):
+        getattr(template, probe)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
