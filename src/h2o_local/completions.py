@@ -201,10 +201,12 @@ class Completions:
 
 
 def answer_markup(llm: "Llama", plan: tools_mod.ToolPlan, thinking: Optional[reasoning.Thinking]) -> Tuple[int, ...]:
-    """The control tokens a chat's answer must show to be read: its tool-call format's tags (when calls are parsed)
-    and its think tags (when the reasoning is split)."""
-    texts = (plan.format.tags if plan.parses else ()) + \
-        ((thinking.tags.open, thinking.tags.close) if thinking is not None else ())
+    """The control tokens a chat's answer must show to be read: its tool-call format's tags (when calls are parsed),
+    its think tags (when the reasoning is split) and Harmony's marks always (without them gpt-oss's answer runs its
+    channels' names into its text)."""
+    marks = thinking.marks if thinking is not None else \
+        reasoning.HarmonySplitter.MARKS if reasoning.harmony(llm.chat_template.source) else ()
+    texts = (plan.format.tags if plan.parses else ()) + marks
     return llm.preserved_tokens(texts) if texts else ()
 
 

@@ -10,6 +10,7 @@ import pytest
 from h2o_local import Llama
 from test_server import post, serving
 from tiny_model import write_tiny_llama
+from real_templates import pinned_templates
 from tool_template import WEATHER
 
 # Qwen3's shape, reduced: think tags, `enable_thinking`, calls as <tool_call> JSON
@@ -126,3 +127,31 @@ def test_think_tags_that_are_control_tokens_still_split_the_answer(tmp_path):
     assert "</think>" not in llm.create_chat_completion(ASK, **kw)["choices"][0]["message"]["content"]  # hidden
     message = llm.create_chat_completion(ASK, reasoning_format="auto", **kw)["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("Sum it.", "It is 4.")
+
+
+REAL = pinned_templates()
+
+
+@pytest.mark.skipif(not REAL, reason="the pinned llama.cpp sdist is not on this machine")
+def test_gpt_oss_answers_come_apart_by_channel(tmp_path):
+    """gpt-oss (OpenAI's Harmony format, its real template): the analysis channel is the reasoning, the final one the
+    answer; its marks are control tokens, shown even with reasoning_format "none" (else the channels' names run
+    into the text)."""
+    marks = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+    llm = Llama(str(write_tiny_llama(tmp_path / "oss.gguf", chat_template=REAL["openai-gpt-oss-120b"],
+                                     n_ctx_train=4096, special_tokens=marks)), budget=512)
+    controls = [llm.tokenize(m, add_bos=False, special=True)[0] for m in marks[:4]]
+    written = "<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+    kw = dict(max_tokens=120, temperature=0, grammar=forced(written), logit_bias={t: 30.0 for t in controls})
+    assert llm.create_chat_completion(ASK, **kw)["choices"][0]["message"]["content"] == written
+    message = llm.create_chat_completion(ASK, reasoning_format="auto", **kw)["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Two and two.", "It is 4.")
+    # the answer goes back as a message; the template writes its final channel
+    assert "<|channel|>final<|message|>It is 4." in llm.apply_chat_template(ASK + [message], add_generation_prompt=False)
+    # Ollama's think levels are gpt-oss's reasoning effort, as its template reads it
+    assert "Reasoning: low" in llm.apply_chat_template(ASK, chat_template_kwargs={"reasoning_effort": "low"})
+    with serving(llm.model_path, slots=1, budget=512) as (port, _):
+        client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)
+        said = client.chat(model="oss", messages=ASK, think="low", options={"temperature": 0, "num_predict": 2})
+        status, out = post(port, "/apply-template", {"messages": ASK, "chat_template_kwargs": {"reasoning_effort": "low"}})
+        assert status == 200 and said.prompt_eval_count == len(llm.tokenize(out["prompt"], special=True))

@@ -1,7 +1,7 @@
 """A thinking model's reasoning told apart from its answer (`h2o_local.reasoning`), whole or streamed."""
 from hypothesis import given, strategies as st
 
-from h2o_local.reasoning import KNOWN_TAGS, Splitter, ThinkTags, split, think_tags
+from h2o_local.reasoning import KNOWN_TAGS, Splitter, Thinking, ThinkTags, split, think_tags, thinking
 
 THINK = ThinkTags("<think>", "</think>")
 
@@ -45,3 +45,30 @@ def test_a_stream_cut_anywhere_splits_as_the_whole_answer(answer, cuts, inside):
     r, c = s.end()
     whole = split(answer, THINK, inside)
     assert ("".join(reasoning + [r]) if s.thought else None, "".join(content + [c])) == whole
+
+
+HARMONY = ("<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+           "Checking.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.")
+
+
+def test_gpt_oss_channels_analysis_is_the_reasoning_the_rest_the_answer():
+    harmony = Thinking(None)
+    assert harmony.split(HARMONY) == ("Two and two.", "Checking.It is 4.")
+    assert harmony.split("<|channel|>final<|message|>Just 4.") == (None, "Just 4.")
+    assert harmony.split("<|channel|>analysis<|message|>cut sho") == ("cut sho", "")  # max_tokens
+    assert harmony.split("No channels at all.") == (None, "No channels at all.")
+    assert thinking("auto", "...<|channel|>...", "<|start|>assistant") == harmony
+    assert thinking("none", "...<|channel|>...", "") is None
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(HARMONY)), max_size=12))
+def test_a_gpt_oss_stream_cut_anywhere_splits_as_the_whole_answer(cuts):
+    s = Thinking(None).splitter()
+    reasoning, content, at = [], [], 0
+    for cut in sorted(set(cuts)) + [len(HARMONY)]:
+        r, c = s.feed(HARMONY[at:cut])
+        reasoning.append(r)
+        content.append(c)
+        at = cut
+    r, c = s.end()
+    assert ("".join(reasoning + [r]), "".join(content + [c])) == Thinking(None).split(HARMONY)

@@ -132,7 +132,7 @@ async def show(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
             "model_info": {"general.architecture": arch, f"{arch}.context_length": llm.n_ctx_train(),
                            f"{arch}.embedding_length": llm.n_embd()},
             "capabilities": ["completion", *(["tools"] if llm.chat_template.tool_format is not None else []),
-                             *(["thinking"] if reasoning.think_tags(llm.chat_template.source) else [])]}
+                             *(["thinking"] if reasoning.thinks(llm.chat_template.source) else [])]}
 
 
 @router.get("/api/version")
@@ -190,14 +190,16 @@ def _chat_request(body: _OllamaRequest, messages: Optional[List[Dict[str, Any]]]
     out: Dict[str, Any] = {"messages": messages or [{"role": "user", "content": ""}], "stream": False}
     # think: true gives the reasoning apart (message.thinking), false asks the template not to think (Qwen3's
     # enable_thinking); unset, the answer is as the model wrote it
-    if body.think is not None and not isinstance(body.think, bool):
-        raise APIError(400, f"think must be true or false here (levels are gpt-oss's), got {body.think!r}",
+    if body.think is not None and not isinstance(body.think, bool) and body.think not in ("low", "medium", "high"):
+        raise APIError(400, f"think must be true, false, or a level (low, medium, high), got {body.think!r}",
                        param="think")
     if body.think is not None and messages is None:
         raise APIError(400, "think needs the chat template, which a raw prompt does not use", param="think")
     out["reasoning_format"] = "none" if body.think is None else "auto"
     if body.think is False:
         out["chat_template_kwargs"] = {"enable_thinking": False}
+    elif isinstance(body.think, str):  # gpt-oss's levels, as its template reads them
+        out["chat_template_kwargs"] = {"reasoning_effort": body.think}
     for name, value in (body.options or {}).items():
         if name in SAMPLING_OPTIONS:
             out[SAMPLING_OPTIONS[name]] = value
@@ -224,8 +226,11 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
                   prefix: Sequence[int] = ()):
     """The request run as a chat (messages) or a raw prompt (messages None: `body.prompt` read as it is)."""
     started = time.perf_counter()
-    if body.think is not None and reasoning.think_tags(state.llm.chat_template.source) is None:
+    source = state.llm.chat_template.source
+    if body.think is not None and not reasoning.thinks(source):
         raise APIError(400, f"{state.model_id} does not think (its chat template has no think tags)", param="think")
+    if isinstance(body.think, str) and not reasoning.harmony(source):
+        raise APIError(400, f"think levels are gpt-oss's; {state.model_id} takes true or false", param="think")
     chat = _validated(ChatCompletionRequest, _chat_request(body, messages, tools), OPTION_OF_FIELD)
     thinking = None
     if messages is None:
