@@ -131,6 +131,7 @@ class HarmonySplitter(_Split):
     the content. Text before any channel (a model that does not follow the format) is content."""
 
     MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+    LONGEST_HEADER = 256  # characters before a first <|message|>: more (or a line break) is not a header
 
     def __init__(self) -> None:
         super().__init__("start")  # start | header | body
@@ -139,7 +140,7 @@ class HarmonySplitter(_Split):
     def _flush(self, held: str) -> None:
         if self._state == "body":
             self._emit(held)
-        elif self._state == "start":
+        elif self._state == "start" or "<|channel|>" not in held:  # no message came: text as written
             self.content.append(held)
 
     def _emit(self, text: str) -> None:
@@ -148,22 +149,19 @@ class HarmonySplitter(_Split):
 
     def _step(self) -> bool:
         held = self._held
-        if self._state == "start":
-            if held.lstrip().startswith("<|channel|>") or held.lstrip().startswith("<|start|>"):
-                self._state, self._held = "header", held.lstrip()
-                return True
-            if held.strip() and not any(m.startswith(held.lstrip()) for m in self.MARKS):
-                self._state, self._channel = "body", "final"  # not Harmony: all of it is the answer
-                return True
-            return False
-        if self._state == "header":
+        if self._state in ("start", "header"):  # the prompt ended with <|start|>assistant: a header comes first
             at = held.find("<|message|>")
             if at < 0:
+                if self._state == "start" and (len(held) > self.LONGEST_HEADER or "\n" in held):
+                    self._state, self._channel = "body", "final"  # not Harmony: all of it is the answer
+                    return True
                 return False
             header = held[:at]
             named = header.split("<|channel|>", 1)[1] if "<|channel|>" in header else ""
             self._channel = named.split()[0] if named.split() else ""
             self.thought = self.thought or self._channel == "analysis"
+            if " to=" in header:  # a message to a tool (a call): kept whole in the content, for the tools' reader
+                self.content.append(held[:at + len("<|message|>")])
             self._state, self._held = "body", held[at + len("<|message|>"):]
             return True
         # body: up to the end of the message, or the start of another without one

@@ -7,6 +7,7 @@ writing the grammar that forces one.
     {"name": ..., "parameters": {...}} as the whole answer             BareJson    (Llama 3.1-3.3)
     [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]          MistralList (Mistral Nemo)
     [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}                             MistralArgs (Mistral Small 3.2, Devstral)
+    to=functions.NAME<|channel|>commentary json<|message|>{...}        HarmonyCalls (gpt-oss)
 
 A template's format is found by rendering a probe call with it and reading it back (`tools.call_format`), never by
 the template's name. In the two XML formats a value is written as it is when its parameter is a string, else as
@@ -341,7 +342,45 @@ class MistralArgs(_Mistral):
         return 'root ::= "[TOOL_CALLS]" (' + " | ".join(calls) + ")\n" + rules
 
 
-FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson(), MistralList(), MistralArgs())
+@dataclasses.dataclass(frozen=True)
+class HarmonyCalls(CallFormat):
+    """gpt-oss's (OpenAI's Harmony format): a message to `functions.NAME` on the commentary channel, its body the
+    arguments' JSON: `<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>`.
+    `head` is the markup before the JSON as the template writes it (NAME standing for the tool's name)."""
+
+    head: str = "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>"
+    name = "harmony"
+    marker = "<|channel|>"
+    _HEAD = re.compile(r"(?:<\|start\|>assistant)?(?:<\|channel\|>)?[^<]*?to=functions\.([^\s<]+)[^<]*"
+                       r"(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>[^<]*)?<\|message\|>")
+
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        return ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|call|>")
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        found = []
+        for m in self._HEAD.finditer(text):
+            try:
+                arguments, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
+            except ValueError:
+                continue
+            found.append((m.start(), end, m.group(1), arguments))  # <|call|> after it ends the answer (EOG)
+        return found
+
+    def fitted(self, written: str) -> "HarmonyCalls":
+        m = self._HEAD.search(written)
+        return self if m is None else dataclasses.replace(self, head=m.group(0).replace("probe_tool", "NAME"))
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        refs, rules = json_schema_rules({f"args-{i}": _parameters(t) for i, t in enumerate(tools)})
+        before, after = self.head.split("NAME", 1)
+        calls = [f'{_lit(before + t["function"]["name"] + after)} {refs[f"args-{i}"]}' for i, t in enumerate(tools)]
+        return "root ::= " + " | ".join(calls) + "\n" + rules
+
+
+FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson(), MistralList(), MistralArgs(),
+                                   HarmonyCalls())
 
 
 def _json_call(source: str) -> Optional[Tuple[str, Any]]:

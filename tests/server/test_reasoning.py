@@ -148,6 +148,18 @@ def test_gpt_oss_answers_come_apart_by_channel(tmp_path):
     assert (message["reasoning_content"], message["content"]) == ("Two and two.", "It is 4.")
     # the answer goes back as a message; the template writes its final channel
     assert "<|channel|>final<|message|>It is 4." in llm.apply_chat_template(ASK + [message], add_generation_prompt=False)
+    # its calls: a message to functions.NAME, after its reasoning or forced
+    call = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city": "Oslo", "unit": "c"}')
+    thought_then_called = written.split("<|end|>")[0] + "<|end|>" + call
+    tools_kw = dict(kw, tools=[WEATHER], reasoning_format="auto", max_tokens=200)
+    message = llm.create_chat_completion(ASK, **{**tools_kw, "grammar": forced(thought_then_called)})["choices"][0]["message"]
+    assert message["reasoning_content"] == "Two and two." and message["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("get_weather", {"city": "Oslo", "unit": "c"})]
+    forced_call = {k: v for k, v in tools_kw.items() if k not in ("grammar", "logit_bias")}
+    (called,) = llm.create_chat_completion(ASK, tool_choice="required", **forced_call)["choices"][0]["message"]["tool_calls"]
+    assert called["function"]["name"] == "get_weather" and set(json.loads(called["function"]["arguments"])) == {"city", "unit"}
     # Ollama's think levels are gpt-oss's reasoning effort, as its template reads it
     assert "Reasoning: low" in llm.apply_chat_template(ASK, chat_template_kwargs={"reasoning_effort": "low"})
     with serving(llm.model_path, slots=1, budget=512) as (port, _):
