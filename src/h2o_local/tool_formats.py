@@ -113,7 +113,6 @@ class _XmlFormat(CallFormat):
             found.append((m.start(), m.end(), name, self._arguments(by_name.get(name), pairs)))
         return found
 
-
     def _arguments(self, tool: Optional[Mapping[str, Any]], pairs: List[Tuple[str, str]]) -> Dict[str, Any]:
         props = (_parameters(tool).get("properties") or {}) if tool is not None else {}
         out: Dict[str, Any] = {}
