@@ -322,14 +322,7 @@ class MistralArgs(_Mistral):
     _CALL = re.compile(r"\[TOOL_CALLS\]\s*([^\[\s{]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9_-]*\s*)?\[ARGS\]\s*")
 
     def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
-        found = []
-        for m in self._CALL.finditer(text):
-            try:
-                arguments, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
-            except ValueError:
-                continue
-            found.append((m.start(), end, m.group(1), arguments))
-        return found
+        return _json_after(self._CALL, text)
 
     def fitted(self, written: str) -> "MistralArgs":
         return dataclasses.replace(self, call_id="[CALL_ID]" in written)
@@ -358,14 +351,7 @@ class HarmonyCalls(CallFormat):
         return ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|call|>")
 
     def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
-        found = []
-        for m in self._HEAD.finditer(text):
-            try:
-                arguments, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
-            except ValueError:
-                continue
-            found.append((m.start(), end, m.group(1), arguments))  # <|call|> after it ends the answer (EOG)
-        return found
+        return _json_after(self._HEAD, text)  # <|call|> after the JSON ends the answer (EOG)
 
     def fitted(self, written: str) -> "HarmonyCalls":
         m = self._HEAD.search(written)
@@ -380,6 +366,18 @@ class HarmonyCalls(CallFormat):
 
 FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson(), MistralList(), MistralArgs(),
                                    HarmonyCalls())
+
+
+def _json_after(head: "re.Pattern[str]", text: str) -> List[Found]:
+    """Calls written as markup that `head` matches (group 1 the tool's name), then the arguments' JSON."""
+    found = []
+    for m in head.finditer(text):
+        try:
+            arguments, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
+        except ValueError:
+            continue
+        found.append((m.start(), end, m.group(1), arguments))
+    return found
 
 
 def _json_call(source: str) -> Optional[Tuple[str, Any]]:
