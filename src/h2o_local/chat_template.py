@@ -109,6 +109,12 @@ def check_variables(variables: Optional[Mapping[str, Any]]) -> Optional[Dict[str
         raise ValueError("chat_template_kwargs are nested too deeply") from None
 
 
+def probe_call(arguments: Any, call_id: str = "call00001") -> Message:
+    """An assistant message with one call of "probe_tool": what the probes of a template's ways render."""
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}]}
+
+
 _SYSTEM_PROBE = "<system prompt 5f3a>"
 PROBE_TIME_LIMIT_S = 5.0  # the most one probe of what a template takes may render for
 _ARGUMENT_PROBE = "argument 5f3a"
@@ -288,9 +294,7 @@ class ChatTemplate:
         """Whether the Jinja template writes a call's arguments from an object (`tojson`, `| items`: most do, as
         Hugging Face's convention has them) rather than as the JSON text OpenAI sends; probed once, as llama.cpp
         does. Calls are given to the template in the form it takes, whichever form the messages hold."""
-        text = self._probe([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call00001", "type": "function", "function": {"name": "probe_tool",
-                                                                 "arguments": {"probe_arg": _ARGUMENT_PROBE}}}]}], False)
+        text = self._probe([{"role": "user", "content": "Hello"}, probe_call({"probe_arg": _ARGUMENT_PROBE})], False)
         return text is not None and _ARGUMENT_PROBE in text and "{'probe_arg'" not in text
 
     @functools.cached_property
@@ -299,9 +303,8 @@ class ChatTemplate:
         once. Ids are then written so: each id another maker wrote ("call_...") as 9 characters of its hash, the
         same for a call and its result."""
         def conversation(call_id: str) -> List[Message]:
-            return [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": "probe_tool", "arguments": {"a": "b"}}}]},
-                {"role": "tool", "tool_call_id": call_id, "content": "done"}]
+            return [{"role": "user", "content": "Hello"}, probe_call({"a": "b"}, call_id),
+                    {"role": "tool", "tool_call_id": call_id, "content": "done"}]
         for call_id, takes in (("call_0123456789abcdef", False), ("a1b2c3d4e", True)):
             if self._probe(conversation(call_id)) is not None:
                 return takes

@@ -134,8 +134,8 @@ class Completions:
         for templates whose call format `h2o_local.tool_formats` reads (`<tool_call>` JSON as Qwen2.5,
         `<function=...>` tags as Qwen3.5, `<arg_key>` pairs as GLM, bare JSON as Llama 3.1, `[TOOL_CALLS]` as
         Mistral, Harmony's as gpt-oss; `h2o_local.tools`): calls come back as `message.tool_calls` with
-        `finish_reason` "tool_calls"; "required" or a named tool forces a call with a grammar. A template without that format raises ValueError. Messages' contents are text: their
-        special-token text stays text unless `special_in_content=True` (`Llama.chat_tokens`). `logprobs=True`:
+        `finish_reason` "tool_calls"; "required" or a named tool forces a call with a grammar. A template without
+        that format raises ValueError. Messages' contents are text: their special-token text stays text unless `special_in_content=True` (`Llama.chat_tokens`). `logprobs=True`:
         `choices[0]["logprobs"]["content"]` gives each answer token's log-probability, with the `top_logprobs`
         (0-20) most likely tokens at its position, as OpenAI's. `model`: the name the response gives.
         `chat_template_kwargs`: more variables the template reads, as llama-server takes them

@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class SeqRun:
     deadline: Optional[float] = None  # time.monotonic() after which it ends with "length" (a server's time limit)
     drawing: Optional[concurrent.futures.Future] = None  # its next token, being drawn aside (Batch.background)
     want_logits: bool = False        # its events carry the logits each token was drawn from (as Batch.want_logits)
-    shown_special: FrozenSet[int] = frozenset()  # special tokens whose text it shows (SamplingParams.preserved_tokens)
+    shown_special: Tuple[int, ...] = ()  # special tokens whose text it shows (SamplingParams.preserved_tokens)
 
 
 @dataclass(frozen=True)

@@ -738,7 +738,7 @@ class Llama:
             raise ValueError("the prompt is empty: pass at least one token (or reset=False to continue)")
         sampler = self._sampler(params, history=prompt_tokens)
         run = generation.SeqRun(0, 0, sampler, TextAssembler(params.stop), self._answer_limit(params),
-                                shown_special=frozenset(params.preserved_tokens))
+                                shown_special=params.preserved_tokens)
         with self.lock:
             # the token the last generation showed but did not feed goes first when the session goes on
             feed = prompt_tokens if reset else self._pending + prompt_tokens
@@ -847,7 +847,7 @@ class Llama:
             idx = list(range(wave, min(wave + self.n_seq_max, len(token_lists))))
             runs = [generation.SeqRun(i, s, self._sampler(p, seed=base_seed + i, history=token_lists[i]),
                                       TextAssembler(p.stop), self._answer_limit(p),
-                                      shown_special=frozenset(p.preserved_tokens))
+                                      shown_special=p.preserved_tokens)
                     for s, i in enumerate(idx)]
             with self.lock:
                 owner = self._take_over()

@@ -1,11 +1,11 @@
 """A thinking model's reasoning told apart from its answer, as llama-server does (`reasoning_format`): the text
 between the template's think tags (`<think>`...`</think>` for Qwen3, QwQ, DeepSeek-R1, GLM; `<seed:think>` for
 Seed-OSS; `[THINK]` for Magistral), or gpt-oss's `analysis` channel, goes to `message.reasoning_content` (Ollama:
-`message.thinking`), the rest to `content`. A template whose generation prompt opens the tags itself (DeepSeek-R1's distills) has the answer start
-inside them; a reasoning never closed (cut by max_tokens) is all reasoning.
+`message.thinking`), the rest to `content`. A template whose generation prompt opens the tags itself (DeepSeek-R1's
+distills) has the answer start inside them; a reasoning never closed (cut by max_tokens) is all reasoning.
 
-One rule for the whole answer and for a stream (`Splitter`, which holds back what may be the start of a tag), used by
-`Llama.create_chat_completion` and both servers' chat routes.
+One rule for the whole answer and for a stream (`Splitter`, `HarmonySplitter`: each holds back what may be the start
+of a mark), used by `Llama.create_chat_completion` and both servers' chat routes.
 """
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ class Thinking:
         """The markup the split reads (its control tokens must be shown: `Llama.preserved_tokens`)."""
         return HarmonySplitter.MARKS if self.tags is None else (self.tags.open, self.tags.close)
 
-    def splitter(self) -> Any:
+    def splitter(self) -> "_Split":
         return HarmonySplitter() if self.tags is None else Splitter(self.tags, self.inside)
 
     def split(self, text: str) -> Tuple[Optional[str], str]:
@@ -238,7 +238,7 @@ def thinking(reasoning_format: Any, template_source: Optional[str], prompt_end: 
     return Thinking(tags, prompt_end.rstrip().endswith(tags.open))
 
 
-def pieces(splitter: Optional[Splitter], text: str, end: bool = False) -> Tuple[str, str]:
+def pieces(splitter: Optional[_Split], text: str, end: bool = False) -> Tuple[str, str]:
     """(reasoning, content) that a streamed piece of text adds (`end`: the answer's last), as `Splitter.feed`;
     without a splitter all of it is content."""
     if splitter is None:

@@ -52,7 +52,8 @@ def completion_chunk(meta: Dict[str, Any], text: str, finish_reason: Optional[st
 
 def chat_completion(meta: Dict[str, Any], content: Optional[str], finish_reason: Optional[str],
                     use: CompletionUsage, tool_calls: Optional[List[Dict[str, Any]]] = None,
-                    logprobs: Optional[ChatCompletionLogprobs] = None, reasoning: Optional[str] = None) -> ChatCompletion:
+                    logprobs: Optional[ChatCompletionLogprobs] = None,
+                    reasoning: Optional[str] = None) -> ChatCompletion:
     """`reasoning`: a thinking model's reasoning, apart (llama-server's `reasoning_content`; None: none)."""
     message: Dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:

@@ -90,7 +90,7 @@ class Slots:
         self._engine.eval({slot: feed}, prompt_logits, hook)
         run = generation.SeqRun(slot, slot, sampler, TextAssembler(params.stop), params.max_tokens,
                                 deadline=None if time_limit_s is None else time.monotonic() + time_limit_s,
-                                want_logits=logits, shown_special=frozenset(params.preserved_tokens))
+                                want_logits=logits, shown_special=params.preserved_tokens)
         self._runs[slot] = run
         return self._batch.add(run)
 

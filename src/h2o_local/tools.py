@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .chat_template import PROBE_TIME_LIMIT_S
+from .chat_template import PROBE_TIME_LIMIT_S, probe_call
 from .tool_formats import FORMATS, CallFormat, JsonBlocks
 
 _PROBE_TOOL = {"type": "function", "function": {
@@ -28,14 +28,13 @@ def call_format(template: Any) -> Optional[CallFormat]:
     """The format in which the chat template (a `ChatTemplate`) writes an assistant's call, when it also describes
     the tools it is given: a model trained on it writes its calls so. Found by rendering a probe call (once per
     template: `ChatTemplate.tool_format`) and reading it back with each format, not by the template's name; None
-    when no format reads it (Kimi's, gpt-oss's, ...)."""
+    when no format reads it (Kimi's, DeepSeek's, ...)."""
     source = getattr(template, "source", None)
     candidates = [f for f in FORMATS if source and f.marker in source]
     if not candidates:
         return None
     ask = [{"role": "user", "content": "Look the probe up."}]
-    called = ask + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": _PROBE_ARGUMENTS}}]}]
+    called = ask + [probe_call(_PROBE_ARGUMENTS)]
     try:
         described = template.render(ask, True, PROBE_TIME_LIMIT_S, tools=[_PROBE_TOOL])
         written = template.render(called, False, PROBE_TIME_LIMIT_S, tools=[_PROBE_TOOL])
@@ -135,6 +134,6 @@ def plan(template: Any, tools: Any, tool_choice: Any) -> ToolPlan:
     if choice != "none" and fmt is None:
         raise ValueError("this model's chat template has no tool-call format this library reads (<tool_call> blocks "
                          "of JSON as Hermes and Qwen3 write them, of <function=...> tags as Qwen3.5, of <arg_key> "
-                         "pairs as GLM, a bare JSON answer as Llama 3.1, [TOOL_CALLS] as Mistral, Harmony's as gpt-oss): "
-                         "tools are not supported with it")
+                         "pairs as GLM, a bare JSON answer as Llama 3.1, [TOOL_CALLS] as Mistral, Harmony's as "
+                         "gpt-oss): tools are not supported with it")
     return ToolPlan(checked, choice, fmt or JsonBlocks())

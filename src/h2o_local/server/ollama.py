@@ -278,9 +278,9 @@ async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating
             tokens += step.tokens
             thought, text = reasoning.pieces(splitter, e.text, end=e.token is None)
             if thought or text:
-                said = {**({"thinking": thought} if thought else {}), "content": text}
-                piece = {"response": text, **({"thinking": thought} if thought else {})} if generating else \
-                    {"message": {"role": "assistant", **said}}
+                extra = {"thinking": thought} if thought else {}
+                piece = {"response": text, **extra} if generating else \
+                    {"message": {"role": "assistant", "content": text, **extra}}
                 yield json.dumps({**head, "created_at": _now(), **piece, "done": False}) + "\n"
             if e.token is None:
                 empty = {"response": ""} if generating else {"message": {"role": "assistant", "content": ""}}
