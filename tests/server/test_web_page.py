@@ -74,10 +74,11 @@ def ask(driver, text):
 
 
 def cache_view(driver):
+    """The cache view's token classes, read in one script (the page may redraw between two WebDriver calls)."""
     from selenium.webdriver.common.by import By
 
-    spans = driver.find_elements(By.CSS_SELECTOR, "#cache-tokens span")
-    classes = [s.get_attribute("class") for s in spans]
+    classes = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#cache-tokens span'), (s) => s.className)")
     return classes, driver.find_element(By.ID, "cache-stats")
 
 

@@ -124,7 +124,11 @@ let drawPending = false;
 function scheduleDraw() {
   if (drawPending) return;
   drawPending = true;
-  requestAnimationFrame(() => { drawPending = false; drawCache(); });
+  requestAnimationFrame(() => { if (drawPending) { drawPending = false; drawCache(); } });
+}
+
+function flushDraw() {  // a finished answer shows its final cache view at once, not a frame later
+  if (drawPending) { drawPending = false; drawCache(); }
 }
 
 function shades(scores) {
@@ -229,6 +233,7 @@ async function send(text) {
     finish = finish || "stopped";
   } finally {
     chat.controller = null;
+    flushDraw();
     setBusy(false);
   }
   chat.messages.push(userMessage, { role: "assistant", content: answer });
