@@ -17,10 +17,12 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
+from . import reasoning
 from .backends import where_layers_run
-from .chat_template import Message, normalize_messages
+from .chat_template import Message, check_variables, normalize_messages
+from .completions import answer_markup, prompt_end
 from .llama import RECALL_DEFAULT_BYTES, Llama, Snapshot
 from .sampling import CHAT
 from .sessions import Session, continues
@@ -59,16 +61,22 @@ class ChatSession:
         (ValueError where the policy cannot), an int (that many tokens), False (evicted entries are gone). Host
         memory: up to `Llama.kv_bytes_per_cell` bytes per evicted token, at most 256 MiB (RECALL_DEFAULT_BYTES)
         with "auto" or True (SmolLM2-135M: 22.5 KiB a token, about 11,600 tokens).
+    reasoning_format: how `send_split` tells a thinking model's reasoning from its answer, as the server's option:
+        "auto" (the default) by the template's think tags or gpt-oss's channels, "none" not at all.
+    chat_template_kwargs: more variables the template reads at every turn (`{"enable_thinking": False}` for Qwen3).
     Sampling keywords (`temperature`, `max_tokens`, ...) given here apply to every turn.
     """
 
     def __init__(self, llm: Llama, *, system: Optional[str] = None, recall: Union[bool, int, str] = "auto",
+                 reasoning_format: str = "auto", chat_template_kwargs: Optional[Dict[str, Any]] = None,
                  **sampling: Any):
         if system is not None:
             if not isinstance(system, str):
                 raise TypeError(f"system must be a string or None, got {type(system).__name__}")
             check_text("the system prompt", system)
         CHAT.replace(**sampling)  # a bad value or name raises here, not at every answer
+        self.reasoning_format = reasoning.check_format(reasoning_format)
+        self.chat_template_kwargs = check_variables(chat_template_kwargs)
         self.llm = llm
         self.recall: bool = self._set_recall(recall)  # whether the conversation recalls
         self.system = system
@@ -79,6 +87,7 @@ class ChatSession:
         self._prompt: Optional[Session] = None  # a snapshot of the last turn's prompt
         self._turn = 0  # bumped by every send / reset / load: an older answer stream may not rewrite the history
         self._stream: Optional[Iterator[str]] = None  # the last answer stream `send` returned
+        self.thinking: Optional[reasoning.Thinking] = None  # how the last turn's answer splits (`send_split`)
         self.reset()
 
     @property
@@ -125,10 +134,43 @@ class ChatSession:
         self._stream = stream = self._answer(content, {**self.sampling, **sampling}, progress)
         return stream
 
+    def send_split(self, content: str, *, progress: Optional[Callable[[int, int], None]] = None,
+                   **sampling: Any) -> Iterator[Tuple[str, str]]:
+        """As `send`, each piece as (reasoning, answer text), one of them empty: a thinking model's reasoning (between
+        its template's think tags, gpt-oss's analysis channel) apart from its answer, as the server's
+        `reasoning_content`. The history keeps the answer as the model wrote it (templates drop old reasoning)."""
+        stream = self.send(content, progress=progress, **sampling)
+        return self._split(stream)
+
+    def _split(self, stream: Iterator[str]) -> Iterator[Tuple[str, str]]:
+        splitter = None
+        try:
+            for piece in stream:
+                if splitter is None:  # the turn's prompt is known once its first piece came
+                    splitter = self.thinking.splitter() if self.thinking is not None else False
+                for part in self._parts(reasoning.pieces(splitter or None, piece)):
+                    yield part
+            if splitter:
+                for part in self._parts(splitter.end()):
+                    yield part
+        finally:
+            stream.close()
+
+    @staticmethod
+    def _parts(pair: Tuple[str, str]) -> Iterator[Tuple[str, str]]:
+        if pair[0]:
+            yield pair[0], ""
+        if pair[1]:
+            yield "", pair[1]
+
     def _answer(self, content: str, params: Dict[str, Any],
                 progress: Optional[Callable[[int, int], None]] = None) -> Iterator[str]:
         messages = self.messages + [{"role": "user", "content": content}]
-        tokens, n_keep = self.llm.chat_tokens(messages)
+        tokens, n_keep = self.llm.chat_tokens(messages, chat_template_kwargs=self.chat_template_kwargs)
+        self.thinking = reasoning.thinking(self.reasoning_format, self.llm.chat_template.source,
+                                           prompt_end(self.llm, tokens))
+        shown = answer_markup(self.llm, None, self.thinking)  # the marks the split reads, as text in the answer
+        params = {**params, "preserved_tokens": tuple(params.get("preserved_tokens") or ()) + shown}
         n_keep = n_keep if n_keep is not None else self.llm.keep if isinstance(self.llm.keep, int) else 0
         base = self._continued(tokens, n_keep)  # the cache state this turn goes on from, or None (from scratch)
         feed = tokens if base is None else tokens[len(base.tokens):]  # the Llama feeds its pending token first

@@ -199,13 +199,14 @@ class Completions:
                 yield responses.chat_chunk(meta, {}, e.finish_reason)
 
 
-def answer_markup(llm: "Llama", plan: tools_mod.ToolPlan, thinking: Optional[reasoning.Thinking]) -> Tuple[int, ...]:
-    """The control tokens a chat's answer must show to be read: its tool-call format's tags (when calls are parsed),
-    its think tags (when the reasoning is split) and Harmony's marks always (without them gpt-oss's answer runs its
-    channels' names into its text)."""
+def answer_markup(llm: "Llama", plan: Optional[tools_mod.ToolPlan],
+                  thinking: Optional[reasoning.Thinking]) -> Tuple[int, ...]:
+    """The control tokens a chat's answer must show to be read: its tool-call format's tags (when calls are parsed;
+    `plan` None: a chat without tools), its think tags (when the reasoning is split) and Harmony's marks always
+    (without them gpt-oss's answer runs its channels' names into its text)."""
     marks = thinking.marks if thinking is not None else \
         reasoning.HarmonySplitter.MARKS if reasoning.harmony(llm.chat_template.source) else ()
-    texts = (plan.format.tags if plan.parses else ()) + marks
+    texts = (plan.format.tags if plan is not None and plan.parses else ()) + marks
     return llm.preserved_tokens(texts) if texts else ()
 
 

@@ -120,3 +120,26 @@ def test_a_file_goes_with_the_next_message_and_a_long_prompt_shows_its_progress(
                             env={"TERM": "dumb", "PATH": "/usr/bin:/bin"}, encoding="utf-8", timeout=60)
     missing.expect_exact("error: cannot attach /nope.txt")
     assert finish(missing) == 2
+
+
+def test_a_thinking_models_reasoning_is_shown_apart_or_hidden(tmp_path):
+    """The template opens the think tags (DeepSeek-R1's distills), so the tiny model's text is all reasoning: shown
+    between Ollama's "Thinking..." and "...done thinking.", or not at all with --hide-thinking."""
+    from test_reasoning import OPENED
+
+    model = str(write_tiny_llama(tmp_path / "think.gguf", chat_template=OPENED, n_ctx_train=4096))
+    child = spawn(model, "--max-tokens", "8")
+    child.sendline("think")
+    child.expect_exact("Thinking...")
+    child.expect(r"\S+")
+    child.expect_exact("...done thinking.")
+    child.expect_exact("[kv ")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    assert finish(child) == 0
+    hidden = spawn(model, "--max-tokens", "8", "--hide-thinking")
+    hidden.sendline("think")
+    hidden.expect_exact("[kv ")
+    assert "Thinking" not in hidden.before and "8 tokens" in hidden.readline()
+    hidden.sendeof()
+    assert finish(hidden) == 0

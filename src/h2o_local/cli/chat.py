@@ -35,6 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", "--temp", type=float, default=CHAT_SURFACE.temperature,
                     help=f"0 = greedy (default: {CHAT_SURFACE.temperature:g})")
     ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
+    ap.add_argument("--hide-thinking", action="store_true",
+                    help="a thinking model's reasoning is not shown, only its answer (as Ollama's --hidethinking)")
+    ap.add_argument("--no-think", action="store_true",
+                    help="ask the template not to think (enable_thinking false: Qwen3's, as Ollama's --think=false)")
     ap.add_argument("--file", action="append", default=[], metavar="PATH",
                     help="a text file attached to the first message (repeat for several; /file in the chat)")
     add_sampler_args(ap, CHAT_SURFACE)
@@ -46,7 +50,8 @@ def main(argv=None) -> int:
         # the recall setting is the command line's, which load_llama applied ("auto" keeps it, whatever its cap)
         session = ChatSession(llm, system=args.system, recall="auto" if llm.recall else False,
                               max_tokens=args.max_tokens, temperature=args.temperature,
-                              ignore_eos=args.ignore_eos, **penalty_kwargs(args), **sampler_kwargs(args))
+                              ignore_eos=args.ignore_eos, **penalty_kwargs(args), **sampler_kwargs(args),
+                              chat_template_kwargs={"enable_thinking": False} if args.no_think else None)
         llm.chat_template.render([{"role": "user", "content": "hi"}])  # a model without a template: say so now
     except (ValueError, TypeError) as e:
         ap.error(str(e))
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
     budget = "full cache" if llm.budget is None else f"budget {llm.budget} tokens"
     print(f"h2o_local chat: {llm.policy.label}, {budget}, keep={args.keep}. /help for commands, Ctrl-D to quit.",
           file=sys.stderr)
-    chat = Chat(session)
+    chat = Chat(session, hide_thinking=args.hide_thinking)
     for path in args.file:
         if not chat.attach(path):
             return 2
@@ -93,8 +98,9 @@ MAX_FILE_BYTES = 16 * 2**20
 class Chat:
     """The terminal's side of a conversation: documents attached for the next message."""
 
-    def __init__(self, session: ChatSession):
+    def __init__(self, session: ChatSession, hide_thinking: bool = False):
         self.session = session
+        self.hide_thinking = hide_thinking
         self.attached: List[str] = []
 
     def attach(self, path: str) -> bool:
@@ -120,7 +126,7 @@ class Chat:
     def answer(self, line: str) -> None:
         content = "\n\n".join(self.attached + [line])
         self.attached = []
-        _answer(self.session, content)
+        _answer(self.session, content, _AnswerWriter(sys.stdout, self.hide_thinking))
 
 
 class _Progress:
@@ -143,15 +149,44 @@ class _Progress:
             self.shown = False
 
 
-def _answer(session: ChatSession, line: str) -> None:
+class _AnswerWriter:
+    """The answer on stdout; a thinking model's reasoning before it between "Thinking..." and "...done thinking.",
+    dimmed in a terminal (as Ollama's chat shows it), or left out."""
+
+    def __init__(self, out, hide_thinking: bool):
+        self.out = out
+        self.hide_thinking = hide_thinking
+        self.dim = out.isatty() and os.environ.get("TERM") != "dumb"
+        self.thinking = False
+
+    def write(self, thought: str, text: str) -> None:
+        if thought and not self.hide_thinking:
+            if not self.thinking:
+                self._aside("Thinking...\n")
+                self.thinking = True
+            self._aside(thought)
+        if text:
+            self.end_thinking()
+            self.out.write(text)
+        self.out.flush()
+
+    def end_thinking(self) -> None:
+        if self.thinking:
+            self._aside("\n...done thinking.\n\n")
+            self.thinking = False
+
+    def _aside(self, text: str) -> None:
+        self.out.write(f"\033[2m{text}\033[0m" if self.dim else text)
+
+
+def _answer(session: ChatSession, line: str, out: _AnswerWriter) -> None:
     pieces = iter(())
     progress = _Progress()
     try:
-        pieces = session.send(line, progress=progress)
-        for piece in pieces:
+        pieces = session.send_split(line, progress=progress)
+        for thought, text in pieces:
             progress.clear()
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+            out.write(thought, text)
         note = ""
     except KeyboardInterrupt:
         progress.clear()
@@ -161,6 +196,7 @@ def _answer(session: ChatSession, line: str) -> None:
         print(f"\nerror: {e}", file=sys.stderr)
     finally:
         getattr(pieces, "close", lambda: None)()
+        out.end_thinking()
     print()
     s = session.stats()
     budget = "" if s["budget"] is None else f"/{s['budget']}"
