@@ -251,6 +251,7 @@ ModelFacts Model::facts() const {
     f.add_bos     = llama_vocab_get_add_bos(vocab());
     f.token_bos   = llama_vocab_bos(vocab());
     f.token_eos   = llama_vocab_eos(vocab());
+    f.token_nl    = llama_vocab_nl(vocab());
     const char * tmpl = llama_model_chat_template(model_, nullptr);
     f.chat_template = tmpl ? tmpl : "";
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {

@@ -372,6 +372,34 @@ class Llama:
     def token_eos(self) -> int:
         return self.info.token_eos
 
+    def token_nl(self) -> int:
+        """The newline token (-1 where the vocabulary has none)."""
+        return self.info.token_nl
+
+    def tokenizer(self) -> "llama_cpp_python.LlamaTokenizer":
+        """llama-cpp-python's tokenizer object over this model (`encode` / `decode` text, `tokenize` / `detokenize`)."""
+        return llama_cpp_python.LlamaTokenizer(self)
+
+    @staticmethod
+    def logits_to_logprobs(logits: Any, axis: int = -1) -> np.ndarray:
+        """Log-probabilities (float32) from logits along `axis` (a log-softmax, as llama-cpp-python's)."""
+        x = np.asarray(logits, dtype=np.float32)
+        top = np.amax(x, axis=axis, keepdims=True)
+        top[~np.isfinite(top)] = 0
+        shifted = x - top
+        with np.errstate(divide="ignore"):
+            return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+    @staticmethod
+    def longest_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+        """How many tokens `a` and `b` share from their start."""
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
     def is_eog(self, token: int) -> bool:
         """True for an end-of-generation token (EOS, EOT, ...)."""
         return bool(self._engine.is_eog(_token_list([token])[0]))

@@ -1,9 +1,12 @@
-"""llama-cpp-python's names, as this library takes them: its chat formats, its ggml type numbers, and its keywords
+"""llama-cpp-python's names, as this library takes them: its chat formats, its ggml type numbers, its tokenizer object, and its keywords
 for what this library does not do, accepted at the values that ask for nothing (scripts and wrappers pass them with
 their defaults) and a ValueError naming them otherwise. Two users: `Llama(...)` and the completion calls."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from .llama import Llama
 
 # its chat_format names where llama.cpp's built-in templates are named otherwise
 CHAT_FORMATS = {"llama-2": "llama2-sys", "llama-3": "llama3", "mistral-instruct": "mistral-v1", "qwen": "chatml"}
@@ -84,3 +87,24 @@ def ggml_type_name(name: str, value: Any) -> Optional[str]:
         return GGML_TYPES[value]
     raise TypeError(f"{name} must be a ggml type name such as 'q8_0' (or llama-cpp-python's number, 8), "
                     f"got {value!r}")
+
+
+class LlamaTokenizer:
+    """llama-cpp-python's tokenizer object (`Llama.tokenizer()`): the model's tokenize / detokenize on bytes, and
+    `encode` / `decode` on text. Special tokens' text is parsed by default, as its `encode` does."""
+
+    def __init__(self, llama: "Llama"):
+        self._llama = llama
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> List[int]:
+        return self._llama.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Optional[Sequence[int]] = None,
+                   special: bool = False) -> bytes:
+        return self._llama.detokenize(tokens, special, prev_tokens=prev_tokens)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> List[int]:
+        return self.tokenize(text.encode("utf-8", errors="ignore"), add_bos=add_bos, special=special)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")

@@ -30,6 +30,7 @@ class ModelInfo:
     add_bos: bool          # the tokenizer adds BOS to a prompt
     token_bos: int
     token_eos: int
+    token_nl: int          # the newline token (-1: none)
     chat_template: Optional[str]  # the GGUF's Jinja chat template; None when it has none
 
     @classmethod

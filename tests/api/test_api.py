@@ -273,6 +273,24 @@ def test_llama_cpp_python_calls_scripts_make(llm, tiny_model):
         llm.create_completion("x", max_tokens=2, tfz_z=1.0)  # a misspelt keyword still names itself
 
 
+def test_llama_cpp_python_s_token_helpers(llm):
+    """`token_nl`, `tokenizer()` (encode / decode text, special tokens parsed as its encode does), and the static
+    `logits_to_logprobs` (a log-softmax) and `longest_token_prefix`."""
+    assert llm.tokenize("\n", add_bos=False)[-1] == llm.token_nl() >= 0
+    tok = llm.tokenizer()
+    ids = tok.encode("Hello, wörld!")
+    assert ids == llm.tokenize("Hello, wörld!") and tok.decode(ids).strip() == "Hello, wörld!"
+    assert tok.tokenize(b"x", add_bos=False) == llm.tokenize(b"x", add_bos=False)
+    assert tok.detokenize(ids[2:], prev_tokens=ids[:2]) == llm.detokenize(ids[2:], prev_tokens=ids[:2])
+    logits = np.array([[1.0, 2.0, 3.0], [0.0, 0.0, -np.inf]], dtype=np.float32)
+    logprobs = Llama.logits_to_logprobs(logits)
+    assert logprobs.dtype == np.float32 and np.allclose(np.exp(logprobs).sum(axis=-1), 1.0)
+    assert np.allclose(logprobs[0], logits[0] - np.log(np.exp(logits[0]).sum())) and logprobs[1, 2] == -np.inf
+    assert np.allclose(Llama.logits_to_logprobs(logits.T, axis=0), logprobs.T)
+    assert Llama.longest_token_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 == llm.longest_token_prefix([1, 2], [1, 2, 3])
+    assert Llama.longest_token_prefix([], [1]) == 0
+
+
 def test_llama_cpp_python_s_constructor_keywords_are_taken_where_they_ask_for_what_this_llama_does(tiny_model):
     """A script's `Llama(model_path=..., n_ctx=..., n_ubatch=512, use_mmap=True, logits_all=True, type_k=8, ...)`:
     the keywords at values that ask for what this library does anyway make the same `Llama` (the same greedy text),
