@@ -53,6 +53,7 @@ class Event:
     finish_reason: Optional[str] = None
     logits: Optional[np.ndarray] = None   # the logits the token was drawn from (only when asked)
     error: Optional[Exception] = None     # why the sequence ended, when it failed (finish_reason "error")
+    stop_word: Optional[str] = None       # the stop string that ended it, if one did
 
 
 class Batch:
@@ -222,7 +223,7 @@ class Batch:
         r.finish_reason = reason
         if self.free_finished:
             self._finished.append(r.seq_id)
-        return [Event(r.index, None, r.text.flush(), reason, error=error)]
+        return [Event(r.index, None, r.text.flush(), reason, error=error, stop_word=r.text.stop_word)]
 
     def release(self) -> None:
         """Free the caches of the sequences that finished (with free_finished)."""

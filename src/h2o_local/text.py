@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import codecs
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 class TextAssembler:
@@ -18,15 +18,17 @@ class TextAssembler:
         self._text = ""      # decoded text not yet released
         self.released = ""   # all the text released so far (what the user saw)
         self.stopped = False
+        self.stop_word: Optional[str] = None  # the stop string found (the earliest in the text)
 
     def push(self, piece: bytes) -> str:
         if self.stopped:
             return ""
         self._text += self._decoder.decode(piece)
-        hits = [i for i in (self._text.find(s) for s in self._stop) if i >= 0]
+        hits = [(i, n) for n, i in enumerate(self._text.find(s) for s in self._stop) if i >= 0]
         if hits:
-            self.stopped = True
-            out, self._text = self._text[: min(hits)], ""
+            at, n = min(hits)
+            self.stopped, self.stop_word = True, self._stop[n]
+            out, self._text = self._text[:at], ""
             self.released += out
             return out
         hold = self._held_suffix()

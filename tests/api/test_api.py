@@ -68,6 +68,9 @@ def test_stop_strings_cut_the_text():
     assert out == "Hello " and t.stopped
     t = TextAssembler(["###"])
     assert t.push(b"a #") == "a " and t.push(b" b") == "# b"  # a partial stop string is held, then released
+    assert t.stop_word is None
+    t = TextAssembler(["world", "lo w"])  # the one found earliest in the text is the one that stopped it
+    assert t.push(b"Hello world") == "Hel" and t.stop_word == "lo w"
 
 
 def test_utf8_split_across_tokens():

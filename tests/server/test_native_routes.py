@@ -182,6 +182,14 @@ def test_llama_server_s_completion_answers_as_the_openai_route_does_whole_or_str
     assert status == 200 and out["stop"] and out["content"] == same.choices[0].text
     assert (out["tokens_predicted"], out["tokens_evaluated"]) == (8, same.usage.prompt_tokens)
     assert out["stopped_limit"] and out["timings"]["predicted_n"] == 8 and out["timings"]["predicted_ms"] > 0
+    assert (out["stop_type"], out["stopping_word"], out["stopped_word"], out["stopped_eos"]) == ("limit", "", False, False)
+    word = out["content"].strip()[2:5]  # a stop string the greedy answer holds
+    status, cut = post(port, "/completion", {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0,
+                                             "ignore_eos": True, "stop": ["never there", word]})
+    assert (cut["stop_type"], cut["stopping_word"], cut["stopped_word"]) == ("word", word, True)
+    assert cut["content"] == out["content"][:out["content"].find(word)] and not cut["stopped_limit"]
+    status, ended = post(port, "/completion", {"prompt": "x", "n_predict": 8, "grammar": 'root ::= "ab"'})
+    assert (ended["content"], ended["stop_type"], ended["stopped_eos"]) == ("ab", "eos", True)
     ids = post(port, "/tokenize", {"content": "Once upon a time", "add_special": True})[1]["tokens"]
     assert post(port, "/completion", {"prompt": ids, "n_predict": 8, "temperature": 0,
                                       "ignore_eos": True})[1]["content"] == out["content"]

@@ -185,8 +185,9 @@ LLAMA_SERVER = SamplingParams(max_tokens=None)
 async def llama_server_completion(body: LlamaServerCompletionRequest, request: Request,
                                   state: ServerState = Depends(server_state)):
     """llama-server's own completion API: `content`, `stop` (true once it ended), `tokens_predicted`,
-    `tokens_evaluated`, `tokens_cached`, `stopped_limit` and `timings` (ms); with `stream`, server-sent events of
-    the content's pieces, the last with `stop: true` and the counts."""
+    `tokens_evaluated`, `tokens_cached`, why it stopped (`stop_type` "eos", "word" or "limit", `stopping_word`,
+    `stopped_eos` / `stopped_word` / `stopped_limit`) and `timings` (ms); with `stream`, server-sent events of the
+    content's pieces, the last with `stop: true` and the counts."""
     started = time.perf_counter()
     limit = body.max_tokens if body.n_predict is None else None if body.n_predict < 0 else body.n_predict
     job = await prompt_job(state, body, request, body.prompt, defaults=LLAMA_SERVER, max_tokens=limit)
@@ -201,9 +202,11 @@ def _llama_server_result(state: ServerState, job: Job, content: str, finish: Opt
                          read: float) -> Dict[str, Any]:
     end = time.perf_counter()
     n_prompt, n_gen = len(job.prompt_tokens), job.n_generated
+    stop_type = "word" if job.stopping_word else {"stop": "eos", "length": "limit"}.get(finish or "", "none")
     return {"content": content, "stop": True, "model": state.model_id, "tokens_predicted": n_gen,
             "tokens_evaluated": n_prompt, "tokens_cached": job.reused_tokens, "truncated": False,
-            "stopped_limit": finish == "length",
+            "stop_type": stop_type, "stopping_word": job.stopping_word, "stopped_eos": stop_type == "eos",
+            "stopped_word": stop_type == "word", "stopped_limit": stop_type == "limit",
             "timings": {"prompt_n": n_prompt - job.reused_tokens, "prompt_ms": (read - started) * 1e3,
                         "predicted_n": n_gen, "predicted_ms": (end - read) * 1e3,
                         "predicted_per_second": n_gen / max(end - read, 1e-9)}}

@@ -175,6 +175,7 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     n_generated: int = 0
     kv_cache: Optional[Dict[str, Any]] = None  # what the cache did, set before the end event is delivered
+    stopping_word: str = ""             # the stop string that ended it ("" if none), set with kv_cache
     started: Optional[Started] = None   # its first event, once delivered
 
     def put(self, item: Result) -> None:
@@ -389,6 +390,7 @@ class Scheduler:
                     self.metrics.ttft.observe(time.perf_counter() - job.submitted)
             else:
                 job.kv_cache = self.slots.cache_summary(e.index)
+                job.stopping_word = e.stop_word or ""
                 if job.kv_cache["protected"] < job.n_keep:  # a system prompt longer than the budget lets protect
                     job.kv_cache["protected_asked"] = job.n_keep
                 self._count_finished(job)
