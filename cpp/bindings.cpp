@@ -514,6 +514,8 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("capacity", &Engine::capacity)
         .def_property_readonly("stream_capacity", &Engine::stream_capacity)
         .def_property_readonly("n_decode", &Engine::n_decode, "llama_decode calls made so far")
+        .def_property_readonly("n_graphs_reused", &Engine::n_graphs_reused,
+                               "ubatches that reused the previous compute graph (llama.cpp's graph reuse)")
         .def_property_readonly("kv_unified", &Engine::kv_unified)
         .def("room", &Engine::room, py::arg("seq_id"), py::call_guard<py::gil_scoped_release>(),
              "KV cells still free for seq_id: its stream's, or the whole unified cache's (shared by all sequences).")

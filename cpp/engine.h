@@ -121,6 +121,7 @@ public:
     int32_t  probe_cells(const Policy & policy) const;
     int32_t  cells_used() const;  // KV entries held by all sequences
     int64_t  n_decode() const { return n_decode_; } // llama_decode calls made so far
+    int32_t  n_graphs_reused() const { return llama_perf_context(ctx_).n_reused; } // decodes that reused the last graph
 
 private:
     SeqCache & seq_cache(llama_seq_id seq); // checks the id, creates the sequence on first use
