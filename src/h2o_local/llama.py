@@ -460,6 +460,33 @@ class Llama:
         """float32 [n_vocab]: the logits after the last token fed to `seq_id`."""
         return self._engine.last_logits(self._check_seq(seq_id))
 
+    def sample(self, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+               temp: float = 0.80, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_eta: float = 0.1,
+               mirostat_tau: float = 5.0, penalize_nl: bool = True, logits_processor: Any = None,
+               grammar: Optional[str] = None, idx: Optional[int] = None, *, seq_id: int = 0) -> int:
+        """llama-cpp-python's: a token drawn from the logits after the last token fed to `seq_id` (`eval`), with
+        its keywords and defaults (`temp`: 0 greedy, < 0 the plain softmax; `grammar`: GBNF text). `idx`: the
+        logits after that token of the last `eval(..., logits_all=True)` instead (0 its first). As llama-cpp-python's
+        one-off draw, the penalties see no earlier tokens; `tfs_z` and `penalize_nl` are ignored, as there. The
+        seed is the next of this `Llama`'s (`set_seed`)."""
+        llama_cpp_python.without_not_done({"logits_processor": logits_processor}, llama_cpp_python.CALL_NOT_DONE)
+        if isinstance(temp, (int, float)) and not isinstance(temp, bool) and temp < 0:  # llama.cpp's dist alone
+            temp, top_k, top_p, min_p, typical_p = 1.0, 0, 1.0, 0.0, 1.0
+        params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                                repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
+                                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar)
+        if idx is None:
+            logits = self.last_logits(seq_id)
+        else:
+            rows = self.prompt_logits(seq_id)
+            if not len(rows):
+                raise ValueError("idx needs the rows of an eval(..., logits_all=True) on this sequence; it kept none")
+            check_int("idx", idx, minimum=0, maximum=len(rows) - 1)
+            logits = rows[idx]
+        return int(self._sampler(params).sample(logits))
+
     def last_scores(self, seq_id: int = 0) -> Tuple[np.ndarray, np.ndarray]:
         """What the last llama_decode exported for `seq_id`: (positions int32 [n], column sums float32
         [n, n_head]), the attention each cached position received from that decode's queries, summed over layers.

@@ -294,6 +294,24 @@ def test_llama_cpp_python_s_token_helpers(llm):
     assert Llama.longest_token_prefix([], [1]) == 0
 
 
+def test_llama_cpp_python_s_sample_draws_from_the_last_logits(llm):
+    """`eval` then `sample(...)`: llama-cpp-python's low-level loop, with its keywords (`temp`, `top_k`, ...)."""
+    rows = llm.eval(llm.tokenize("Hello there my friend"), logits_all=True)
+    assert llm.sample(temp=0) == int(np.argmax(llm.last_logits()))
+    assert llm.sample(temp=0, idx=2) == int(np.argmax(rows[2]))
+    llm.set_seed(3)
+    draws = [llm.sample(temp=1.5, top_k=0, top_p=1.0, min_p=0.0) for _ in range(8)]
+    llm.set_seed(3)
+    assert [llm.sample(temp=1.5, top_k=0, top_p=1.0, min_p=0.0) for _ in range(8)] == draws and len(set(draws)) > 1
+    assert llm.sample(temp=0.8, top_k=1) == int(np.argmax(llm.last_logits()))
+    x = llm.tokenize("x", add_bos=False)[-1]
+    assert llm.sample(grammar=f'root ::= "{llm.detokenize([x]).decode().strip()}"', temp=0) == x
+    for bad in (dict(idx=len(rows)), dict(logits_processor=[lambda ids, logits: logits]), dict(top_p=0.0)):
+        with pytest.raises(ValueError):
+            llm.sample(**bad)
+    assert llm.sample(temp=0, tfs_z=0.5, penalize_nl=False) == int(np.argmax(llm.last_logits()))  # ignored, as there
+
+
 def test_llama_cpp_python_s_constructor_keywords_are_taken_where_they_ask_for_what_this_llama_does(tiny_model):
     """A script's `Llama(model_path=..., n_ctx=..., n_ubatch=512, use_mmap=True, logits_all=True, type_k=8, ...)`:
     the keywords at values that ask for what this library does anyway make the same `Llama` (the same greedy text),
