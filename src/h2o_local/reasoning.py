@@ -1,6 +1,6 @@
 """A thinking model's reasoning told apart from its answer, as llama-server does (`reasoning_format`): the text
 between the template's think tags (`<think>`...`</think>` for Qwen3, QwQ, DeepSeek-R1, GLM; `<seed:think>` for
-Seed-OSS; `[THINK]` for Magistral), or gpt-oss's `analysis` channel, goes to `message.reasoning_content` (Ollama:
+Seed-OSS; `[THINK]` for Magistral; `<|channel>thought`...`<channel|>` for Gemma 4), or gpt-oss's `analysis` channel, goes to `message.reasoning_content` (Ollama:
 `message.thinking`), the rest to `content`. A template whose generation prompt opens the tags itself (DeepSeek-R1's
 distills) has the answer start inside them; a reasoning never closed (cut by max_tokens) is all reasoning.
 
@@ -21,10 +21,12 @@ REASONING_FORMATS = ("auto", "deepseek", "none")
 class ThinkTags:
     open: str
     close: str
+    marks: Tuple[str, ...] = ()  # the control tokens they are written with (default: each tag is one)
 
 
 KNOWN_TAGS = (ThinkTags("<think>", "</think>"), ThinkTags("<seed:think>", "</seed:think>"),
-              ThinkTags("[THINK]", "[/THINK]"))
+              ThinkTags("[THINK]", "[/THINK]"),
+              ThinkTags("<|channel>thought", "<channel|>", marks=("<|channel>", "<channel|>")))
 
 
 def think_tags(template_source: Optional[str]) -> Optional[ThinkTags]:
@@ -203,7 +205,9 @@ class Thinking:
     @property
     def marks(self) -> Tuple[str, ...]:
         """The markup the split reads (its control tokens must be shown: `Llama.preserved_tokens`)."""
-        return HarmonySplitter.MARKS if self.tags is None else (self.tags.open, self.tags.close)
+        if self.tags is None:
+            return HarmonySplitter.MARKS
+        return self.tags.marks or (self.tags.open, self.tags.close)
 
     def splitter(self) -> "_Split":
         return HarmonySplitter() if self.tags is None else Splitter(self.tags, self.inside)

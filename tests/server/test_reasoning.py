@@ -191,3 +191,32 @@ def test_gpt_oss_answers_come_apart_by_channel(tmp_path):
         said = client.chat(model="oss", messages=ASK, think="low", options={"temperature": 0, "num_predict": 2})
         status, out = post(port, "/apply-template", {"messages": ASK, "chat_template_kwargs": {"reasoning_effort": "low"}})
         assert status == 200 and said.prompt_eval_count == len(llm.tokenize(out["prompt"], special=True))
+
+
+@pytest.mark.skipif(not REAL, reason="the pinned llama.cpp sdist is not on this machine")
+def test_gemma_4_thinks_when_asked_and_its_thought_channel_is_the_reasoning(tmp_path):
+    """Gemma 4 (its real template) thinks only with `enable_thinking` (Ollama's `think: true` sets it); its reasoning
+    is a `<|channel>thought` block closed by `<channel|>`, control tokens shown for the split; without thinking the
+    prompt ends with an empty block and the answer is all content."""
+    marks = ["<|channel>", "<channel|>", "<|turn>", "<turn|>", "<|think|>"]
+    template = REAL["google-gemma-4-31B-it"]
+    llm = Llama(str(write_tiny_llama(tmp_path / "gemma4.gguf", chat_template=template, n_ctx_train=4096,
+                                     special_tokens=marks)), budget=512)
+    on = {"enable_thinking": True}
+    assert "<|think|>" in llm.apply_chat_template(ASK, chat_template_kwargs=on)
+    assert llm.apply_chat_template(ASK).endswith("<|turn>model\n<|channel>thought\n<channel|>")
+    controls = [llm.tokenize(m, add_bos=False, special=True)[0] for m in marks[:2]]
+    written = "<|channel>thought\nSum it.\n<channel|>It is 4."
+    kw = dict(max_tokens=60, temperature=0, grammar=forced(written), logit_bias={t: 30.0 for t in controls})
+    message = llm.create_chat_completion(ASK, reasoning_format="auto", chat_template_kwargs=on, **kw)["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("\nSum it.\n", "It is 4.")
+    plain = llm.create_chat_completion(ASK, reasoning_format="auto", max_tokens=20, temperature=0,
+                                       grammar=forced("It is 4."))["choices"][0]["message"]
+    assert plain == {"role": "assistant", "content": "It is 4."}
+    with serving(llm.model_path, slots=1, budget=512) as (port, _):
+        client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=60)
+        options = {"temperature": 0, "num_predict": 2}
+        thinking = client.chat(model="gemma4", messages=ASK, think=True, options=options)
+        unset = client.chat(model="gemma4", messages=ASK, options=options)
+        assert thinking.prompt_eval_count > unset.prompt_eval_count  # the system turn with <|think|>
+        assert "thinking" in client.show("gemma4").capabilities

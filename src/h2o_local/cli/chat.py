@@ -37,8 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
     ap.add_argument("--hide-thinking", action="store_true",
                     help="a thinking model's reasoning is not shown, only its answer (as Ollama's --hidethinking)")
-    ap.add_argument("--no-think", action="store_true",
-                    help="ask the template not to think (enable_thinking false: Qwen3's, as Ollama's --think=false)")
+    ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                    help="ask the template to think or not (its enable_thinking: Qwen3 thinks unless told not to, "
+                         "Gemma 4 only when told to; as Ollama's --think); default: the template's own")
     ap.add_argument("--file", action="append", default=[], metavar="PATH",
                     help="a text file attached to the first message (repeat for several; /file in the chat)")
     add_sampler_args(ap, CHAT_SURFACE)
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         session = ChatSession(llm, system=args.system, recall="auto" if llm.recall else False,
                               max_tokens=args.max_tokens, temperature=args.temperature,
                               ignore_eos=args.ignore_eos, **penalty_kwargs(args), **sampler_kwargs(args),
-                              chat_template_kwargs={"enable_thinking": False} if args.no_think else None)
+                              chat_template_kwargs=None if args.think is None else {"enable_thinking": args.think})
         llm.chat_template.render([{"role": "user", "content": "hi"}])  # a model without a template: say so now
     except (ValueError, TypeError) as e:
         ap.error(str(e))

@@ -188,16 +188,17 @@ def _chat_request(body: _OllamaRequest, messages: Optional[List[Dict[str, Any]]]
                   tools: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
     """The OpenAI-shaped chat request of an Ollama one (its options as sampling fields, its format as a grammar)."""
     out: Dict[str, Any] = {"messages": messages or [{"role": "user", "content": ""}], "stream": False}
-    # think: true gives the reasoning apart (message.thinking), false asks the template not to think (Qwen3's
-    # enable_thinking); unset, the answer is as the model wrote it
+    # think: true gives the reasoning apart (message.thinking) and asks the template to think, false asks it not to
+    # (enable_thinking: Qwen3 thinks unless told not to, Gemma 4 only when told to); unset, the answer is as the
+    # model wrote it
     if body.think is not None and not isinstance(body.think, bool) and body.think not in ("low", "medium", "high"):
         raise APIError(400, f"think must be true, false, or a level (low, medium, high), got {body.think!r}",
                        param="think")
     if body.think is not None and messages is None:
         raise APIError(400, "think needs the chat template, which a raw prompt does not use", param="think")
     out["reasoning_format"] = "none" if body.think is None else "auto"
-    if body.think is False:
-        out["chat_template_kwargs"] = {"enable_thinking": False}
+    if isinstance(body.think, bool):
+        out["chat_template_kwargs"] = {"enable_thinking": body.think}
     elif isinstance(body.think, str):  # gpt-oss's levels, as its template reads them
         out["chat_template_kwargs"] = {"reasoning_effort": body.think}
     for name, value in (body.options or {}).items():
