@@ -8,6 +8,7 @@ writing the grammar that forces one.
     [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]          MistralList (Mistral Nemo)
     [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}                             MistralArgs (Mistral Small 3.2, Devstral)
     to=functions.NAME<|channel|>commentary json<|message|>{...}        HarmonyCalls (gpt-oss)
+    <|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>           GemmaCalls  (Gemma 4)
 
 A template's format is found by rendering a probe call with it and reading it back (`tools.call_format`), never by
 the template's name. In the two XML formats a value is written as it is when its parameter is a string, else as
@@ -364,8 +365,200 @@ class HarmonyCalls(CallFormat):
         return "root ::= " + " | ".join(calls) + "\n" + rules
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmaCalls(CallFormat):
+    """Gemma 4's: `<|tool_call>call:NAME{...}<tool_call|>`, the arguments in its own notation (`gemma_value`): keys
+    bare and sorted, strings between `<|"|>` marks, numbers, true / false, None, [...] and {...}."""
+
+    name = "gemma"
+    marker = "<|tool_call>"
+    _HEAD = re.compile(r"<\|tool_call>\s*call:([^{\s<]+)(?=\{)")
+
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        return ("<|tool_call>", "<tool_call|>", GEMMA_QUOTE)
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        found = []
+        for m in self._HEAD.finditer(text):
+            try:
+                arguments, end = _GemmaReader(text, m.end()).value()
+            except ValueError:
+                continue
+            if not isinstance(arguments, dict):
+                continue
+            end = len(text) - len(text[end:].lstrip())
+            if text.startswith("<tool_call|>", end):
+                end += len("<tool_call|>")
+            found.append((m.start(), end, m.group(1), arguments))
+        return found
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        rules = _GemmaRules()
+        calls = [f'{_lit(t["function"]["name"])} {rules.visit(_parameters(t), f"args-{i}")}'
+                 for i, t in enumerate(tools)]
+        return 'root ::= "<|tool_call>call:" (' + " | ".join(calls) + ') "<tool_call|>"\n' + rules.gbnf()
+
+
+GEMMA_QUOTE = '<|"|>'  # Gemma 4's string mark (a control token)
+
+
+class _GemmaReader:
+    """Gemma 4's notation of a value, read from `text` at `at` (`value()`: the value and where it ends)."""
+
+    _ATOM = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|None|null")
+
+    def __init__(self, text: str, at: int):
+        self.text, self.at = text, at
+
+    def value(self) -> Tuple[Any, int]:
+        text = self.text
+        if text.startswith(GEMMA_QUOTE, self.at):
+            end = text.find(GEMMA_QUOTE, self.at + len(GEMMA_QUOTE))
+            if end < 0:
+                raise ValueError("an unclosed string")
+            value, self.at = text[self.at + len(GEMMA_QUOTE):end], end + len(GEMMA_QUOTE)
+            return value, self.at
+        if text.startswith("{", self.at):
+            return self._items("}", keyed=True), self.at
+        if text.startswith("[", self.at):
+            return self._items("]", keyed=False), self.at
+        m = self._ATOM.match(text, self.at)
+        if m is None:
+            raise ValueError(f"no value at {self.at}")
+        self.at = m.end()
+        atom = m.group()
+        return {"true": True, "false": False, "None": None, "null": None}.get(atom, None) if atom.isalpha() else \
+            (float(atom) if any(c in atom for c in ".eE") else int(atom)), self.at
+
+    def _items(self, close: str, keyed: bool) -> Any:
+        self.at += 1
+        out: Any = {} if keyed else []
+        while True:
+            if self.text.startswith(close, self.at):
+                self.at += 1
+                return out
+            if out:
+                if not self.text.startswith(",", self.at):
+                    raise ValueError(f"no comma at {self.at}")
+                self.at += 1
+            if keyed:
+                if self.text.startswith(GEMMA_QUOTE, self.at):
+                    key, _ = self.value()
+                else:
+                    colon = self.text.find(":", self.at)
+                    key = self.text[self.at:colon] if colon > self.at else ""
+                    if not key or any(c in key for c in "{}[],<"):
+                        raise ValueError(f"no key at {self.at}")
+                    self.at = colon
+                if not self.text.startswith(":", self.at):
+                    raise ValueError(f"no colon at {self.at}")
+                self.at += 1
+                out[key] = self.value()[0]
+            else:
+                out.append(self.value()[0])
+
+
+class _GemmaRules:
+    """GBNF for values in Gemma 4's notation that a JSON schema allows: strings (enum, const), integers, numbers,
+    booleans, null, arrays of typed items, objects of typed properties in the template's (sorted) order with the
+    required ones present; anything else a value of any shape."""
+
+    def __init__(self) -> None:
+        self.rules: Dict[str, str] = {
+            "g-char": '[^<] | "<" [^|]',  # a string's character: `<|` starts a control token
+            "g-string": f'{_lit(GEMMA_QUOTE)} g-char* {_lit(GEMMA_QUOTE)}',
+            "g-int": '"-"? ([0] | [1-9] [0-9]{0,15})',  # as llama.cpp's JSON schemas bound them
+            "g-number": 'g-int ("." [0-9]{1,16})? ([eE] [-+]? [0-9]{1,3})?',
+            "g-key": '[^:{}\\[\\],<]+ | g-string',  # nested keys are written bare
+            "g-value": 'g-string | g-number | "true" | "false" | "None" | "[" (g-value ("," g-value)*)? "]" | '
+                       '"{" (g-key ":" g-value ("," g-key ":" g-value)*)? "}"',
+        }
+
+    def gbnf(self) -> str:
+        return "\n".join(f"{name} ::= {body}" for name, body in self.rules.items()) + "\n"
+
+    def visit(self, schema: Any, name: str) -> str:
+        """The rule (its name) for values `schema` allows."""
+        schema = schema if isinstance(schema, Mapping) else {}
+        kind = schema.get("type")
+        if isinstance(schema.get("anyOf") or schema.get("oneOf"), list):
+            body = " | ".join(self.visit(s, f"{name}-{i}") for i, s in enumerate(schema.get("anyOf") or schema["oneOf"]))
+        elif isinstance(kind, list):
+            body = " | ".join(self.visit({**schema, "type": k}, f"{name}-{k}") for k in kind)
+        elif "const" in schema or isinstance(schema.get("enum"), list):
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            body = " | ".join(_lit(_gemma_text(v)) for v in values) or "g-value"
+        elif kind == "string":
+            body = _gemma_string(schema)
+        elif kind == "integer":
+            body = "g-int"
+        elif kind == "number":
+            body = "g-number"
+        elif kind == "boolean":
+            body = '"true" | "false"'
+        elif kind == "null":
+            body = '"None"'
+        elif kind == "array":
+            item = self.visit(schema.get("items"), f"{name}-item") if isinstance(schema.get("items"), Mapping) \
+                else "g-value"
+            body = f'"[" {_gemma_items(schema, item)} "]"'
+        elif kind == "object" and isinstance(schema.get("properties"), Mapping) and schema["properties"]:
+            body = self._object(schema, name)
+        else:
+            body = "g-value"
+        self.rules[name] = body
+        return name
+
+    def _object(self, schema: Mapping[str, Any], name: str) -> str:
+        """Properties in the order the template writes them (jinja's dictsort: by lowercased key), each optional
+        one optional: rule `{name}-first-K` writes properties K.. with none before, `{name}-more-K` after one."""
+        required = set(schema.get("required") or ())
+        keys = sorted(schema["properties"], key=str.lower)
+        for k in range(len(keys), -1, -1):
+            if k == len(keys):
+                self.rules[f"{name}-first-{k}"] = self.rules[f"{name}-more-{k}"] = '""'
+                continue
+            key = keys[k]
+            value = self.visit(schema["properties"][key], f"{name}-p{k}")
+            pair = f'{_lit(key + ":")} {value}'
+            skip = key not in required
+            self.rules[f"{name}-first-{k}"] = f"{pair} {name}-more-{k + 1}" + (f" | {name}-first-{k + 1}" if skip else "")
+            self.rules[f"{name}-more-{k}"] = f'"," {pair} {name}-more-{k + 1}' + (f" | {name}-more-{k + 1}" if skip else "")
+        return f'"{{" {name}-first-0 "}}"'
+
+
+def _gemma_string(schema: Mapping[str, Any]) -> str:
+    """A string within the schema's minLength / maxLength (a pattern is not enforced)."""
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    low = low if type(low) is int and low > 0 else 0
+    count = f"{{{low},{high}}}" if type(high) is int and high >= low else f"{{{low},}}" if low else "*"
+    return f"{_lit(GEMMA_QUOTE)} g-char{count} {_lit(GEMMA_QUOTE)}"
+
+
+def _gemma_items(schema: Mapping[str, Any], item: str) -> str:
+    """An array's items within its minItems / maxItems."""
+    low, high = schema.get("minItems", 0), schema.get("maxItems")
+    low = low if type(low) is int and low > 0 else 0
+    if high == 0 and type(high) is int:
+        return '""'
+    high = high if type(high) is int and high >= max(low, 1) else None
+    more = f'("," {item})'
+    rest = f"{{{max(low - 1, 0)},{high - 1}}}" if high is not None else f"{{{low - 1},}}" if low > 1 else "*"
+    return f"{item} {more}{rest}" if low else f"({item} {more}{rest})?"
+
+
+def _gemma_text(value: Any) -> str:
+    """A constant as Gemma 4's template writes it."""
+    if isinstance(value, str):
+        return GEMMA_QUOTE + value + GEMMA_QUOTE
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "None" if value is None else str(value)
+
+
 FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson(), MistralList(), MistralArgs(),
-                                   HarmonyCalls())
+                                   HarmonyCalls(), GemmaCalls())
 
 
 def _json_after(head: "re.Pattern[str]", text: str) -> List[Found]:

@@ -1,7 +1,7 @@
 """Tool calls in OpenAI's shape, for chat templates that describe the tools given to them (rendered with `tools=`)
 and write calls in a format `h2o_local.tool_formats` reads: `<tool_call>` blocks of JSON (Hermes, Qwen2.5, Qwen3),
 of `<function=...>` tags (Qwen3-Coder, Qwen3.5) or of `<arg_key>` pairs (GLM), a bare JSON answer (Llama 3.1),
-after Mistral's `[TOOL_CALLS]`, or gpt-oss's messages to `functions.NAME`.
+after Mistral's `[TOOL_CALLS]`, gpt-oss's messages to `functions.NAME`, or Gemma 4's `<|tool_call>call:NAME{...}`.
 
 `tool_choice`: "none" (the tools are described, no call is parsed), "auto" (the model may call: its text is parsed
 for calls), "required" or {"type": "function", "function": {"name": N}} (a call is forced by a grammar over the
@@ -135,5 +135,5 @@ def plan(template: Any, tools: Any, tool_choice: Any) -> ToolPlan:
         raise ValueError("this model's chat template has no tool-call format this library reads (<tool_call> blocks "
                          "of JSON as Hermes and Qwen3 write them, of <function=...> tags as Qwen3.5, of <arg_key> "
                          "pairs as GLM, a bare JSON answer as Llama 3.1, [TOOL_CALLS] as Mistral, Harmony's as "
-                         "gpt-oss): tools are not supported with it")
+                         "gpt-oss, <|tool_call>call: as Gemma 4): tools are not supported with it")
     return ToolPlan(checked, choice, fmt or JsonBlocks())

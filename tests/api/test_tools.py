@@ -129,7 +129,7 @@ REAL = pinned_templates()
 
 @pytest.mark.skipif(not REAL, reason="the pinned llama.cpp sdist is not on this machine")
 def test_a_forced_call_is_written_as_each_real_template_writes_calls(tiny_model):
-    """For every real template with a format (30 of the pinned llama.cpp's 70): the call its grammar forces is
+    """For every real template with a format (32 of the pinned llama.cpp's 70): the call its grammar forces is
     exactly the template's own rendering of that call (its wrapping tag, its line breaks), and nothing else: not a
     tool that was not given, not a call without a required parameter."""
     llm = Llama(tiny_model, budget=64)
@@ -151,7 +151,7 @@ def test_a_forced_call_is_written_as_each_real_template_writes_calls(tiny_model)
         assert not _accepts(llm, grammar, written[start:end].replace("probe_tool", "probe_tooo")), name
         assert not _accepts(llm, grammar, written[start:end].replace("probe_arg", "probe_arh")), name
         checked += 1
-    assert checked >= 30
+    assert checked >= 32
 
 
 def test_tools_need_a_template_that_has_a_call_format(tiny_model, model):
@@ -229,3 +229,51 @@ def test_markup_that_is_a_control_token_is_shown_so_that_the_call_is_read(tmp_pa
     out = llm.create_chat_completion(ASK, tools=[WEATHER], tool_choice="required", **prefer)
     (call,) = out["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
+
+
+def test_gemma_4_calls_are_read_in_its_own_notation():
+    """Gemma 4 writes arguments in a notation of its own: keys bare and sorted, strings between <|"|> marks, None
+    for null; they come back as JSON. Text that is not a whole call stays text."""
+    gemma = tool_formats.GemmaCalls()
+    text = ('Sure.<|tool_call>call:get_time{deep:{a:[1,<|"|>x, y<|"|>,true,None],b:-2.5e-3},zone:2}<tool_call|>'
+            '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,unit:<|"|>c<|"|>}<tool_call|>')
+    content, calls = parse_calls(text, [WEATHER, TIME], gemma)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"deep": {"a": [1, "x, y", True, None], "b": -0.0025},
+                                                             "zone": 2}
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    for broken in ('<|tool_call>call:get_time{zone:2', '<|tool_call>call:get_time{zone 2}<tool_call|>',
+                   '<|tool_call>call:get_time{city:<|"|>Oslo}<tool_call|>'):
+        assert parse_calls(broken, [TIME], gemma) == (broken, [])
+
+
+@pytest.mark.skipif(not REAL, reason="the pinned llama.cpp sdist is not on this machine")
+def test_gemma_4_forced_calls_follow_the_schema_in_its_notation(tmp_path):
+    """Gemma 4's real template, its marks as control tokens (shown so that the call is read): a forced call is
+    written in its notation, the properties in its order, the required ones present, each value of its type."""
+    marks = ["<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
+    llm = Llama(str(write_tiny_llama(tmp_path / "gemma4.gguf", chat_template=REAL["google-gemma-4-31B-it"],
+                                     n_ctx_train=4096, special_tokens=marks)), budget=512, n_batch=64)
+    assert isinstance(llm.chat_template.tool_format, tool_formats.GemmaCalls)
+    rich = {"type": "function", "function": {"name": "plan_trip", "parameters": {"type": "object", "properties": {
+        "stops": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "nights": {"type": "integer"}, "budget": {"type": "number"}, "rail": {"type": "boolean"},
+        "Class": {"type": "string", "enum": ["first", "second"]},
+        "note": {"type": ["string", "null"], "maxLength": 5}},
+        "required": ["stops", "nights", "Class"]}}}
+    controls = llm.preserved_tokens(marks[:3])
+    assert len(controls) == 3
+    for seed in range(3):
+        for tools, choice in (([WEATHER, TIME], "required"), ([rich], {"type": "function", "function": {"name": "plan_trip"}})):
+            out = llm.create_chat_completion(ASK, tools=tools, tool_choice=choice, max_tokens=300, temperature=0.7,
+                                             seed=seed, logit_bias={t: 3.0 for t in controls})
+            (call,) = out["choices"][0]["message"]["tool_calls"]
+            args = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "get_weather":
+                assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
+            elif call["function"]["name"] == "get_time":
+                assert set(args) == {"zone"} and isinstance(args["zone"], int)
+            else:
+                assert {"stops", "nights", "Class"} <= set(args) <= set(rich["function"]["parameters"]["properties"])
+                assert all(isinstance(x, str) for x in args["stops"]) and isinstance(args["nights"], int)
+                assert args["Class"] in ("first", "second") and isinstance(args.get("rail", True), bool)
