@@ -277,3 +277,12 @@ def test_gemma_4_forced_calls_follow_the_schema_in_its_notation(tmp_path):
                 assert {"stops", "nights", "Class"} <= set(args) <= set(rich["function"]["parameters"]["properties"])
                 assert all(isinstance(x, str) for x in args["stops"]) and isinstance(args["nights"], int)
                 assert args["Class"] in ("first", "second") and isinstance(args.get("rail", True), bool)
+    # thinking, then a call: the thought channel is the reasoning, the call is read from the rest
+    written = ('<|channel>thought\nCheck.\n<channel|><|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,'
+               'unit:<|"|>c<|"|>}<tool_call|>')
+    out = llm.create_chat_completion(ASK, tools=[WEATHER], reasoning_format="auto", max_tokens=100, temperature=0,
+                                     chat_template_kwargs={"enable_thinking": True}, grammar=f"root ::= {json.dumps(written)}",
+                                     logit_bias={t: 30.0 for t in llm.preserved_tokens(marks)})
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] == "\nCheck.\n" and message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
