@@ -22,7 +22,7 @@ import re
 import secrets
 import string
 import uuid
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .grammar import json_schema_rules
 
@@ -72,12 +72,12 @@ class CallFormat:
 @dataclasses.dataclass(frozen=True)
 class JsonBlocks(CallFormat):
     name = "json"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
     def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
         found = []
-        for m in self._BLOCK.finditer(text):
-            call = _json_call(m.group(1))
+        for m in _finditer(self._BLOCK, text, "</tool_call>"):
+            call = _json_call(m.group(1).strip())
             if call is not None:
                 found.append((m.start(), m.end()) + call)
         names = {t["function"]["name"] for t in tools}
@@ -100,17 +100,20 @@ class JsonBlocks(CallFormat):
 
 class _XmlFormat(CallFormat):
     """A format whose values are text: strings as they are, other types as JSON. `_CALL` matches a call (group 1
-    its name, group 2 its parameters), `_PARAM` one parameter (its key, its value)."""
+    its name, group 2 its parameters) and ends with `_CLOSE`, `_PARAM` matches one parameter (its key, its value)
+    and ends with `_PARAM_CLOSE`."""
 
     _CALL: ClassVar["re.Pattern[str]"]
+    _CLOSE: ClassVar[str]
     _PARAM: ClassVar["re.Pattern[str]"]
+    _PARAM_CLOSE: ClassVar[str]
 
     def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
         by_name = {t["function"]["name"]: t for t in tools}
         found = []
-        for m in self._CALL.finditer(text):
+        for m in _finditer(self._CALL, text, self._CLOSE):
             name = m.group(1).strip()
-            pairs = [(p.group(1).strip(), p.group(2)) for p in self._PARAM.finditer(m.group(2))]
+            pairs = [(p.group(1).strip(), p.group(2)) for p in _finditer(self._PARAM, m.group(2), self._PARAM_CLOSE)]
             found.append((m.start(), m.end(), name, self._arguments(by_name.get(name), pairs)))
         return found
 
@@ -123,7 +126,7 @@ class _XmlFormat(CallFormat):
                 out[key] = value
             else:
                 try:
-                    out[key] = json.loads(value)
+                    out[key] = _json(value)
                 except ValueError:
                     out[key] = value
         return out
@@ -172,8 +175,11 @@ class FunctionTags(_XmlFormat):
     lines: bool = True          # each tag and value on a line of its own (Qwen), or not (Seed-OSS)
     name = "function-tags"
     marker = "<function="
-    _CALL = re.compile(r"(?:<[\w:]*tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>(?:\s*</[\w:]*tool_call>)?", re.S)
-    _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+    _CALL = re.compile(r"(?:<[\w:]{0,64}tool_call>\s{0,64})?<function=([^>\n]{1,256})>(.*?)</function>"
+                       r"(?:\s{0,64}</[\w:]{0,64}tool_call>)?", re.S)
+    _CLOSE = "</function>"
+    _PARAM = re.compile(r"<parameter=([^>\n]{1,256})>\n?(.*?)\n?</parameter>", re.S)
+    _PARAM_CLOSE = "</parameter>"
 
     @property
     def tags(self) -> Tuple[str, ...]:
@@ -207,9 +213,24 @@ class ArgKeys(_XmlFormat):
     lines: bool = True  # a line break after the name and each tag (GLM 4.5 / 4.6), or none (GLM 4.7)
     name = "arg-keys"
     marker = "<arg_key>"
-    _CALL = re.compile(r"<tool_call>\s*([^<\n]+?)\s*((?:<arg_key>(?:(?!</tool_call>).)*?</arg_value>\s*)*)</tool_call>",
-                       re.S)
-    _PARAM = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+    # a call's name, then its pairs up to the closing tag (`_pairs_only` checks that nothing else is there)
+    _CALL = re.compile(r"<tool_call>\s{0,64}([^<\n]{1,256}?)\s{0,64}((?:<arg_key>.*?)?)</tool_call>", re.S)
+    _CLOSE = "</tool_call>"
+    _PARAM = re.compile(r"<arg_key>(.{0,256}?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.S)
+    _PARAM_CLOSE = "</arg_value>"
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        return [f for f, m in zip(super().find(text, tools), _finditer(self._CALL, text, self._CLOSE))
+                if self._pairs_only(m.group(2))]
+
+    def _pairs_only(self, body: str) -> bool:
+        """Whether a call's body is key-value pairs and nothing else."""
+        at = 0
+        for p in _finditer(self._PARAM, body, self._PARAM_CLOSE):
+            if p.start() != at:
+                return False
+            at = p.end()
+        return at == len(body)
 
     @property
     def tags(self) -> Tuple[str, ...]:
@@ -252,7 +273,7 @@ class BareJson(CallFormat):
         body = text[start:].lstrip()
         start = len(text) - len(body)
         try:
-            value, end = json.JSONDecoder(strict=False).raw_decode(body)
+            value, end = _json_at(body, 0)
         except ValueError:
             return []
         if not self._END.fullmatch(body, end) or not isinstance(value, dict) or value.get("name") not in names:
@@ -292,7 +313,7 @@ class MistralList(_Mistral):
         found = []
         for m in re.finditer(r"\[TOOL_CALLS\]\s*", text):
             try:
-                value, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
+                value, end = _json_at(text, m.end())
             except ValueError:
                 continue
             items = value if isinstance(value, list) else [value]
@@ -344,19 +365,46 @@ class HarmonyCalls(CallFormat):
     head: str = "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>"
     name = "harmony"
     marker = "<|channel|>"
-    _HEAD = re.compile(r"(?:<\|start\|>assistant)?(?:<\|channel\|>)?[^<]*?to=functions\.([^\s<]+)[^<]*"
-                       r"(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>[^<]*)?<\|message\|>")
+    # a header is found from its recipient, and its text between marks is short (as reasoning.HarmonySplitter's
+    # LONGEST_HEADER): a long answer is read in linear time
+    _TO = re.compile(r"to=functions\.([^\s<]+)")
+    _TO_MESSAGE = re.compile(r"[^<]{0,256}(?:<\|channel\|>[^<]{0,256})?(?:<\|constrain\|>[^<]{0,256})?<\|message\|>")
 
     @property
     def tags(self) -> Tuple[str, ...]:
         return ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|call|>")
 
     def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
-        return _json_after(self._HEAD, text)  # <|call|> after the JSON ends the answer (EOG)
+        found = []
+        for start, body, name in self._headers(text):
+            try:
+                arguments, end = _json_at(text, body)  # <|call|> after the JSON ends the answer (EOG)
+            except ValueError:
+                continue
+            found.append((start, end, name, arguments))
+        return found
 
     def fitted(self, written: str) -> "HarmonyCalls":
-        m = self._HEAD.search(written)
-        return self if m is None else dataclasses.replace(self, head=m.group(0).replace("probe_tool", "NAME"))
+        for start, body, _ in self._headers(written):
+            return dataclasses.replace(self, head=written[start:body].replace("probe_tool", "NAME"))
+        return self
+
+    def _headers(self, text: str) -> Iterator[Tuple[int, int, str]]:
+        """(where a header to a function starts, where its message's body starts, the function's name)."""
+        for m in self._TO.finditer(text):
+            after = self._TO_MESSAGE.match(text, m.end())
+            if after is None:
+                continue
+            lt = text.rfind("<", max(0, m.start() - 256), m.start())  # the mark the header's text follows
+            if lt < 0:
+                start = max(0, m.start() - 256)
+            elif text.startswith(("<|channel|>", "<|start|>"), lt):
+                start = lt
+            else:  # after another mark (<|end|>): from its end
+                start = text.rfind(">", lt, m.start()) + 1 or lt + 1
+            if text.startswith("<|channel|>", start) and text.endswith("<|start|>assistant", 0, start):
+                start -= len("<|start|>assistant")
+            yield start, after.end(), m.group(1)
 
     def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
         refs, rules = json_schema_rules({f"args-{i}": _parameters(t) for i, t in enumerate(tools)})
@@ -383,7 +431,7 @@ class GemmaCalls(CallFormat):
         for m in self._HEAD.finditer(text):
             try:
                 arguments, end = _GemmaReader(text, m.end()).value()
-            except ValueError:
+            except (ValueError, RecursionError):  # not a call; nesting no call has
                 continue
             if not isinstance(arguments, dict):
                 continue
@@ -566,16 +614,44 @@ def _json_after(head: "re.Pattern[str]", text: str) -> List[Found]:
     found = []
     for m in head.finditer(text):
         try:
-            arguments, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
+            arguments, end = _json_at(text, m.end())
         except ValueError:
             continue
         found.append((m.start(), end, m.group(1), arguments))
     return found
 
 
+def _finditer(pattern: "re.Pattern[str]", text: str, close: str) -> Iterator["re.Match[str]"]:
+    """`pattern.finditer(text)` for a pattern with a lazy `.*?` up to `close` (then at most `_SUFFIX` more characters):
+    searched only up to the last `close`, where every attempt that reaches its lazy part succeeds, so that a long
+    answer is read in linear time (an opening tag with no closing tag after it would be scanned to the end once per
+    opening tag)."""
+    last = text.rfind(close)
+    return iter(()) if last < 0 else pattern.finditer(text, 0, last + len(close) + _SUFFIX)
+
+
+_SUFFIX = 160  # what a call pattern may match after its closing tag (FunctionTags' wrapping tag, ArgKeys' spaces)
+
+
+def _json_at(text: str, at: int) -> Tuple[Any, int]:
+    """The JSON value at `at` in `text` and where it ends (a control character inside a string is still read);
+    ValueError where there is none, or where it nests deeper than Python's recursion allows (no call does)."""
+    try:
+        return json.JSONDecoder(strict=False).raw_decode(text, at)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _json(text: str) -> Any:
+    value, end = _json_at(text, len(text) - len(text.lstrip()))
+    if text[end:].strip():
+        raise ValueError("text after the JSON value")
+    return value
+
+
 def _json_call(source: str) -> Optional[Tuple[str, Any]]:
     try:
-        value = json.loads(source, strict=False)  # a control character inside a string is still a call
+        value = _json(source)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):

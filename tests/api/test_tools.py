@@ -286,3 +286,50 @@ def test_gemma_4_forced_calls_follow_the_schema_in_its_notation(tmp_path):
     message = out["choices"][0]["message"]
     assert message["reasoning_content"] == "\nCheck.\n" and message["content"] is None
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+
+
+@pytest.mark.parametrize("fmt", tool_formats.FORMATS, ids=lambda f: f.name)
+def test_a_call_nested_deeper_than_python_reads_is_text_not_an_error(fmt):
+    """A model can be made to write any nesting (a client's grammar): arguments nested past Python's recursion limit
+    are no call, and the answer comes back as text rather than as an error."""
+    deep = "[" * 50000 + "]" * 50000
+    texts = {"json": '<tool_call>{"name": "x", "arguments": {"a": %s}}</tool_call>',
+             "function-tags": "<tool_call>\n<function=x>\n<parameter=a>\n%s\n</parameter>\n</function>\n</tool_call>",
+             "arg-keys": "<tool_call>x<arg_key>a</arg_key><arg_value>%s</arg_value></tool_call>",
+             "bare-json": '{"name": "x", "parameters": {"a": %s}}',
+             "mistral-list": '[TOOL_CALLS][{"name": "x", "arguments": {"a": %s}, "id": "abcdefghi"}]',
+             "mistral-args": '[TOOL_CALLS]x[ARGS]{"a": %s}',
+             "harmony": "<|channel|>commentary to=functions.x <|constrain|>json<|message|>{\"a\": %s}",
+             "gemma": "<|tool_call>call:x{a:%s}<tool_call|>"}
+    text = texts[fmt.name] % deep
+    content, calls = parse_calls(text, ["x"], fmt)
+    assert all(json.loads(c["function"]["arguments"]) != {"a": []} for c in calls)
+    if fmt.name not in ("function-tags", "arg-keys"):  # the XML formats keep such a value as its text
+        assert (content, calls) == (text, [])
+
+
+HOSTILE = {"json": ["<tool_call>" * 20000, "<tool_call>x" + " " * 200000, "<tool_call>" * 20000 + "</tool_call>"],
+           "function-tags": ["<function=x>" * 20000, "<function=" + "a" * 200000,
+                             "<function=x>" + "<parameter=a>" * 15000 + "</parameter></function>"],
+           "arg-keys": ["<tool_call>x<arg_key>a</arg_key><arg_value>" * 5000,
+                        "<tool_call>x" + "<arg_key>" * 20000 + "</arg_value></tool_call>",
+                        "<tool_call>x" + "<arg_key>a</arg_key><arg_value>v</arg_value>junk" * 4000 + "</tool_call>"],
+           "bare-json": ["{" * 200000],
+           "mistral-list": ["[TOOL_CALLS][" * 15000],
+           "mistral-args": ["[TOOL_CALLS]x[ARGS]" * 10000],
+           "harmony": ["[" * 200000, "to=functions.x " * 13000],
+           "gemma": ["<|tool_call>call:x{" * 10000, '<|tool_call>call:x{a:<|"|>' * 8000]}
+
+
+@pytest.mark.parametrize("fmt", tool_formats.FORMATS, ids=lambda f: f.name)
+def test_an_answer_made_to_defeat_the_reader_is_read_in_linear_time(fmt):
+    """A client's grammar can make a model write any text: 200 k characters of openings without closings, of
+    recipients without messages, took 4 to 40 s each and more to read (the lazy patterns scanned the rest of the
+    answer once per opening), time in which a server read nothing else. Now each is read at once; a bound far above
+    a linear reader's time (milliseconds) and far below what a scan per opening takes (tens of seconds)."""
+    import time
+
+    for text in HOSTILE[fmt.name]:
+        started = time.perf_counter()
+        parse_calls(text, ["x"], fmt)
+        assert time.perf_counter() - started < 3.0, text[:40]
