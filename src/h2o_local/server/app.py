@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
 from .protocol import APIError, error_response
-from . import ollama
+from . import ollama, openai_responses
 from .routes import STATIC_DIR, router
 from .state import ServerState
 from .scheduler import Scheduler
@@ -81,6 +81,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     app.add_exception_handler(APIError, _api_error)
     app.include_router(router)
     app.include_router(ollama.router)
+    app.include_router(openai_responses.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 

@@ -142,7 +142,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     echo = text if body.echo else ""
     piece = _piece_text(llm)
     if body.stream:
-        return _event_stream(state, _completion_stream(state, job, meta, echo, prompt_entries, _include_usage(body),
+        return event_stream(state, _completion_stream(state, job, meta, echo, prompt_entries, _include_usage(body),
                                                        piece))
     pieces, finish, entries = await collect_answer(state, job, request)
     logprobs = None
@@ -151,7 +151,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         shown = (tokens if body.echo else []) + [e.token for e in entries]
         offsets = list(itertools.accumulate((len(piece(t)) for t in shown[:-1]), initial=0)) if shown else []
         logprobs = responses.completion_logprobs(piece, shown, prompt_entries + entries, offsets)
-    return responses.completion(meta, echo + "".join(pieces), finish, _usage(job), logprobs)
+    return responses.completion(meta, echo + "".join(pieces), finish, job_usage(job), logprobs)
 
 
 @router.post("/v1/chat/completions")
@@ -160,7 +160,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     job, plan, k, thinking = await chat_job(state, body, request)
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
-        return _event_stream(state, _chat_stream(state, job, meta, _include_usage(body), thinking))
+        return event_stream(state, _chat_stream(state, job, meta, _include_usage(body), thinking))
     pieces, finish, entries = await collect_answer(state, job, request)
     thought, answer = (None, "".join(pieces)) if thinking is None else thinking.split("".join(pieces))
     content, calls = plan.parse(answer)
@@ -170,10 +170,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if k is not None:
         piece = state.llm.token_to_piece
         logprobs = responses.chat_logprobs(piece, responses.shown_logprobs(piece, entries, "".join(pieces)))
-    out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, _usage(job),
+    out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, job_usage(job),
                                     tool_calls=calls, logprobs=logprobs, reasoning=thought)
     if body.stream:  # with tools the answer is parsed whole, then streamed
-        return _event_stream(state, _whole_stream(meta, out, _include_usage(body)))
+        return event_stream(state, _whole_stream(meta, out, _include_usage(body)))
     return out
 
 
@@ -193,7 +193,7 @@ async def llama_server_completion(body: LlamaServerCompletionRequest, request: R
     job = await prompt_job(state, body, request, body.prompt, defaults=LLAMA_SERVER, max_tokens=limit)
     read = time.perf_counter()
     if body.stream:
-        return _event_stream(state, _llama_server_stream(state, job, started, read))
+        return event_stream(state, _llama_server_stream(state, job, started, read))
     pieces, finish, _ = await collect_answer(state, job, request)
     return _llama_server_result(state, job, "".join(pieces), finish, started, read)
 
@@ -518,7 +518,7 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
         yield json.dumps(as_api_error(e).body())
         return
     if usage:
-        yield json.dumps(responses.usage_chunk(meta, _usage(job), chat=False))
+        yield json.dumps(responses.usage_chunk(meta, job_usage(job), chat=False))
     yield "[DONE]"
 
 
@@ -543,11 +543,11 @@ async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage
         yield json.dumps(as_api_error(e).body())
         return
     if usage:
-        yield json.dumps(responses.usage_chunk(meta, _usage(job), chat=True))
+        yield json.dumps(responses.usage_chunk(meta, job_usage(job), chat=True))
     yield "[DONE]"
 
 
-def _event_stream(state: ServerState, chunks: AsyncIterator[str]) -> EventSourceResponse:
+def event_stream(state: ServerState, chunks: AsyncIterator[Any]) -> EventSourceResponse:
     """Server-sent events; a client that reads none of them for stream_send_timeout_s is dropped (its request's
     events wait merged in its mailbox meanwhile)."""
     return EventSourceResponse(chunks, ping=15, send_timeout=state.settings.stream_send_timeout_s)
@@ -572,6 +572,6 @@ def _include_usage(body: _Request) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
 
 
-def _usage(job: Job):
+def job_usage(job: Job):
     """The request's usage, once its end was read (the scheduler counts its tokens as it delivers them)."""
     return responses.usage(len(job.prompt_tokens), job.n_generated, cached=job.reused_tokens, kv_cache=job.kv_cache)
