@@ -133,7 +133,7 @@ def test_a_thinking_models_reasoning_is_its_own_item(tmp_path):
     model = str(write_tiny_llama(tmp_path / "think.gguf", chat_template=OPENED, n_ctx_train=4096))
     with serving(model, slots=1, budget=128) as (port, client):
         r = client.responses.create(model="tiny", input="Think.", max_output_tokens=6, temperature=0)
-        assert r.output[0].type == "reasoning" and r.output[0].content[0].text
+        assert [item.type for item in r.output] == ["reasoning"] and r.output[0].content[0].text
         events = list(client.responses.create(model="tiny", input="Think.", max_output_tokens=6, temperature=0,
                                               stream=True))
         thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")

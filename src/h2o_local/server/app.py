@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
 from .protocol import APIError, error_response
-from . import ollama, openai_responses
+from . import anthropic_messages, ollama, openai_responses
 from .routes import STATIC_DIR, router
 from .state import ServerState
 from .scheduler import Scheduler
@@ -82,6 +82,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     app.include_router(router)
     app.include_router(ollama.router)
     app.include_router(openai_responses.router)
+    app.include_router(anthropic_messages.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
@@ -156,20 +157,24 @@ class JSONBodies:
 
 
 class BearerAuth:
-    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <api_key>` (compared in constant
-    time); otherwise 401 with an OpenAI-shaped error, before the body is read. The chat page's static files are
-    public (they hold no data; the page asks for the key and sends it with its API calls)."""
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <api_key>` or, as Anthropic's clients
+    send it, `x-api-key: <api_key>` (compared in constant time); otherwise 401 with an OpenAI-shaped error, before
+    the body is read. The chat page's static files are public (they hold no data; the page asks for the key and
+    sends it with its API calls)."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or _is_page(scope):
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self.expected):
-            message = "a valid API key is needed: send 'Authorization: Bearer KEY'" if not given else \
-                "the API key is not valid"
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        other = headers.get(b"x-api-key")
+        if not secrets.compare_digest(given, self.expected) and \
+                (other is None or not secrets.compare_digest(other, self.key)):
+            message = "a valid API key is needed: send 'Authorization: Bearer KEY'" if not given and other is None \
+                else "the API key is not valid"
             response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         await self.app(scope, receive, send)

@@ -62,7 +62,8 @@ async def create_response(body: ResponsesRequest, request: Request,
     if body.parallel_tool_calls is False:
         calls = calls[:1]
     items = ([_reasoning_item(thought)] if thought is not None else []) + \
-        ([_message_item(content or "")] if content or not calls else []) + [_call_item(c) for c in calls]
+        ([_message_item(content or "")] if content or not (calls or thought is not None) else []) + \
+        [_call_item(c) for c in calls]
     whole = _done(head, items, finish, job)
     if body.stream:  # with tools the answer is parsed whole, then sent as its events
         return routes.event_stream(state, _whole_events(head, whole))

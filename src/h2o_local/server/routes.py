@@ -313,15 +313,12 @@ async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Req
     the top logprobs it asked for and how its answer's reasoning is split. `prefix`: token ids read before the
     chat's own (Ollama's `context`)."""
     body.refuse_unsupported()
-    plan, messages = _chat_messages(state, body)
+    plan, tokens, n_keep = await chat_prompt(state, body)
     if plan.grammar is not None:
         given = [k for k in ("response_format", "grammar", "json_schema") if getattr(body, k) not in (None, "")]
         if given:
             raise APIError(400, f"a forced tool call and {given[0]} both constrain the answer: give one", param=given[0])
         body.grammar = plan.grammar
-    tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.tools,
-                                             special_in_content=body.special_in_content,
-                                             chat_template_kwargs=body.chat_template_kwargs)
     if prefix:  # the protected prefix is the server's then: the chat's own system messages are not first
         try:
             tokens, n_keep = await state.prepared(completion_prompt, state.llm, list(prefix)) + tokens, None
@@ -395,6 +392,17 @@ def _chat_messages(state: ServerState,
         raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
     requests.check_prompt_bytes(state, sum(requests.text_bytes(m.get("content")) for m in messages), "messages")
     return plan, messages
+
+
+async def chat_prompt(state: ServerState,
+                      body: ChatCompletionRequest) -> Tuple[tools_mod.ToolPlan, List[int], Optional[int]]:
+    """A chat request's messages checked and made into its prompt (in the preparing threads): its tools' plan, the
+    prompt's tokens and its protected prefix (`Llama.chat_tokens`)."""
+    plan, messages = _chat_messages(state, body)
+    tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.tools,
+                                             special_in_content=body.special_in_content,
+                                             chat_template_kwargs=body.chat_template_kwargs)
+    return plan, tokens, n_keep
 
 
 def chat_thinking(state: ServerState, body: ChatCompletionRequest,
