@@ -96,10 +96,7 @@ async def count_tokens(request: Request, state: ServerState = Depends(routes.ser
 
 
 async def _parse(request: Request, model: type) -> Any:
-    try:
-        raw = await request.json()
-    except ValueError:
-        raise APIError(400, "the body is not valid JSON") from None
+    raw = await routes.json_body(request)
     try:
         return model.model_validate(raw)
     except ValidationError as e:

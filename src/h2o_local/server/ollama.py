@@ -146,11 +146,7 @@ async def _parse(request: Request, model: type) -> Any:
     from a browser)."""
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise APIError(400, "send the body as JSON (Content-Type: application/json)")
-    try:
-        raw = await request.json()
-    except ValueError:
-        raise APIError(400, "the body is not valid JSON") from None
-    return _validated(model, raw)
+    return _validated(model, await routes.json_body(request))
 
 
 def _validated(model: type, raw: Any, names: Optional[Dict[str, str]] = None) -> Any:

@@ -394,6 +394,17 @@ def _chat_messages(state: ServerState,
     return plan, messages
 
 
+async def json_body(request: Request) -> Any:
+    """A request's body read as JSON by a route that checks it itself (Ollama's, Anthropic's): a 400 for one that
+    is not JSON, or that nests deeper than Python's parser goes."""
+    try:
+        return await request.json()
+    except RecursionError:
+        raise APIError(400, "the body nests too deeply to be read") from None
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON") from None
+
+
 async def chat_prompt(state: ServerState,
                       body: ChatCompletionRequest) -> Tuple[tools_mod.ToolPlan, List[int], Optional[int]]:
     """A chat request's messages checked and made into its prompt (in the preparing threads): its tools' plan, the
