@@ -13,13 +13,14 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import reasoning
 from . import routes
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
 from .state import ServerState
+from .translated import joined_text, string_field, validated
 
 router = APIRouter()
 
@@ -65,16 +66,13 @@ async def create_message(request: Request, state: ServerState = Depends(routes.s
         head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model or state.model_id}
         if body.stream and not plan.parses:
             return routes.event_stream(state, _events(state, job, head, thinking))
-        pieces, finish, _ = await routes.collect_answer(state, job, request)
-        thought, answer = (None, "".join(pieces)) if thinking is None else thinking.split("".join(pieces))
-        text, calls = plan.parse(answer)
-        if chat.parallel_tool_calls is False:
-            calls = calls[:1]
+        answer = await routes.chat_answer(state, job, request, plan, thinking, chat.parallel_tool_calls)
+        thought, text, calls = answer.reasoning, answer.content, answer.calls
         blocks = ([{"type": "thinking", "thinking": thought, "signature": ""}] if thought is not None else []) + \
             ([{"type": "text", "text": text or ""}] if text or not (calls or thought is not None) else []) + \
             [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
               "input": json.loads(c["function"]["arguments"])} for c in calls]
-        whole = _message(job, head, blocks, "tool_use" if calls else _stop_reason(job, finish))
+        whole = _message(job, head, blocks, "tool_use" if calls else _stop_reason(job, answer.finish))
         if body.stream:  # with tools the answer is parsed whole, then sent as its events
             return routes.event_stream(state, _whole_events(whole))
         return whole
@@ -96,13 +94,7 @@ async def count_tokens(request: Request, state: ServerState = Depends(routes.ser
 
 
 async def _parse(request: Request, model: type) -> Any:
-    raw = await routes.json_body(request)
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise APIError(400, f"{where or 'body'}: {first['msg']}", param=where or None) from None
+    return validated(model, await routes.json_body(request))
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -133,12 +125,7 @@ def _chat_request(state: ServerState, body: MessagesRequest) -> ChatCompletionRe
             raise APIError(400, f"thinking.type must be enabled or disabled, got {kind!r}", param="thinking.type")
         out["chat_template_kwargs"] = {**(out.get("chat_template_kwargs") or {}),
                                        "enable_thinking": kind != "disabled"}
-    try:
-        return ChatCompletionRequest.model_validate(out)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+    return validated(ChatCompletionRequest, out)
 
 
 def _messages(messages: List[Any]) -> List[Dict[str, Any]]:
@@ -164,13 +151,13 @@ def _messages(messages: List[Any]) -> List[Dict[str, Any]]:
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind == "tool_result" and m["role"] == "user":
-                results.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", here),
+                results.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", here),
                                 "content": _text(block.get("content", ""), f"{here}.content")})
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(block.get("input", {}), dict):
                     raise APIError(400, f"{here}.input must be an object", param=f"{here}.input")
-                calls.append({"id": _string(block, "id", here), "type": "function",
-                              "function": {"name": _string(block, "name", here),
+                calls.append({"id": string_field(block, "id", here), "type": "function",
+                              "function": {"name": string_field(block, "name", here),
                                            "arguments": json.dumps(block.get("input", {}))}})
             elif kind == "thinking" and m["role"] == "assistant":
                 thought.append(block.get("thinking") if isinstance(block.get("thinking"), str) else "")
@@ -194,26 +181,9 @@ def _messages(messages: List[Any]) -> List[Dict[str, Any]]:
     return out
 
 
-def _string(block: Dict[str, Any], name: str, where: str) -> str:
-    value = block.get(name)
-    if not isinstance(value, str):
-        raise APIError(400, f"{where}.{name} must be a string", param=f"{where}.{name}")
-    return value
-
-
 def _text(content: Any, where: str) -> str:
     """A system prompt's or a tool result's content: text, or its text blocks joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of text blocks", param=where)
-    texts = []
-    for j, block in enumerate(content):
-        if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
-            raise APIError(400, f"{where}.{j} must be a text block ({{'type': 'text', 'text': ...}})",
-                           param=f"{where}.{j}")
-        texts.append(block["text"])
-    return "".join(texts)
+    return joined_text(content, where, ("text",), ("image", "document"))
 
 
 def _chat_tool(i: int, tool: Any) -> Dict[str, Any]:
@@ -248,7 +218,8 @@ def _stop_reason(job: Job, finish: Optional[str]) -> str:
     return "max_tokens" if finish == "length" else "end_turn"
 
 
-def _message(job: Job, head: Dict[str, Any], blocks: List[Dict[str, Any]], stop_reason: Optional[str]) -> Dict[str, Any]:
+def _message(job: Job, head: Dict[str, Any], blocks: List[Dict[str, Any]],
+             stop_reason: Optional[str]) -> Dict[str, Any]:
     use = routes.job_usage(job)
     cached = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     usage = {"input_tokens": use["prompt_tokens"] - cached, "output_tokens": use["completion_tokens"],
@@ -268,8 +239,8 @@ def _start(whole: Dict[str, Any]) -> Dict[str, str]:
 
 
 def _end(whole: Dict[str, Any]) -> List[Dict[str, str]]:
-    return [_event("message_delta", delta={"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]},
-                   usage={"output_tokens": whole["usage"]["output_tokens"]}),
+    delta = {"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}
+    return [_event("message_delta", delta=delta, usage={"output_tokens": whole["usage"]["output_tokens"]}),
             _event("message_stop")]
 
 

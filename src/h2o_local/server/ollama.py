@@ -16,12 +16,13 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Union
 import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__, reasoning
 from . import routes
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
+from .translated import validated
 from .state import ServerState
 
 router = APIRouter()
@@ -146,18 +147,7 @@ async def _parse(request: Request, model: type) -> Any:
     from a browser)."""
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise APIError(400, "send the body as JSON (Content-Type: application/json)")
-    return _validated(model, await routes.json_body(request))
-
-
-def _validated(model: type, raw: Any, names: Optional[Dict[str, str]] = None) -> Any:
-    """`raw` as `model`, or a 400 naming the first field at fault (`names`: a field's name in the request)."""
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        where = (names or {}).get(where.split(".")[0], where)
-        raise APIError(400, f"{where or 'body'}: {first['msg']}", param=where or None) from None
+    return validated(model, await routes.json_body(request))
 
 
 def _openai_message(i: int, m: Dict[str, Any]) -> Dict[str, Any]:
@@ -228,7 +218,7 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
         raise APIError(400, f"{state.model_id} does not think (its chat template has no think tags)", param="think")
     if isinstance(body.think, str) and not reasoning.harmony(source):
         raise APIError(400, f"think levels are gpt-oss's; {state.model_id} takes true or false", param="think")
-    chat = _validated(ChatCompletionRequest, _chat_request(body, messages, tools), OPTION_OF_FIELD)
+    chat = validated(ChatCompletionRequest, _chat_request(body, messages, tools), OPTION_OF_FIELD)
     thinking = None
     if messages is None:
         job = await routes.prompt_job(state, chat, request, body.prompt, prefix=prefix, max_tokens=chat.max_tokens)
@@ -242,18 +232,16 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
         return _Lines(_stream(state, job, head, generating, started, read, thinking),
                       state.settings.stream_send_timeout_s)
     tokens: List[int] = []
-    pieces, finish, _ = await routes.collect_answer(state, job, request, tokens)
-    thought, text = (None, "".join(pieces)) if thinking is None else thinking.split("".join(pieces))
+    said = await routes.chat_answer(state, job, request, None if generating else plan, thinking, tokens=tokens)
     if generating:
-        answer = {"response": text, **({"thinking": thought} if thought is not None else {})}
+        answer = {"response": said.content, **({"thinking": said.reasoning} if said.reasoning is not None else {})}
     else:
-        content, calls = plan.parse(text) if plan is not None else (text, [])
-        answer = {"message": {"role": "assistant", "content": content or ""}}
-        if thought is not None:
-            answer["message"]["thinking"] = thought
-        if calls:
-            answer["message"]["tool_calls"] = ollama_calls(calls)
-    final = _done(head["model"], answer, finish, _counts(job, tokens, generating, started, read))
+        answer = {"message": {"role": "assistant", "content": said.content or ""}}
+        if said.reasoning is not None:
+            answer["message"]["thinking"] = said.reasoning
+        if said.calls:
+            answer["message"]["tool_calls"] = ollama_calls(said.calls)
+    final = _done(head["model"], answer, said.finish, _counts(job, tokens, generating, started, read))
     if body.stream:  # with tools the answer is parsed whole, then sent as one line
         return _Lines(_one(final), state.settings.stream_send_timeout_s)
     return final

@@ -15,13 +15,14 @@ import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import reasoning
 from . import routes
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
 from .state import ServerState
+from .translated import joined_text, string_field, validated
 
 router = APIRouter()
 
@@ -56,15 +57,11 @@ async def create_response(body: ResponsesRequest, request: Request,
     head = _head(state, body)
     if body.stream and not plan.parses:
         return routes.event_stream(state, _events(state, job, head, thinking))
-    pieces, finish, _ = await routes.collect_answer(state, job, request)
-    thought, answer = (None, "".join(pieces)) if thinking is None else thinking.split("".join(pieces))
-    content, calls = plan.parse(answer)
-    if body.parallel_tool_calls is False:
-        calls = calls[:1]
-    items = ([_reasoning_item(thought)] if thought is not None else []) + \
-        ([_message_item(content or "")] if content or not (calls or thought is not None) else []) + \
-        [_call_item(c) for c in calls]
-    whole = _done(head, items, finish, job)
+    answer = await routes.chat_answer(state, job, request, plan, thinking, body.parallel_tool_calls)
+    thought = [_reasoning_item(answer.reasoning)] if answer.reasoning is not None else []
+    said = [_message_item(answer.content or "")] if answer.content or not (answer.calls or thought) else []
+    items = thought + said + [_call_item(c) for c in answer.calls]
+    whole = _done(head, items, answer.finish, job)
     if body.stream:  # with tools the answer is parsed whole, then sent as its events
         return routes.event_stream(state, _whole_events(head, whole))
     return whole
@@ -95,14 +92,8 @@ def _chat_request(state: ServerState, body: ResponsesRequest) -> ChatCompletionR
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         out["chat_template_kwargs"] = {**(out.get("chat_template_kwargs") or {}), **_effort(state, effort)}
-    try:
-        return ChatCompletionRequest.model_validate(out)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        where = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}.get(
-            where.split(".")[0], where)
-        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+    return validated(ChatCompletionRequest, out, {"max_tokens": "max_output_tokens", "response_format": "text.format",
+                                                  "messages": "input"})
 
 
 def _messages(items: Union[str, List[Any]]) -> List[Dict[str, Any]]:
@@ -128,8 +119,9 @@ def _messages(items: Union[str, List[Any]]) -> List[Dict[str, Any]]:
                 message["reasoning_content"], thought = thought, None
             out.append(message)
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            call = {"id": string_field(item, "call_id", where), "type": "function",
+                    "function": {"name": string_field(item, "name", where),
+                                 "arguments": string_field(item, "arguments", where)}}
             if not (out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None and
                     thought is None):
                 out.append({"role": "assistant", "content": "", "tool_calls": []})
@@ -137,42 +129,21 @@ def _messages(items: Union[str, List[Any]]) -> List[Dict[str, Any]]:
                     out[-1]["reasoning_content"], thought = thought, None
             out[-1]["tool_calls"].append(call)
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+            out.append({"role": "tool", "tool_call_id": string_field(item, "call_id", where),
                         "content": _text(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            thought = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
                                 "function_call_output and reasoning items are)", param=f"{where}.type")
     return out
 
 
-def _string(item: Dict[str, Any], name: str, where: str) -> str:
-    value = item.get(name)
-    if not isinstance(value, str):
-        raise APIError(400, f"{where}.{name} must be a string", param=f"{where}.{name}")
-    return value
-
-
 def _text(content: Any, where: str) -> str:
     """A message's content: text, or its text parts joined (images and files refused: the models here read text)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise APIError(400, f"{where}.{j}: {kind} is not supported: this server runs a text model",
-                           param=f"{where}.{j}")
-        else:
-            raise APIError(400, f"{where}.{j} must be a text part ({{'type': 'input_text', 'text': ...}})",
-                           param=f"{where}.{j}")
-    return "".join(texts)
+    return joined_text(content, where, ("input_text", "output_text", "text"),
+                       ("input_image", "input_file", "input_audio"))
 
 
 def _chat_tool(i: int, tool: Any) -> Dict[str, Any]:
@@ -233,10 +204,11 @@ def _head(state: ServerState, body: ResponsesRequest) -> Dict[str, Any]:
 
 def _done(head: Dict[str, Any], items: List[Dict[str, Any]], finish: Optional[str], job: Job) -> Dict[str, Any]:
     use = routes.job_usage(job)
+    cached = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     out = {**head, "status": "incomplete" if finish == "length" else "completed", "output": items,
            "usage": {"input_tokens": use["prompt_tokens"], "output_tokens": use["completion_tokens"],
                      "total_tokens": use["total_tokens"],
-                     "input_tokens_details": {"cached_tokens": use.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+                     "input_tokens_details": {"cached_tokens": cached},
                      "output_tokens_details": {"reasoning_tokens": 0}}}
     if finish == "length":
         out["incomplete_details"] = {"reason": "max_output_tokens"}

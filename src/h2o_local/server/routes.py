@@ -161,17 +161,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
         return event_stream(state, _chat_stream(state, job, meta, _include_usage(body), thinking))
-    pieces, finish, entries = await collect_answer(state, job, request)
-    thought, answer = (None, "".join(pieces)) if thinking is None else thinking.split("".join(pieces))
-    content, calls = plan.parse(answer)
-    if body.parallel_tool_calls is False:
-        calls = calls[:1]
+    answer = await chat_answer(state, job, request, plan, thinking, body.parallel_tool_calls)
     logprobs = None
     if k is not None:
         piece = state.llm.token_to_piece
-        logprobs = responses.chat_logprobs(piece, responses.shown_logprobs(piece, entries, "".join(pieces)))
-    out = responses.chat_completion(meta, content, "tool_calls" if calls else finish, job_usage(job),
-                                    tool_calls=calls, logprobs=logprobs, reasoning=thought)
+        logprobs = responses.chat_logprobs(piece, responses.shown_logprobs(piece, answer.entries, answer.text))
+    out = responses.chat_completion(meta, answer.content, "tool_calls" if answer.calls else answer.finish,
+                                    job_usage(job), tool_calls=answer.calls, logprobs=logprobs,
+                                    reasoning=answer.reasoning)
     if body.stream:  # with tools the answer is parsed whole, then streamed
         return event_stream(state, _whole_stream(meta, out, _include_usage(body)))
     return out
@@ -474,6 +471,33 @@ async def job_steps(state: ServerState, job: Job) -> AsyncIterator[Step]:
         return
     finally:
         state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
+
+
+@dataclasses.dataclass
+class ChatAnswer:
+    """A chat's answer read whole: its reasoning (None: none), its text outside its calls (None: calls only), its
+    calls (OpenAI's shape), why it ended, the text as generated and its tokens' logprob entries."""
+
+    reasoning: Optional[str]
+    content: Optional[str]
+    calls: List[Dict[str, Any]]
+    finish: Optional[str]
+    text: str
+    entries: List[TokenLogprob]
+
+
+async def chat_answer(state: ServerState, job: Job, request: Request, plan: Optional[tools_mod.ToolPlan],
+                      thinking: Optional[reasoning.Thinking], parallel_tool_calls: Optional[bool] = None,
+                      tokens: Optional[List[int]] = None) -> ChatAnswer:
+    """A chat job's answer, read whole and split: reasoning apart (`thinking`), calls parsed (`plan`; None: a raw
+    prompt's answer, not parsed), at most one call where `parallel_tool_calls` is false."""
+    pieces, finish, entries = await collect_answer(state, job, request, tokens)
+    text = "".join(pieces)
+    thought, answer = (None, text) if thinking is None else thinking.split(text)
+    content, calls = plan.parse(answer) if plan is not None else (answer, [])
+    if parallel_tool_calls is False:
+        calls = calls[:1]
+    return ChatAnswer(thought, content, calls, finish, text, entries)
 
 
 async def collect_answer(state: ServerState, job: Job, request: Request,
