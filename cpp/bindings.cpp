@@ -57,7 +57,7 @@ py::dict facts_dict(const ModelFacts & f) {
     return py::dict("arch"_a = f.arch, "n_ctx_train"_a = f.n_ctx_train, "n_vocab"_a = f.n_vocab, "n_layer"_a = f.n_layer,
                     "n_head"_a = f.n_head, "n_head_kv"_a = f.n_head_kv, "n_embd"_a = f.n_embd,
                     "kv_bytes_per_cell"_a = f.kv_bytes_per_cell, "model_bytes"_a = f.model_bytes, "n_params"_a = f.n_params,
-                    "add_bos"_a = f.add_bos, "token_bos"_a = f.token_bos, "token_eos"_a = f.token_eos, "token_nl"_a = f.token_nl,
+                    "add_bos"_a = f.add_bos, "token_bos"_a = f.token_bos, "token_eos"_a = f.token_eos, "token_nl"_a = f.token_nl, "fim"_a = f.fim,
                     "chat_template"_a = tmpl,
                     "layer_devices"_a = f.layer_devices);
 }

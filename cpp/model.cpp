@@ -252,6 +252,8 @@ ModelFacts Model::facts() const {
     f.token_bos   = llama_vocab_bos(vocab());
     f.token_eos   = llama_vocab_eos(vocab());
     f.token_nl    = llama_vocab_nl(vocab());
+    f.fim         = {llama_vocab_fim_pre(vocab()), llama_vocab_fim_suf(vocab()), llama_vocab_fim_mid(vocab()),
+                     llama_vocab_fim_rep(vocab()), llama_vocab_fim_sep(vocab())};
     const char * tmpl = llama_model_chat_template(model_, nullptr);
     f.chat_template = tmpl ? tmpl : "";
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {

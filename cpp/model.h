@@ -27,6 +27,7 @@ struct ModelFacts {
     llama_token token_bos = -1;
     llama_token token_eos = -1;
     llama_token token_nl  = -1;     // the newline token (-1: the vocabulary has none)
+    std::vector<llama_token> fim;   // fill-in-the-middle: prefix, suffix, middle, repository, file separator (-1: none)
     std::string chat_template;      // the GGUF's own (tokenizer.chat_template); empty when it has none
     std::vector<std::string> layer_devices; // per layer, the ggml device that holds its weights ("CPU", "Vulkan0", ...)
 };

@@ -27,12 +27,52 @@ def _without_not_done(params: Dict[str, Any]) -> Dict[str, Any]:
     return llama_cpp_python.without_not_done(params, llama_cpp_python.CALL_NOT_DONE, llama_cpp_python.CALL_IGNORED)
 
 
+def completion_tokens(llm: "Llama", prompt: Prompt, suffix: Optional[str], echo: bool = False) -> List[int]:
+    """A text completion's tokens: `completion_prompt`, or with a `suffix` the fill-in-the-middle prompt
+    (`infill_prompt`; "" on a model without its tokens asks for nothing, as before)."""
+    if suffix is None or (suffix == "" and min(llm.info.fim[:3]) < 0):
+        return completion_prompt(llm, prompt)
+    if not isinstance(prompt, str):
+        raise ValueError("suffix needs a text prompt (the code before the gap)")
+    if echo:
+        raise ValueError("echo cannot be combined with suffix (the prompt is not in front of the answer)")
+    return infill_prompt(llm, prompt, suffix)
+
+
 def completion_prompt(llm: "Llama", prompt: Prompt) -> List[int]:
     """The tokens a text completion reads: `llm.prompt_tokens(prompt)`, and for an empty text the BOS token alone
     where the model has one (llama-cpp-python's rule: a text from nothing)."""
     if isinstance(prompt, (str, bytes)) and not prompt and llm.token_bos() >= 0:
         return [llm.token_bos()]
     return llm.prompt_tokens(prompt)
+
+
+def infill_prompt(llm: "Llama", prefix: str, suffix: str, prompt: str = "",
+                  extra: Sequence[Tuple[str, str]] = ()) -> List[int]:
+    """The tokens of a fill-in-the-middle request, as llama-server's /infill makes them: files of `extra` ((file
+    name, text) pairs: the repository's context, after its repository and file separator tokens), the BOS token,
+    the prefix token, `prefix` then `prompt`, the suffix token, `suffix`, the middle token; the model writes the
+    middle. Texts are read as text (special-token text spelled out). ValueError for a model without the tokens
+    (code models are trained with them: Qwen2.5-Coder, CodeLlama, StarCoder, DeepSeek-Coder, Codestral)."""
+    pre, suf, mid, rep, sep = llm.info.fim
+    if min(pre, suf, mid) < 0:
+        raise ValueError("suffix / fill-in-the-middle needs a model with fill-in-the-middle tokens (<|fim_prefix|>, "
+                         "<|fim_suffix|>, <|fim_middle|>: code models such as Qwen2.5-Coder); this one has none")
+    for name, value in (("prefix", prefix), ("suffix", suffix), ("prompt", prompt)):
+        if not isinstance(value, str):
+            raise TypeError(f"the infill's {name} must be a string, got {type(value).__name__}")
+
+    def text(s: str) -> List[int]:
+        return llm.tokenize(s, add_bos=False, special=False) if s else []
+
+    context: List[int] = []
+    if extra:
+        context += [rep] + text("myproject\n") if rep >= 0 else []
+        for name, body in extra:
+            context += ([sep] + text(name + "\n") if sep >= 0 else text("\n\n--- snippet ---\n\n")) + text(body)
+        context += [sep] + text("filename\n") if sep >= 0 else []
+    bos = [llm.token_bos()] if llm.info.add_bos and llm.token_bos() >= 0 else []
+    return context + bos + [pre] + text(prefix) + text(prompt) + [suf] + text(suffix) + [mid]
 
 
 class Completions:
@@ -43,17 +83,19 @@ class Completions:
 
     def create_completion(self, prompt: Prompt, *, stream: bool = False, echo: bool = False,
                           logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
-                          model: Optional[str] = None,
+                          model: Optional[str] = None, suffix: Optional[str] = None,
                           **params: Any) -> Union[Completion, Iterator[CompletionChunk]]:
         """An OpenAI-style text completion, as llama-cpp-python returns it (`choices[0]["text"]`, `finish_reason`,
         `usage`; `logprobs=k` adds the k most likely tokens per position; `echo` prepends the prompt). Sampling
         keywords as in `generate` (default `max_tokens=16`). `model`: the name the response gives (default: the
-        model's path)."""
+        model's path). `suffix`: the text after the completion, for a model with fill-in-the-middle tokens
+        (`infill_prompt`: the answer is what goes between `prompt` and `suffix`; "" or None on another model:
+        no suffix)."""
         if logprobs is not None:
             check_int("logprobs", logprobs, minimum=0)
         llm = self.llm
         p = sampling_.merge(sampling_.COMPLETION, sampling, _without_not_done(params))
-        prompt_tokens = completion_prompt(llm, prompt)
+        prompt_tokens = completion_tokens(llm, prompt, suffix, echo)
         events = llm.generate_events(prompt_tokens, sampling=p, logits=logprobs is not None,
                                      prompt_logits=echo and logprobs is not None)
         meta = responses.completion_meta(_model_name(llm, model))

@@ -32,7 +32,7 @@ CONSTRUCTOR_IGNORED = ("logits_all", "no_perf")
 
 # create_completion / create_chat_completion / __call__'s keywords
 CALL_NOT_DONE: Dict[str, Tuple[Any, ...]] = {
-    "suffix": (None, ""), "stopping_criteria": (None,), "logits_processor": (None,), "functions": (None, []),
+    "stopping_criteria": (None,), "logits_processor": (None,), "functions": (None, []),
     "function_call": (None, "none", "auto")}
 # ignored as llama-cpp-python ignores it: llama.cpp removed tail-free sampling
 CALL_IGNORED = ("tfs_z",)

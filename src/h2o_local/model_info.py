@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from . import _engine
 
@@ -31,6 +31,7 @@ class ModelInfo:
     token_bos: int
     token_eos: int
     token_nl: int          # the newline token (-1: none)
+    fim: Tuple[int, ...]   # fill-in-the-middle tokens: prefix, suffix, middle, repository, file separator (-1: none)
     chat_template: Optional[str]  # the GGUF's Jinja chat template; None when it has none
 
     @classmethod
@@ -42,4 +43,5 @@ class ModelInfo:
 
     @classmethod
     def from_facts(cls, path: str, facts: Dict[str, Any]) -> "ModelInfo":
+        facts = {**facts, "fim": tuple(facts.get("fim") or (-1,) * 5)}
         return cls(path=path, **{k: v for k, v in facts.items() if k in cls.__dataclass_fields__})

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__, reasoning
+from ..completions import infill_prompt
 from . import routes
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
@@ -90,13 +91,18 @@ async def generate(request: Request, state: ServerState = Depends(server_state))
     `context` (an earlier answer's) is read first. The answer's `context` goes on from it."""
     try:
         body = await _parse(request, OllamaGenerate)
-        for name in ("suffix", "template"):
-            if getattr(body, name):
-                raise APIError(400, f"{name} is not supported by this server", param=name)
+        if body.template:
+            raise APIError(400, "template is not supported by this server", param="template")
         if body.images:
             raise APIError(400, "images are not supported: this server runs a text model", param="images")
         if not body.prompt and not body.context:  # Ollama's way to load a model
             return _done(body.model or state.model_id, {"response": ""}, "load")
+        if body.suffix:  # fill-in-the-middle: the model's own tokens around the gap, not the chat template
+            try:
+                tokens = await state.prepared(infill_prompt, state.llm, body.prompt, body.suffix)
+            except (TypeError, ValueError) as e:
+                raise APIError(400, str(e), param="suffix") from None
+            return await _answer(state, request, body, None, None, prefix=body.context or (), prompt=tokens)
         if body.raw:
             messages = None
         else:
@@ -210,8 +216,9 @@ def _chat_request(body: _OllamaRequest, messages: Optional[List[Dict[str, Any]]]
 
 async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
                   messages: Optional[List[Dict[str, Any]]], tools: Optional[List[Dict[str, Any]]],
-                  prefix: Sequence[int] = ()):
-    """The request run as a chat (messages) or a raw prompt (messages None: `body.prompt` read as it is)."""
+                  prefix: Sequence[int] = (), prompt: Optional[List[int]] = None):
+    """The request run as a chat (messages) or a raw prompt (messages None: `prompt`'s tokens, else `body.prompt`
+    read as it is)."""
     started = time.perf_counter()
     source = state.llm.chat_template.source
     if body.think is not None and not reasoning.thinks(source):
@@ -221,7 +228,8 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
     chat = validated(ChatCompletionRequest, _chat_request(body, messages, tools), OPTION_OF_FIELD)
     thinking = None
     if messages is None:
-        job = await routes.prompt_job(state, chat, request, body.prompt, prefix=prefix, max_tokens=chat.max_tokens)
+        job = await routes.prompt_job(state, chat, request, body.prompt if prompt is None else prompt, prefix=prefix,
+                                      max_tokens=chat.max_tokens)
         plan = None
     else:
         job, plan, _, thinking = await routes.chat_job(state, chat, request, prefix=prefix)

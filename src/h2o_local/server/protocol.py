@@ -15,7 +15,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing (accepted, since
 # many clients send them with their defaults); any other value is a 400 naming the field
-UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "best_of": (None, 1),
+UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
                # llama-server's samplers this server does not have (its tfs_z is ignored, as llama-server ignores it:
                # llama.cpp removed tail-free sampling)
                "xtc_probability": (None, 0, 0.0), "dry_multiplier": (None, 0, 0.0),
@@ -129,6 +129,8 @@ class CompletionRequest(_Request):
     # each answer token's logprob and this many top tokens; with echo, the prompt's tokens' too (the prompt is then
     # read whole, its logits kept: bounded by the server's echo_logprobs_mib)
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # the text after the completion: a fill-in-the-middle prompt, for a model with its tokens (completions.infill_prompt)
+    suffix: Optional[str] = None
 
 
 class ChatCompletionRequest(_Request):
@@ -149,10 +151,28 @@ class ChatCompletionRequest(_Request):
     reasoning_format: Optional[str] = None
 
 
+class InfillChunk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    filename: str = "tmp"
+    text: str = ""
+
+
 class LlamaServerCompletionRequest(_Request):
     """llama-server's own /completion: a prompt (text, special tokens parsed, or token ids) and n_predict (-1:
     until the end, within the server's max_tokens); the sampling fields as the OpenAI routes take them."""
     prompt: Union[str, List[StrictInt]]
+    n_predict: Optional[StrictInt] = None
+
+
+class InfillRequest(_Request):
+    """llama-server's /infill (code editors' completion: llama.vscode, llama.vim): the code before the cursor and
+    after it, `input_extra` files of the project as context, `prompt` (text after the prefix), n_predict as
+    /completion's."""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: List[InfillChunk] = Field(default_factory=list, max_length=256)
+    prompt: str = ""
     n_predict: Optional[StrictInt] = None
 
 

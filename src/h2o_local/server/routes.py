@@ -21,12 +21,14 @@ from sse_starlette.sse import EventSourceResponse
 from .. import __version__, policies, reasoning, responses
 from .. import tools as tools_mod
 from ..chat_template import check_variables
-from ..completions import answer_markup, chat_logprobs_k, completion_prompt, prompt_end
+from ..completions import answer_markup, chat_logprobs_k, completion_prompt, completion_tokens, infill_prompt, \
+    prompt_end
 from ..responses import TokenLogprob
 from ..sampling import CHAT_SURFACE, COMPLETION, SamplingParams
 from . import requests
 from .protocol import (ROLES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                       ExtrasTokenizeRequest, LlamaServerCompletionRequest, TokenizeRequest, _Request)
+                       ExtrasTokenizeRequest, InfillRequest, LlamaServerCompletionRequest, TokenizeRequest,
+                       _Request)
 from .scheduler import Busy, Cancelled, Job, Mailbox, Step
 from .state import ServerState
 
@@ -115,13 +117,14 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         prompt = prompt[0]
     try:
         if isinstance(prompt, str):  # special tokens parsed, as llama-cpp-python and llama-server do
-            requests.check_prompt_bytes(state, len(prompt.encode("utf-8", errors="surrogatepass")), "prompt")
+            requests.check_prompt_bytes(state, requests.text_bytes(prompt) + requests.text_bytes(body.suffix or ""),
+                                        "prompt")
             text = prompt
         else:
             text = None
-        tokens = await state.prepared(completion_prompt, llm, prompt)
+        tokens = await state.prepared(completion_tokens, llm, prompt, body.suffix, body.echo)
     except (TypeError, ValueError) as e:
-        raise APIError(400, str(e), param="prompt") from None
+        raise APIError(400, str(e), param="suffix" if body.suffix else "prompt") from None
     echo_logprobs = body.echo and body.logprobs is not None
     if echo_logprobs:
         requests.check_echo_logprobs(state, len(tokens))
@@ -185,9 +188,30 @@ async def llama_server_completion(body: LlamaServerCompletionRequest, request: R
     `tokens_evaluated`, `tokens_cached`, why it stopped (`stop_type` "eos", "word" or "limit", `stopping_word`,
     `stopped_eos` / `stopped_word` / `stopped_limit`) and `timings` (ms); with `stream`, server-sent events of the
     content's pieces, the last with `stop: true` and the counts."""
+    return await _llama_server_answer(state, body, request, body.prompt, time.perf_counter())
+
+
+@router.post("/infill")
+async def infill(body: InfillRequest, request: Request, state: ServerState = Depends(server_state)):
+    """llama-server's fill-in-the-middle for code editors: what goes between `input_prefix` (+ `prompt`) and
+    `input_suffix`, with `input_extra` files as context (`completions.infill_prompt`); answered as /completion is.
+    A 400 for a model without fill-in-the-middle tokens."""
     started = time.perf_counter()
+    texts = [body.input_prefix, body.input_suffix, body.prompt] + [c.text + c.filename for c in body.input_extra]
+    requests.check_prompt_bytes(state, sum(requests.text_bytes(t) for t in texts), "input_prefix")
+    try:
+        tokens = await state.prepared(infill_prompt, state.llm, body.input_prefix, body.input_suffix, body.prompt,
+                                      [(c.filename, c.text) for c in body.input_extra])
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="input_prefix") from None
+    return await _llama_server_answer(state, body, request, tokens, started)
+
+
+async def _llama_server_answer(state: ServerState, body: Union[LlamaServerCompletionRequest, InfillRequest],
+                               request: Request, prompt: Union[str, List[int]], started: float):
+    """A /completion or /infill prompt run (n_predict: -1 until the end) and answered in llama-server's shape."""
     limit = body.max_tokens if body.n_predict is None else None if body.n_predict < 0 else body.n_predict
-    job = await prompt_job(state, body, request, body.prompt, defaults=LLAMA_SERVER, max_tokens=limit)
+    job = await prompt_job(state, body, request, prompt, defaults=LLAMA_SERVER, max_tokens=limit)
     read = time.perf_counter()
     if body.stream:
         return event_stream(state, _llama_server_stream(state, job, started, read))
