@@ -9,6 +9,7 @@ writing the grammar that forces one.
     [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}                             MistralArgs (Mistral Small 3.2, Devstral)
     to=functions.NAME<|channel|>commentary json<|message|>{...}        HarmonyCalls (gpt-oss)
     <|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>           GemmaCalls  (Gemma 4)
+    <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}  KimiCalls   (Kimi K2)
 
 A template's format is found by rendering a probe call with it and reading it back (`tools.call_format`), never by
 the template's name. In the two XML formats a value is written as it is when its parameter is a string, else as
@@ -448,6 +449,38 @@ class GemmaCalls(CallFormat):
         return 'root ::= "<|tool_call>call:" (' + " | ".join(calls) + ') "<tool_call|>"\n' + rules.gbnf()
 
 
+@dataclasses.dataclass(frozen=True)
+class KimiCalls(CallFormat):
+    """Kimi K2's: `<|tool_calls_section_begin|>`, then per call `<|tool_call_begin|>functions.NAME:INDEX
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>` (INDEX counts the conversation's calls), then
+    `<|tool_calls_section_end|>`."""
+
+    name = "kimi"
+    marker = "<|tool_call_argument_begin|>"
+    _HEAD = re.compile(r"(?:<\|tool_calls_section_begin\|>\s{0,64})?<\|tool_call_begin\|>\s{0,64}(?:functions\.)?"
+                       r"([^\s:<]{1,256})(?::\d{1,9})?\s{0,64}<\|tool_call_argument_begin\|>")
+    _TAIL = re.compile(r"\s{0,64}<\|tool_call_end\|>(?:\s{0,64}<\|tool_calls_section_end\|>)?")
+
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        return ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        found = []
+        for start, end, name, arguments in _json_after(self._HEAD, text):
+            tail = self._TAIL.match(text, end)
+            found.append((start, tail.end() if tail else end, name, arguments))
+        return found
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        refs, rules = json_schema_rules({f"args-{i}": _parameters(t) for i, t in enumerate(tools)})
+        calls = [f'"functions." {_lit(t["function"]["name"])} ":" [0-9]{{1,4}} "<|tool_call_argument_begin|>" '
+                 f'{refs[f"args-{i}"]}' for i, t in enumerate(tools)]
+        return ('root ::= "<|tool_calls_section_begin|><|tool_call_begin|>" (' + " | ".join(calls) +
+                ') "<|tool_call_end|><|tool_calls_section_end|>"\n' + rules)
+
+
 GEMMA_QUOTE = '<|"|>'  # Gemma 4's string mark (a control token)
 
 
@@ -606,7 +639,7 @@ def _gemma_text(value: Any) -> str:
 
 
 FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson(), MistralList(), MistralArgs(),
-                                   HarmonyCalls(), GemmaCalls())
+                                   HarmonyCalls(), GemmaCalls(), KimiCalls())
 
 
 def _json_after(head: "re.Pattern[str]", text: str) -> List[Found]:

@@ -135,5 +135,6 @@ def plan(template: Any, tools: Any, tool_choice: Any) -> ToolPlan:
         raise ValueError("this model's chat template has no tool-call format this library reads (<tool_call> blocks "
                          "of JSON as Hermes and Qwen3 write them, of <function=...> tags as Qwen3.5, of <arg_key> "
                          "pairs as GLM, a bare JSON answer as Llama 3.1, [TOOL_CALLS] as Mistral, Harmony's as "
-                         "gpt-oss, <|tool_call>call: as Gemma 4): tools are not supported with it")
+                         "gpt-oss, <|tool_call>call: as Gemma 4, <|tool_call_begin|> as Kimi K2): tools are not supported "
+                         "with it")
     return ToolPlan(checked, choice, fmt or JsonBlocks())

@@ -129,7 +129,7 @@ REAL = pinned_templates()
 
 @pytest.mark.skipif(not REAL, reason="the pinned llama.cpp sdist is not on this machine")
 def test_a_forced_call_is_written_as_each_real_template_writes_calls(tiny_model):
-    """For every real template with a format (32 of the pinned llama.cpp's 70): the call its grammar forces is
+    """For every real template with a format (35 of the pinned llama.cpp's 70): the call its grammar forces is
     exactly the template's own rendering of that call (its wrapping tag, its line breaks), and nothing else: not a
     tool that was not given, not a call without a required parameter."""
     llm = Llama(tiny_model, budget=64)
@@ -151,7 +151,7 @@ def test_a_forced_call_is_written_as_each_real_template_writes_calls(tiny_model)
         assert not _accepts(llm, grammar, written[start:end].replace("probe_tool", "probe_tooo")), name
         assert not _accepts(llm, grammar, written[start:end].replace("probe_arg", "probe_arh")), name
         checked += 1
-    assert checked >= 32
+    assert checked >= 35
 
 
 def test_tools_need_a_template_that_has_a_call_format(tiny_model, model):
@@ -231,6 +231,18 @@ def test_markup_that_is_a_control_token_is_shown_so_that_the_call_is_read(tmp_pa
     assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
 
 
+def test_kimi_calls_are_read_with_their_section_marks():
+    kimi = tool_formats.KimiCalls()
+    text = ('Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>'
+            '{"zone": 2}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
+            '{"city": "Oslo", "unit": "c"}<|tool_call_end|><|tool_calls_section_end|>')
+    content, calls = parse_calls(text, [WEATHER, TIME], kimi)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    broken = "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{not json"
+    assert parse_calls(broken, [TIME], kimi) == (broken, [])
+
+
 def test_gemma_4_calls_are_read_in_its_own_notation():
     """Gemma 4 writes arguments in a notation of its own: keys bare and sorted, strings between <|"|> marks, None
     for null; they come back as JSON. Text that is not a whole call stays text."""
@@ -300,7 +312,8 @@ def test_a_call_nested_deeper_than_python_reads_is_text_not_an_error(fmt):
              "mistral-list": '[TOOL_CALLS][{"name": "x", "arguments": {"a": %s}, "id": "abcdefghi"}]',
              "mistral-args": '[TOOL_CALLS]x[ARGS]{"a": %s}',
              "harmony": "<|channel|>commentary to=functions.x <|constrain|>json<|message|>{\"a\": %s}",
-             "gemma": "<|tool_call>call:x{a:%s}<tool_call|>"}
+             "gemma": "<|tool_call>call:x{a:%s}<tool_call|>",
+             "kimi": '<|tool_calls_section_begin|><|tool_call_begin|>functions.x:0<|tool_call_argument_begin|>{"a": %s}'}
     text = texts[fmt.name] % deep
     content, calls = parse_calls(text, ["x"], fmt)
     assert all(json.loads(c["function"]["arguments"]) != {"a": []} for c in calls)
@@ -318,7 +331,9 @@ HOSTILE = {"json": ["<tool_call>" * 20000, "<tool_call>x" + " " * 200000, "<tool
            "mistral-list": ["[TOOL_CALLS][" * 15000],
            "mistral-args": ["[TOOL_CALLS]x[ARGS]" * 10000],
            "harmony": ["[" * 200000, "to=functions.x " * 13000],
-           "gemma": ["<|tool_call>call:x{" * 10000, '<|tool_call>call:x{a:<|"|>' * 8000]}
+           "gemma": ["<|tool_call>call:x{" * 10000, '<|tool_call>call:x{a:<|"|>' * 8000],
+           "kimi": ["<|tool_call_begin|>functions.x:0<|tool_call_argument_begin|>{" * 4000,
+                    "<|tool_call_begin|>" * 10000, "<|tool_calls_section_begin|>" + " " * 200000]}
 
 
 @pytest.mark.parametrize("fmt", tool_formats.FORMATS, ids=lambda f: f.name)
