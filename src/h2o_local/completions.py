@@ -161,6 +161,19 @@ class Completions:
         return responses.completion_logprobs(self._piece_text, list(tokens), entries, starts)
 
     # ------------------------------------------------------------------ chat
+    def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any) -> Any:
+        """`create_chat_completion` answered as the openai package's types (`ChatCompletion`, or with `stream=True`
+        an iterator of `ChatCompletionChunk`), as llama-cpp-python's (libraries such as instructor call it);
+        ImportError without the openai package."""
+        try:
+            from openai.types.chat import ChatCompletion, ChatCompletionChunk
+        except ImportError:
+            raise ImportError("create_chat_completion_openai_v1 needs the openai package: pip install openai") from None
+        out = self.create_chat_completion(*args, **kwargs)
+        if kwargs.get("stream"):
+            return (ChatCompletionChunk.model_validate(chunk) for chunk in out)
+        return ChatCompletion.model_validate(out)
+
     def create_chat_completion(self, messages: Sequence[Dict[str, Any]], *, stream: bool = False,
                                sampling: Optional[SamplingParams] = None,
                                response_format: Optional[Dict[str, Any]] = None,

@@ -925,6 +925,7 @@ class Llama:
 
     create_completion = _handed_to_completions("create_completion")
     create_chat_completion = _handed_to_completions("create_chat_completion")
+    create_chat_completion_openai_v1 = _handed_to_completions("create_chat_completion_openai_v1")
     __call__ = create_completion
 
     @property

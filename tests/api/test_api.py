@@ -312,6 +312,20 @@ def test_llama_cpp_python_s_sample_draws_from_the_last_logits(llm):
     assert llm.sample(temp=0, tfs_z=0.5, penalize_nl=False) == int(np.argmax(llm.last_logits()))  # ignored, as there
 
 
+def test_chat_completions_as_the_openai_package_s_types(tiny_model):
+    """llama-cpp-python's `create_chat_completion_openai_v1` (instructor and other libraries call it)."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    llm = Llama(tiny_model, budget=24, chat_template="chatml")
+    ask = [{"role": "user", "content": "hi"}]
+    whole = llm.create_chat_completion_openai_v1(ask, max_tokens=4, temperature=0)
+    assert isinstance(whole, ChatCompletion) and whole.choices[0].message.content == \
+        llm.create_chat_completion(ask, max_tokens=4, temperature=0)["choices"][0]["message"]["content"]
+    chunks = list(llm.create_chat_completion_openai_v1(ask, max_tokens=4, temperature=0, stream=True))
+    assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+
+
 def test_llama_cpp_python_s_constructor_keywords_are_taken_where_they_ask_for_what_this_llama_does(tiny_model):
     """A script's `Llama(model_path=..., n_ctx=..., n_ubatch=512, use_mmap=True, logits_all=True, type_k=8, ...)`:
     the keywords at values that ask for what this library does anyway make the same `Llama` (the same greedy text),
