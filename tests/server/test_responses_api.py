@@ -120,7 +120,8 @@ def test_what_a_stateless_server_cannot_do_is_a_400_naming_it(server):
                          (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input.0.type"),
                          (dict(input=[{"role": "robot", "content": "x"}]), "input.0.role"),
                          (dict(text={"format": {"type": "yaml"}}), "text.format"),
-                         (dict(max_output_tokens=0), "max_output_tokens"), (dict(input=[]), "input")):
+                         (dict(max_output_tokens=0), "max_output_tokens"), (dict(input=[]), "input"),
+                         (dict(top_logprobs=3), "top_logprobs")):
         status, out = post(port, "/v1/responses", {"model": "tiny", "input": "hi", **extra})
         assert status == 400 and out["error"]["param"] == param, (extra, out)
     status, out = post(port, "/v1/responses", {"model": "tiny", "input": "hi", "store": True, "metadata": {"a": "b"},

@@ -28,7 +28,7 @@ router = APIRouter()
 
 # fields that describe a request to OpenAI's platform and ask nothing of the answer here
 _IGNORED = ("store", "metadata", "include", "truncation", "user", "service_tier", "prompt_cache_key",
-            "safety_identifier", "stream_options", "max_tool_calls", "top_logprobs", "prompt_cache_retention")
+            "safety_identifier", "stream_options", "max_tool_calls", "prompt_cache_retention")
 # fields that need state this server does not keep
 _STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 
@@ -74,7 +74,11 @@ def _chat_request(state: ServerState, body: ResponsesRequest) -> ChatCompletionR
         if extra.get(name) not in (None, False, ""):
             raise APIError(400, f"{name} needs responses stored by the server; this one stores none: send the whole "
                                 "conversation as input items", param=name)
-    out: Dict[str, Any] = {k: v for k, v in extra.items() if k not in _IGNORED and k not in _STATEFUL}
+    if extra.get("top_logprobs") not in (None, 0):
+        raise APIError(400, "top_logprobs is not supported on /v1/responses (the chat route gives logprobs)",
+                       param="top_logprobs")
+    out: Dict[str, Any] = {k: v for k, v in extra.items()
+                           if k not in _IGNORED and k not in _STATEFUL and k != "top_logprobs"}
     out["messages"] = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + \
         _messages(body.input)
     out["stream"] = False
