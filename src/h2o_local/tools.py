@@ -94,8 +94,8 @@ def parse_calls(text: str, tools: Sequence[Union[str, Mapping[str, Any]]] = (),
     given = [{"function": {"name": t}} if isinstance(t, str) else t for t in tools]
     calls, kept, last = [], [], 0
     for start, end, name, arguments in sorted(fmt.find(text, given), key=lambda f: f[0]):
-        if start < last:
-            continue
+        if start < last or not _an_object(arguments):
+            continue  # overlapping, or arguments that are not an object (JSON text of one): not a call
         calls.append({"id": fmt.new_id(), "type": "function",
                       "function": {"name": name,
                                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
@@ -104,6 +104,15 @@ def parse_calls(text: str, tools: Sequence[Union[str, Mapping[str, Any]]] = (),
     kept.append(text[last:])
     rest = "".join(kept).strip()
     return (rest or None) if calls else text, calls
+
+
+def _an_object(arguments: Any) -> bool:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return False
+    return isinstance(arguments, dict)
 
 
 class ToolPlan:

@@ -59,6 +59,11 @@ def test_parsing_calls_out_of_text():
     assert parse_calls("no call here") == ("no call here", [])
     broken = "<tool_call>{not json}</tool_call>"
     assert parse_calls(broken) == (broken, [])
+    for arguments in ('"not json"', "[1]", '"[1]"'):  # a call's arguments are an object (Ollama's and Anthropic's)
+        odd = '<tool_call>{"name": "get_time", "arguments": %s}</tool_call>' % arguments
+        assert parse_calls(odd, ["get_time"]) == (odd, [])
+    assert json.loads(parse_calls('<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": 1}"}</tool_call>')[1][0]
+                      ["function"]["arguments"]) == {"zone": 1}  # JSON text of an object, as some models write
     # where <tool_call> is a control token (Qwen2.5) its text is not in the answer: bare calls of known tools count
     bare = '{"name": "get_time", "arguments": {"zone": 1}}\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
     content, calls = parse_calls(bare, ["get_time", "get_weather"])

@@ -85,8 +85,8 @@ async def count_tokens(request: Request, state: ServerState = Depends(routes.ser
     """The prompt's tokens as `/v1/messages` would read it (its template, system prompt and tools)."""
     try:
         body = await _parse(request, CountTokensRequest)
-        chat = _chat_request(state, MessagesRequest.model_validate({**body.model_dump(exclude_none=True),
-                                                                    **(body.model_extra or {}), "max_tokens": 1}))
+        chat = _chat_request(state, validated(MessagesRequest, {**body.model_dump(exclude_none=True),
+                                                                 **(body.model_extra or {}), "max_tokens": 1}))
         _, tokens, _ = await routes.chat_prompt(state, chat)
         return {"input_tokens": len(tokens)}
     except APIError as e:
