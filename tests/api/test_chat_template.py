@@ -194,8 +194,8 @@ def test_tools_go_to_the_templates_whose_calls_are_read_back():
     by rendering a probe call: `<tool_call>` JSON (Hermes, Qwen2.5, Qwen3), `<function=...>` tags (Qwen3-Coder,
     Qwen3.5, Seed-OSS with its own wrapping tag), `<arg_key>` pairs (GLM 4.6 with line breaks, 4.7 without), the
     bare JSON answer (Llama 3.1-3.3), Mistral's `[TOOL_CALLS]` list (Nemo) or `[ARGS]` (Small 3.2 with its
-    `[CALL_ID]`, Devstral without), gpt-oss's messages to `functions.NAME`. Other formats (Kimi's, DeepSeek's) are
-    refused, not misread."""
+    `[CALL_ID]`, Devstral without), gpt-oss's messages to `functions.NAME`, Gemma 4's notation, Kimi K2's
+    sections. Other formats (DeepSeek's) are refused, not misread."""
     formats = {name: ChatTemplate(source).tool_format for name, source in REAL.items()}
     named = {name: fmt.name for name, fmt in formats.items() if fmt is not None}
     assert {named[n] for n in ("Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B",
@@ -210,10 +210,12 @@ def test_tools_go_to_the_templates_whose_calls_are_read_back():
     assert formats["Mistral-Small-3.2-24B-Instruct-2506"] == tool_formats.MistralArgs(call_id=True)
     assert formats["unsloth-mistral-Devstral-Small-2507"] == tool_formats.MistralArgs(call_id=False)
     assert named["openai-gpt-oss-120b"] == "harmony"
-    assert not named.keys() & {"moonshotai-Kimi-K2", "deepseek-ai-DeepSeek-V3.1", "HuggingFaceTB-SmolLM3-3B"}
+    assert {named[n] for n in ("google-gemma-4-31B-it", "google-gemma-4-31B-it-interleaved")} == {"gemma"}
+    assert {named[n] for n in ("moonshotai-Kimi-K2", "Kimi-K2-Instruct", "Kimi-K2-Thinking")} == {"kimi"}
+    assert not named.keys() & {"deepseek-ai-DeepSeek-V3.1", "HuggingFaceTB-SmolLM3-3B"}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(ValueError, match="no tool-call format this library reads"):
-        tools_mod.plan(ChatTemplate(REAL["moonshotai-Kimi-K2"]), [tool], "auto")
+        tools_mod.plan(ChatTemplate(REAL["deepseek-ai-DeepSeek-V3.1"]), [tool], "auto")
     assert tools_mod.plan(ChatTemplate(REAL["Qwen3.5-4B"]), [tool], "auto").format.name == "function-tags"
 
 
