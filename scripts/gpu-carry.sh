@@ -20,7 +20,7 @@ python vendor/prepare.py --out "$PWD/.devicetree/llama.cpp"
 python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .devicepkgs \
-    gguf pexpect openai fastapi uvicorn sse-starlette pydantic pydantic-settings diskcache
+    gguf pexpect openai ollama anthropic fastapi uvicorn sse-starlette pydantic pydantic-settings diskcache
 # what the image has (KINDS.md's package list)
 (cd .devicepkgs && rm -f numpy-* pyyaml-* PyYAML-* requests-* urllib3-* certifi-* charset_normalizer-* tqdm-* click-* idna-*)
 

@@ -28,7 +28,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
 for step in "${steps[@]}"; do
     case "$step" in
     deps)
-        python -m pip install -q --no-index --find-links .devicepkgs scikit-build-core pybind11 gguf hypothesis tqdm jinja2 pexpect fastapi uvicorn sse-starlette openai pydantic-settings prometheus-client diskcache 2>&1 | tail -3
+        python -m pip install -q --no-index --find-links .devicepkgs scikit-build-core pybind11 gguf hypothesis tqdm jinja2 pexpect fastapi uvicorn sse-starlette openai ollama anthropic pydantic-settings prometheus-client diskcache 2>&1 | tail -3
         ;;
     build)
         start=$(date +%s)
