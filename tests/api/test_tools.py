@@ -344,7 +344,7 @@ HOSTILE = {"json": ["<tool_call>" * 20000, "<tool_call>x" + " " * 200000, "<tool
 @pytest.mark.parametrize("fmt", tool_formats.FORMATS, ids=lambda f: f.name)
 def test_an_answer_made_to_defeat_the_reader_is_read_in_linear_time(fmt):
     """A client's grammar can make a model write any text: 200 k characters of openings without closings, of
-    recipients without messages, took 4 to 40 s each and more to read (the lazy patterns scanned the rest of the
+    recipients without messages, took 3 to 42 s and more to read (the lazy patterns scanned the rest of the
     answer once per opening), time in which a server read nothing else. Now each is read at once; a bound far above
     a linear reader's time (milliseconds) and far below what a scan per opening takes (tens of seconds)."""
     import time
