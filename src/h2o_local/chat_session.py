@@ -138,7 +138,7 @@ class ChatSession:
                    **sampling: Any) -> Iterator[Tuple[str, str]]:
         """As `send`, each piece as (reasoning, answer text), one of them empty: a thinking model's reasoning (between
         its template's think tags, gpt-oss's analysis channel) apart from its answer, as the server's
-        `reasoning_content`. The history keeps the answer as the model wrote it (templates drop old reasoning)."""
+        `reasoning_content`, which the history keeps apart too (templates drop old reasoning or place it)."""
         stream = self.send(content, progress=progress, **sampling)
         return self._split(stream)
 
@@ -205,10 +205,17 @@ class ChatSession:
             if turn != self._turn:
                 return  # a newer turn (or a reset, a load) owns the history and the cache now
             stats.seconds = time.perf_counter() - t0
-            self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
+            self.messages = messages + [self._said("".join(answer))]
             if stats.finish_reason is not None or stats.completion_tokens > 0:
                 held = tuple(tokens + generated)  # what the cache holds, the pending token last
                 self._live = Session(held, len(held) - len(self.llm.pending), n_keep, None, 0)
+
+    def _said(self, text: str) -> Message:
+        """The answer as the history keeps it: a thinking model's reasoning apart (`reasoning_content`, as a client of
+        the server sends it back; templates drop or place it), else as written."""
+        thought, content = (None, text) if self.thinking is None else self.thinking.split(text)
+        return {"role": "assistant", "content": content,
+                **({"reasoning_content": thought} if thought is not None else {})}
 
     def _continued(self, tokens: List[int], n_keep: int) -> Optional[Session]:
         """What this turn's prompt continues (`sessions.continues`): the cache as the last turn left it, else the

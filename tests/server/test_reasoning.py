@@ -61,21 +61,28 @@ def test_llama_gives_the_reasoning_apart_when_asked_and_the_answer_as_written_by
         llm.create_chat_completion(ASK, reasoning_format="sometimes", **kw)
 
 
-def test_a_chat_session_streams_the_reasoning_apart_and_keeps_the_answer_as_written(llm):
-    """`ChatSession.send_split`, what `h2o-local chat` shows: (reasoning, answer) pieces; the history keeps the text
-    as written, and the template drops the old reasoning at the next turn."""
+def test_a_chat_session_streams_the_reasoning_apart_and_keeps_the_answer_as_written(llm, tmp_path):
+    """`ChatSession.send_split`, what `h2o-local chat` shows: (reasoning, answer) pieces; the history keeps them apart
+    (as a server's client sends an answer back), and the template drops the old reasoning at the next turn."""
     from h2o_local.chat_session import ChatSession
 
     session = ChatSession(llm, max_tokens=80, temperature=0, grammar=forced(WRITTEN))
     parts = list(session.send_split("What is 2 + 2?"))
     assert all(bool(thought) != bool(text) for thought, text in parts)
     assert "".join(p[0] for p in parts) == "\nTwo and two, a < b.\n" and "".join(p[1] for p in parts) == "It is 4."
-    assert session.messages[-1] == {"role": "assistant", "content": WRITTEN}
+    assert session.messages[-1] == {"role": "assistant", "content": "It is 4.",
+                                    "reasoning_content": "\nTwo and two, a < b.\n"}
+    saved = tmp_path / "chat.session"
+    session.save(saved)
+    again = ChatSession(llm)
+    again.load(saved)  # a history with reasoning_content loads
+    assert again.messages == session.messages
     list(session.send("And 3 + 3?", max_tokens=3, grammar=None))
     assert "Two and two" not in llm.detokenize(llm.chat_tokens(session.messages)[0]).decode()
     raw = ChatSession(llm, reasoning_format="none", max_tokens=80, temperature=0, grammar=forced(WRITTEN))
     parts = list(raw.send_split("What is 2 + 2?"))
     assert not any(thought for thought, _ in parts) and "".join(text for _, text in parts) == WRITTEN
+    assert raw.messages[-1] == {"role": "assistant", "content": WRITTEN}
     quiet = ChatSession(llm, chat_template_kwargs={"enable_thinking": False}, max_tokens=1)
     list(quiet.send("Hi"))
     assert quiet.last.prompt_tokens > len(llm.chat_tokens([{"role": "user", "content": "Hi"}])[0])  # the empty block
