@@ -6,7 +6,6 @@ CI runs a small number of examples; a large run:
 """
 import os
 
-import numpy as np
 import pytest
 
 import hypothesis
@@ -17,7 +16,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
 
 from h2o_local import H2O, Llama, Local, Sink  # noqa: E402
 from engine_view import engine
-from device_tolerance import CPU_BACKEND
+from device_tolerance import CPU_BACKEND, approximate, assert_logits_close
 
 BUDGET, N_BATCH, N_SEQ = 12, 8, 2
 PROBE = 70  # the token fed to compare a snapshot's continuation with the original's
@@ -98,8 +97,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.llm.kv_state(seq).positions.tolist() == positions
         if probe is not None:
             self.llm.eval([PROBE], seq_id=seq)
-            # cells may sit elsewhere than in the original: float summation order only (a lost K shift: several units)
-            np.testing.assert_allclose(self.llm.last_logits(seq), probe, atol=5e-3)
+            # cells may sit elsewhere than in the original: float summation order only (a lost K shift: several units);
+            # a flash kernel multiplies in F16, so its other order is compared at a device's tolerance (5.03e-3 seen)
+            assert_logits_close(self.llm.last_logits(seq), probe, device=approximate(self.llm), cpu_atol=5e-3)
             self.llm.load_state(state, seq_id=seq)
         self.seen[seq], self.cells[seq] = seen, cells
         if seq == 0:
