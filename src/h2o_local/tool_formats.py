@@ -113,10 +113,16 @@ class _XmlFormat(CallFormat):
         by_name = {t["function"]["name"]: t for t in tools}
         found = []
         for m in _finditer(self._CALL, text, self._CLOSE):
+            if not self._whole(m):
+                continue
             name = m.group(1).strip()
             pairs = [(p.group(1).strip(), p.group(2)) for p in _finditer(self._PARAM, m.group(2), self._PARAM_CLOSE)]
             found.append((m.start(), m.end(), name, self._arguments(by_name.get(name), pairs)))
         return found
+
+    def _whole(self, call: "re.Match[str]") -> bool:
+        """Whether a matched call is one (a format whose pattern lets through more than its calls says no)."""
+        return True
 
     def _arguments(self, tool: Optional[Mapping[str, Any]], pairs: List[Tuple[str, str]]) -> Dict[str, Any]:
         props = (_parameters(tool).get("properties") or {}) if tool is not None else {}
@@ -214,19 +220,15 @@ class ArgKeys(_XmlFormat):
     lines: bool = True  # a line break after the name and each tag (GLM 4.5 / 4.6), or none (GLM 4.7)
     name = "arg-keys"
     marker = "<arg_key>"
-    # a call's name, then its pairs up to the closing tag (`_pairs_only` checks that nothing else is there)
+    # a call's name, then its pairs up to the closing tag (`_whole` checks that nothing else is there)
     _CALL = re.compile(r"<tool_call>\s{0,64}([^<\n]{1,256}?)\s{0,64}((?:<arg_key>.*?)?)</tool_call>", re.S)
     _CLOSE = "</tool_call>"
     _PARAM = re.compile(r"<arg_key>(.{0,256}?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.S)
     _PARAM_CLOSE = "</arg_value>"
 
-    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
-        return [f for f, m in zip(super().find(text, tools), _finditer(self._CALL, text, self._CLOSE))
-                if self._pairs_only(m.group(2))]
-
-    def _pairs_only(self, body: str) -> bool:
+    def _whole(self, call: "re.Match[str]") -> bool:
         """Whether a call's body is key-value pairs and nothing else."""
-        at = 0
+        body, at = call.group(2), 0
         for p in _finditer(self._PARAM, body, self._PARAM_CLOSE):
             if p.start() != at:
                 return False
@@ -436,7 +438,7 @@ class GemmaCalls(CallFormat):
                 continue
             if not isinstance(arguments, dict):
                 continue
-            end = len(text) - len(text[end:].lstrip())
+            end = _SPACES.match(text, end).end()
             if text.startswith("<tool_call|>", end):
                 end += len("<tool_call|>")
             found.append((m.start(), end, m.group(1), arguments))
@@ -663,6 +665,7 @@ def _finditer(pattern: "re.Pattern[str]", text: str, close: str) -> Iterator["re
     return iter(()) if last < 0 else pattern.finditer(text, 0, last + len(close) + _SUFFIX)
 
 
+_SPACES = re.compile(r"\s*")
 _SUFFIX = 160  # what a call pattern may match after its closing tag (FunctionTags' wrapping tag, ArgKeys' spaces)
 
 

@@ -336,7 +336,8 @@ HOSTILE = {"json": ["<tool_call>" * 20000, "<tool_call>x" + " " * 200000, "<tool
            "mistral-list": ["[TOOL_CALLS][" * 15000],
            "mistral-args": ["[TOOL_CALLS]x[ARGS]" * 10000],
            "harmony": ["[" * 200000, "to=functions.x " * 13000],
-           "gemma": ["<|tool_call>call:x{" * 10000, '<|tool_call>call:x{a:<|"|>' * 8000],
+           "gemma": ["<|tool_call>call:x{" * 10000, '<|tool_call>call:x{a:<|"|>' * 8000,
+                     "<|tool_call>call:x{}<tool_call|> " * 6000],
            "kimi": ["<|tool_call_begin|>functions.x:0<|tool_call_argument_begin|>{" * 4000,
                     "<|tool_call_begin|>" * 10000, "<|tool_calls_section_begin|>" + " " * 200000]}
 

@@ -193,7 +193,7 @@ def _effort(state: ServerState, effort: Any) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------ the response
 def _head(state: ServerState, body: ResponsesRequest) -> Dict[str, Any]:
     """The response object's fields that do not depend on the answer (as OpenAI's echo the request)."""
-    tools = [t for t in body.tools or []]
+    tools = list(body.tools or [])
     return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
             "model": body.model or state.model_id, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls is not False,
