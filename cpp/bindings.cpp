@@ -1,5 +1,6 @@
 // pybind11 bindings: h2o_local._engine. The Python package (h2o_local/) is the user API; this is its engine room.
 #include "context_size.h"
+#include "embedder.h"
 #include "engine.h"
 #include "host_store.h"
 #include "kv_types.h"
@@ -533,6 +534,29 @@ PYBIND11_MODULE(_engine, m) {
             return p;
         }, "The settings the engine was created with (its defaults filled in where they were left at theirs).");
     def_vocab(engine);
+
+    py::class_<Embedder>(m, "Embedder", "Embeddings in a context of their own, on the engine's model (embedder.h).")
+        .def(py::init([](const Engine & engine, int32_t n_ctx, int32_t n_threads, int32_t pooling) {
+                 EmbedderParams p;
+                 p.n_ctx     = n_ctx;
+                 p.n_threads = n_threads;
+                 p.pooling   = pooling;
+                 p.flash_attn = engine.flash_attn();
+                 py::gil_scoped_release release;
+                 return new Embedder(engine.model(), p);
+             }), py::arg("engine"), py::arg("n_ctx"), py::arg("n_threads") = 0,
+             py::arg("pooling") = (int32_t) LLAMA_POOLING_TYPE_UNSPECIFIED, py::keep_alive<1, 2>())
+        .def_property_readonly("n_ctx", &Embedder::n_ctx)
+        .def_property_readonly("n_embd", &Embedder::n_embd)
+        .def_property_readonly("pooling", &Embedder::pooling)
+        .def("embed", [](Embedder & e, const std::vector<llama_token> & tokens) {
+            std::vector<std::vector<float>> rows;
+            {
+                py::gil_scoped_release release;
+                rows = e.embed(tokens);
+            }
+            return rows;
+        }, py::arg("tokens"), "The input's rows: one if pooled, one per token with pooling none.");
 
     py::class_<SeqSnapshot, std::shared_ptr<SeqSnapshot>>(m, "SeqSnapshot")
         .def_property_readonly("nbytes", [](const SeqSnapshot & s) { return s.kv.size() + s.host.nbytes(); })

@@ -8,11 +8,12 @@ import random
 import threading
 import logging
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _engine, generation, llama_cpp_python, rpc
+from . import _engine, embeddings, generation, llama_cpp_python, rpc
 from . import sampling as sampling_
 from .chat_template import ChatTemplate, Message, content_pieces, normalize_messages
 from .text import TextAssembler, check_text
@@ -20,6 +21,7 @@ from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .completions import Completions
 from .cpu import physical_cores
 from .kv_state import KVState, Snapshot
+from .llama_types import CreateEmbeddingResponse
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
@@ -180,6 +182,7 @@ class Llama:
         chat_format: Optional[str] = None,
         recall: Union[bool, int] = False,
         recall_type: Optional[str] = None,
+        pooling_type: int = -1,
         verbose: bool = ENGINE_DEFAULTS.verbose,
         _scores_sum_rows: bool = False,
         **_llama_cpp_python: Any,
@@ -206,6 +209,7 @@ class Llama:
         for name, value in (("type_k", type_k), ("type_v", type_v)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a ggml type name such as 'q8_0', got {value!r}")
+        embeddings.check_pooling_type(pooling_type)
         if recall_type not in (None, "q8_0"):
             raise ValueError(f"recall_type must be None (the cache's own rows) or 'q8_0', got {recall_type!r}")
         self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
@@ -239,6 +243,9 @@ class Llama:
         # per layer, the ggml device holding its weights and KV cache: "CPU", "Vulkan0", "CUDA0", "Metal", "RPC[...]"
         self.layer_devices: Tuple[str, ...] = tuple(facts["layer_devices"])
         self.flash_attn: bool = bool(self._engine.flash_attn)  # what the context runs ("auto" resolved)
+        self._embeddings = embeddings.Embeddings(
+            _weakly(self._open_engine), n_ctx=embeddings.context_size(self._engine.n_batch, self.info.n_ctx_train),
+            n_threads=params.n_threads, pooling_type=pooling_type)
         self.position_rolling = bool(position_rolling)
         self.export_scores = bool(export_scores)
         self.roll_interval = int(roll_interval)
@@ -375,6 +382,49 @@ class Llama:
     def token_nl(self) -> int:
         """The newline token (-1 where the vocabulary has none)."""
         return self.info.token_nl
+
+    def embed(self, input: Union[str, List[str], List[int], List[List[int]]], normalize: bool = False,
+              truncate: bool = True, return_count: bool = False) -> Any:
+        """llama-cpp-python's: the embedding of a text (a list of `n_embd()` floats), or a list of them for a list of
+        texts (or of token-id lists). A text is tokenized as `tokenize(text)` (BOS where the model adds one); its
+        vector is the model's last hidden states pooled (`pooling_type()`; pooling none gives a row per token) in a
+        context of their own, made at the first call: the generation's KV cache is untouched (llama-cpp-python's
+        `embed` clears it). At most `embedding_max_tokens` per input (n_batch, at least 512): longer ones are cut
+        there (`truncate`) or refused (ValueError). `normalize` scales each vector to length 1; `return_count` also returns the tokens read.
+        docs/embeddings.md."""
+        inputs, alone = embeddings.as_inputs(input)
+        n_ctx = self._embeddings.n_ctx
+        token_lists = [embeddings.truncated(self.tokenize(x) if isinstance(x, str) else _token_list(x), n_ctx,
+                                            truncate) for x in inputs]
+        out = self._embeddings.embed(token_lists, normalize=normalize)
+        vectors = out.vectors[0] if alone else out.vectors
+        return (vectors, out.n_tokens) if return_count else vectors
+
+    def create_embedding(self, input: Union[str, List[str], List[int], List[List[int]]],
+                         model: Optional[str] = None) -> CreateEmbeddingResponse:
+        """llama-cpp-python's: OpenAI's embeddings response for `input` (`embed(input)`'s vectors, not normalized,
+        each input cut at `embedding_max_tokens`), `model` its model name (default: the model's path)."""
+        inputs, _ = embeddings.as_inputs(input)
+        vectors, n_tokens = self.embed(inputs, return_count=True)
+        return {"object": "list", "model": model if model is not None else self.model_path,
+                "data": [{"object": "embedding", "embedding": v, "index": i} for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+    @property
+    def embedding_max_tokens(self) -> int:
+        """The most tokens of one input `embed` reads (its context's size: n_batch, at least 512 where the model was
+        trained on as many)."""
+        return self._embeddings.n_ctx
+
+    def _open_engine(self) -> Any:
+        if isinstance(self._engine, _Closed):
+            raise RuntimeError("this Llama was closed: make a new one")
+        return self._engine
+
+    def pooling_type(self) -> int:
+        """The pooling `embed` runs (llama.cpp's: 0 none, 1 mean, 2 cls, 3 last): the constructor's `pooling_type`,
+        or for -1 the model's own, mean where its GGUF names none."""
+        return self._embeddings.pooling_type
 
     def tokenizer(self) -> "llama_cpp_python.LlamaTokenizer":
         """llama-cpp-python's tokenizer object over this model (`encode` / `decode` text, `tokenize` / `detokenize`)."""
@@ -682,6 +732,7 @@ class Llama:
         with self.lock:
             self._take_over()
             self._engine = _Closed()
+            self._embeddings.close()
 
     def __enter__(self) -> "Llama":
         return self
@@ -1037,6 +1088,19 @@ def _feed_progress(progress: Optional[Callable[[int, int], None]], total: int,
         progress(min(total, pieces[0] * n_batch), total)
 
     return between
+
+
+def _weakly(method: Callable[[], Any]) -> Callable[[], Any]:
+    """A Llama's method, as a part of it holds it: without a reference back (a cycle would keep a dropped Llama, its
+    model and its RPC connections until the garbage collector ran)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Any:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("this Llama was closed: make a new one")
+        return bound()
+    return call
 
 
 class _Closed:

@@ -14,12 +14,12 @@ CHAT_FORMATS = {"llama-2": "llama2-sys", "llama-3": "llama3", "mistral-instruct"
 # ggml's type numbers, as its type_k / type_v take them (llama_cpp.GGML_TYPE_Q8_0 is 8)
 GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
 
-# Llama(...)'s keywords: model and context settings this library leaves at llama.cpp's defaults, LoRA, embeddings,
+# Llama(...)'s keywords: model and context settings this library leaves at llama.cpp's defaults, LoRA,
 # speculative decoding, its own tokenizer and chat handler objects
 CONSTRUCTOR_NOT_DONE: Dict[str, Tuple[Any, ...]] = {
     "use_mmap": (True,), "use_mlock": (False,), "vocab_only": (False,), "kv_overrides": (None,),
     "split_mode": (1,), "main_gpu": (0,), "tensor_split": (None,), "offload_kqv": (True,), "numa": (False, 0),
-    "embedding": (False,), "pooling_type": (-1,), "attention_type": (-1,),
+    "attention_type": (-1,),
     "rope_scaling_type": (-1, None), "rope_freq_base": (0.0,), "rope_freq_scale": (0.0,),
     "yarn_ext_factor": (-1.0,), "yarn_attn_factor": (1.0,), "yarn_beta_fast": (32.0,), "yarn_beta_slow": (1.0,),
     "yarn_orig_ctx": (0,), "swa_full": (None,), "last_n_tokens_size": (64,),
@@ -27,8 +27,8 @@ CONSTRUCTOR_NOT_DONE: Dict[str, Tuple[Any, ...]] = {
     "chat_handler": (None,), "draft_model": (None,), "tokenizer": (None,), "spm_infill": (False,),
 }
 # and those it ignores: logprobs need no logits_all here (the logits a call asks for are kept), no_perf turns off
-# llama.cpp's timers
-CONSTRUCTOR_IGNORED = ("logits_all", "no_perf")
+# llama.cpp's timers, embed() works with or without embedding=True (its context is its own)
+CONSTRUCTOR_IGNORED = ("logits_all", "no_perf", "embedding")
 
 # create_completion / create_chat_completion / __call__'s keywords
 CALL_NOT_DONE: Dict[str, Tuple[Any, ...]] = {

@@ -111,3 +111,21 @@ class ChatCompletionChunk(TypedDict):
 
 
 Response = Union[Completion, ChatCompletion]
+
+
+class EmbeddingUsage(TypedDict):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(TypedDict):
+    object: Literal["embedding"]
+    embedding: Union[List[float], List[List[float]]]  # a row per token where pooling is none
+    index: int
+
+
+class CreateEmbeddingResponse(TypedDict):
+    object: Literal["list"]
+    model: str
+    data: List[Embedding]
+    usage: EmbeddingUsage

@@ -143,18 +143,6 @@ def test_props_of_a_full_cache_give_the_prompt_that_fits_in_a_slot(chat_model):
         assert post(port, "/v1/completions", {**too_long, "prompt": [65] * 255})[0] == 200
 
 
-def test_embeddings_are_refused_as_not_served(server):
-    port, client = server
-    with pytest.raises(openai.APIStatusError) as e:
-        client.embeddings.create(model="tiny", input="hello")
-    assert e.value.status_code == 501 and "embeddings" in e.value.message
-    status, out = post(port, "/embeddings", {"content": "hello"})  # llama-server's
-    assert status == 501 and out["error"]["code"] == "not_supported"
-    for path in ("/api/embed", "/api/embeddings"):  # Ollama's, in its shape
-        status, out = post(port, path, {"model": "tiny", "input": "hello", "prompt": "hello"})
-        assert status == 501 and "embeddings" in out["error"], path
-
-
 def test_an_api_key_guards_the_token_routes_too(chat_model):
     with serving(chat_model, slots=1, app_kwargs={"api_key": "s3cret"}) as (port, _):
         for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"),

@@ -1,5 +1,5 @@
-"""h2o-local serve: an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
-/health), with Anthropic's /v1/messages, Ollama's /api/* and llama-server's /completion and /infill, and a chat page
+"""h2o-local serve: an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/responses,
+/v1/embeddings, /v1/models, /health), with Anthropic's /v1/messages, Ollama's /api/* and llama-server's /completion and /infill, and a chat page
 at /.
 
 Requests run in slots decoded together, each with its own bounded cache; a conversation that a client resends with

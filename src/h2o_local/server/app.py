@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
 from .protocol import APIError, error_response
-from . import anthropic_messages, ollama, openai_responses
+from . import anthropic_messages, embeddings, ollama, openai_responses
 from .routes import STATIC_DIR, router
 from .state import ServerState
 from .scheduler import Scheduler
@@ -50,7 +50,8 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
         max_prompt_bytes=max_prompt_tokens * _longest_token_bytes(llm),
         max_tokens=settings.max_tokens or llm.n_ctx_train(),
         default_keep=llm.keep if isinstance(llm.keep, int) else 0,
-        prepare=concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h2o-local-prepare"))
+        prepare=concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h2o-local-prepare"),
+        embedding=embeddings.EmbeddingWork(settings.max_waiting))
     # what the chat template takes (its tool-call format, system role, argument form, call ids), probed once now
     # rather than inside the first request that needs it
     template = llm.chat_template
@@ -62,6 +63,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
         yield
         scheduler.close()
         state.prepare.shutdown(wait=False, cancel_futures=True)
+        state.embedding.close()
 
     app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache",
                   lifespan=lifespan)
@@ -83,6 +85,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     app.include_router(ollama.router)
     app.include_router(openai_responses.router)
     app.include_router(anthropic_messages.router)
+    app.include_router(embeddings.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 

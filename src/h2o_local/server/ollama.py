@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__, reasoning
 from ..completions import infill_prompt
-from . import routes
+from . import embeddings, routes
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
 from .translated import validated
@@ -113,10 +113,22 @@ async def generate(request: Request, state: ServerState = Depends(server_state))
         return _error(e)
 
 
-@router.post("/api/embed", include_in_schema=False)
-@router.post("/api/embeddings", include_in_schema=False)
-async def embed() -> JSONResponse:
-    return _error(routes.no_embeddings())
+@router.post("/api/embed")
+async def embed(request: Request, state: ServerState = Depends(server_state)):
+    """Texts' embeddings (`input`), each of length 1 (server/embeddings.py)."""
+    try:
+        return await embeddings.ollama_embed(request, state, legacy=False)
+    except APIError as e:
+        return _error(e)
+
+
+@router.post("/api/embeddings")
+async def embeddings_legacy(request: Request, state: ServerState = Depends(server_state)):
+    """Ollama's older route: one text's embedding (`prompt`), as it is."""
+    try:
+        return await embeddings.ollama_embed(request, state, legacy=True)
+    except APIError as e:
+        return _error(e)
 
 
 @router.get("/api/tags")
@@ -149,10 +161,7 @@ async def version() -> Dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- helpers
 async def _parse(request: Request, model: type) -> Any:
-    """The body as `model`, sent as JSON (curl -d's form content type is made JSON by the app's JSONBodies, except
-    from a browser)."""
-    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-        raise APIError(400, "send the body as JSON (Content-Type: application/json)")
+    """The body as `model`."""
     return validated(model, await routes.json_body(request))
 
 

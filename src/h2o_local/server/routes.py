@@ -289,18 +289,6 @@ async def extras_detokenize(body: DetokenizeRequest, state: ServerState = Depend
     return {"text": await _detokenized(state, body.tokens, special=False)}
 
 
-@router.post("/v1/embeddings", include_in_schema=False)
-@router.post("/embeddings", include_in_schema=False)
-async def embeddings() -> None:
-    """Not an operation of this server: a clear answer for clients that try it."""
-    raise no_embeddings()
-
-
-def no_embeddings() -> APIError:
-    return APIError(501, "this server does not compute embeddings: it generates text with a bounded KV cache",
-                    kind="not_supported_error", code="not_supported")
-
-
 async def _tokenized(state: ServerState, text: str, add_bos: bool, special: bool, param: str = "content") -> List[int]:
     requests.check_prompt_bytes(state, len(text.encode("utf-8", errors="surrogatepass")), param)
     try:
@@ -416,8 +404,11 @@ def _chat_messages(state: ServerState,
 
 
 async def json_body(request: Request) -> Any:
-    """A request's body read as JSON by a route that checks it itself (Ollama's, Anthropic's): a 400 for one that
-    is not JSON, or that nests deeper than Python's parser goes."""
+    """A request's body read as JSON by a route that checks it itself (Ollama's, Anthropic's, the embeddings'): a
+    400 for one not sent as JSON (curl -d's form content type is made JSON by the app's JSONBodies, except from a
+    browser), not JSON, or nesting deeper than Python's parser goes."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise APIError(400, "send the body as JSON (Content-Type: application/json)")
     try:
         return await request.json()
     except RecursionError:

@@ -4,11 +4,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..llama import Llama
 from .scheduler import Scheduler
 from .settings import ServerSettings
+
+if TYPE_CHECKING:
+    from .embeddings import EmbeddingWork
 
 
 @dataclass
@@ -26,6 +29,7 @@ class ServerState:
     # requests are prepared here, off the event loop and with the GIL released where it is C++: chat templates
     # rendered, prompts tokenized, grammars parsed and checked
     prepare: concurrent.futures.ThreadPoolExecutor
+    embedding: "EmbeddingWork"                        # the embedding routes' thread
 
     def prepared(self, fn, *args: Any, **kwargs: Any) -> "asyncio.Future[Any]":
         """`fn(*args, **kwargs)` in the server's preparing threads, off the event loop (await it)."""
