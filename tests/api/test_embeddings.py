@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
+from device_tolerance import approximate, assert_logits_close, assert_values_close
 from h2o_local import Llama
 from h2o_local.embeddings import context_size
 
@@ -27,24 +28,28 @@ def output_matrix(path: str) -> np.ndarray:
 def test_a_text_s_embedding_is_its_last_hidden_state_that_the_output_layer_turns_into_the_generation_s_logits(
         tiny_model):
     """Read another way: with pooling 'last', the vector times the GGUF's output matrix is the logits a full-cache
-    generation reads after the same prompt; with pooling 'none' each row is that token's."""
+    generation reads after the same prompt; with pooling 'none' each row is that token's (on a device, at its
+    tolerance: it multiplies in its own precision)."""
     full = Llama(tiny_model, policy="full", n_threads=1, pooling_type=0)
     tokens = full.tokenize(TEXT * 2)[:20]
     rows = np.asarray(full.embed(tokens), dtype=np.float64)
     assert rows.shape == (len(tokens), full.n_embd())
     full.eval(tokens)
     logits = full.last_logits()
-    np.testing.assert_allclose(output_matrix(tiny_model) @ rows[-1], logits, rtol=1e-4, atol=1e-4)
+    assert_logits_close(output_matrix(tiny_model) @ rows[-1], logits, device=approximate(full), cpu_atol=1e-4,
+                        cpu_rtol=1e-4)
     last = Llama(tiny_model, policy="full", n_threads=1, pooling_type=3)
-    np.testing.assert_allclose(last.embed(tokens), rows[-1], rtol=1e-5, atol=1e-6)
+    assert_values_close(np.asarray(last.embed(tokens)), rows[-1], device=approximate(last), cpu_rtol=1e-5,
+                        cpu_atol=1e-6)
 
 
 def test_mean_cls_and_last_pooling_are_the_mean_first_and_last_of_the_per_token_rows(tiny_model):
-    tokens = Llama(tiny_model, n_threads=1).tokenize(TEXT)[:24]
-    rows = np.asarray(Llama(tiny_model, n_threads=1, pooling_type=0).embed(tokens))
+    none = Llama(tiny_model, n_threads=1, pooling_type=0)
+    tokens = none.tokenize(TEXT)[:24]
+    rows = np.asarray(none.embed(tokens))
     for pooling, expected in ((1, rows.mean(axis=0)), (2, rows[0]), (3, rows[-1])):
-        got = Llama(tiny_model, n_threads=1, pooling_type=pooling).embed(tokens)
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=f"pooling {pooling}")
+        got = np.asarray(Llama(tiny_model, n_threads=1, pooling_type=pooling).embed(tokens))
+        assert_values_close(got, expected, device=approximate(none), cpu_rtol=1e-5, cpu_atol=1e-6)
 
 
 def test_the_default_pooling_is_the_mean_for_a_model_that_names_none(llm):

@@ -114,19 +114,12 @@ async def generate(request: Request, state: ServerState = Depends(server_state))
 
 
 @router.post("/api/embed")
-async def embed(request: Request, state: ServerState = Depends(server_state)):
-    """Texts' embeddings (`input`), each of length 1 (server/embeddings.py)."""
-    try:
-        return await embeddings.ollama_embed(request, state, legacy=False)
-    except APIError as e:
-        return _error(e)
-
-
 @router.post("/api/embeddings")
-async def embeddings_legacy(request: Request, state: ServerState = Depends(server_state)):
-    """Ollama's older route: one text's embedding (`prompt`), as it is."""
+async def embed(request: Request, state: ServerState = Depends(server_state)):
+    """Texts' embeddings: /api/embed's (`input`, each of length 1) and the older /api/embeddings' (`prompt`, one
+    text's vector as it is); server/embeddings.py."""
     try:
-        return await embeddings.ollama_embed(request, state, legacy=True)
+        return await embeddings.ollama_embed(request, state, legacy=request.url.path.endswith("/embeddings"))
     except APIError as e:
         return _error(e)
 
