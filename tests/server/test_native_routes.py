@@ -195,6 +195,20 @@ def test_llama_server_s_completion_answers_as_the_openai_route_does_whole_or_str
         assert status == 400 and err["error"]["param"] == param, (body, err)
 
 
+def test_llama_server_s_aliases_answer_as_their_routes_for_a_client_given_the_server_without_v1(server):
+    """llama-server serves /chat/completions, /models and /v1/health beside the /v1 routes, and /completions as its
+    own /completion: a client configured with the server's address alone (no /v1) reaches them."""
+    port, client = server
+    bare = openai.OpenAI(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0, timeout=60)
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0)
+    assert bare.chat.completions.create(**ask).choices[0].message.content == \
+        client.chat.completions.create(**ask).choices[0].message.content
+    assert [m.id for m in bare.models.list()] == [m.id for m in client.models.list()] == ["tiny"]
+    assert get(port, "/v1/health")[0] == 200
+    body = {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0, "ignore_eos": True}
+    assert post(port, "/completions", body)[1]["content"] == post(port, "/completion", body)[1]["content"]
+
+
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "x", "max_tokens": 2}),
                                         ("/completion", {"prompt": "x", "n_predict": 2}),
                                         ("/api/generate", {"prompt": "x", "raw": True, "stream": False,

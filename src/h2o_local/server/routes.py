@@ -50,6 +50,7 @@ async def chat_page() -> FileResponse:
 
 
 @router.get("/health")
+@router.get("/v1/health", include_in_schema=False)  # llama-server's alias
 async def health(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
     return {"status": "ok", **state.scheduler.stats()}
 
@@ -83,6 +84,7 @@ async def props(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
 
 
 @router.get("/v1/models")
+@router.get("/models", include_in_schema=False)  # llama-server's alias, for a client given the server without /v1
 async def list_models(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
     return {"object": "list", "data": [_model_card(state)]}
 
@@ -158,6 +160,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
 
 
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions", include_in_schema=False)  # llama-server's alias
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(server_state)):
     job, plan, k, thinking = await chat_job(state, body, request)
@@ -182,6 +185,7 @@ LLAMA_SERVER = SamplingParams(max_tokens=None)
 
 
 @router.post("/completion")
+@router.post("/completions", include_in_schema=False)  # llama-server's: its own API, as /completion
 async def llama_server_completion(body: LlamaServerCompletionRequest, request: Request,
                                   state: ServerState = Depends(server_state)):
     """llama-server's own completion API: `content`, `stop` (true once it ended), `tokens_predicted`,
