@@ -131,3 +131,18 @@ def test_a_server_with_pooling_none_answers_llama_server_s_route_with_a_row_per_
         assert status == 200 and len(out[0]["embedding"]) == len(llm.tokenize("hello"))
         status, out = post(port, "/v1/embeddings", {"input": "hello"})
         assert status == 400 and "pooling" in out["error"]["message"]
+
+
+def test_serve_s_pooling_option_reaches_the_embedding_routes(chat_model, monkeypatch):
+    import uvicorn
+
+    from h2o_local.cli import main
+
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    assert main(["serve", "--model", chat_model, "--pooling", "last", "--threads", "1", "--slots", "1"]) == 0
+    state = served[0].state.server
+    assert state.llm.pooling_type() == 3
+    state.scheduler.close()
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", chat_model, "--pooling", "rank"])

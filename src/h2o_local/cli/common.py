@@ -7,7 +7,6 @@ from typing import Any, Dict
 
 from ..llama import ENGINE_DEFAULTS, Llama
 from ..cpu import physical_cores
-from ..embeddings import POOLING_NAMES
 from ..models import default_model_path
 from ..policies import OPTION_NAMES, OPTIONS, PROBE_FIELDS, PROBES, REGISTRY, parse, resolve
 from ..sampling import SamplingParams
@@ -70,9 +69,6 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--recall-type", choices=["q8_0"],
                    help="how host memory keeps what recall spilled: the cache's own rows, bit for bit (default), or "
                         "q8_0 blocks of them (0.53x the bytes, twice the tokens in 256 MiB, not exact; an F16 cache)")
-    g.add_argument("--pooling", choices=list(POOLING_NAMES),
-                   help="how an embedding pools a text's last hidden states (llama.cpp's --pooling; default: the "
-                        "model's own, mean where it names none; none: a vector per token)")
     # smaller than Llama's n_batch (ENGINE_DEFAULTS.n_batch) on purpose: the cache holds budget + n-batch cells, 640
     # rather than 1,024 at the chat's budget of 512
     g.add_argument("-b", "--n-batch", "--batch-size", dest="n_batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells "
@@ -186,9 +182,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                     n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
                     chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                     type_v=args.cache_type_v, recall=args.recall if args.recall != "auto" and budget else False,
-                    recall_type=args.recall_type,
-                    pooling_type=POOLING_NAMES.get(args.pooling, -1),
-                    **extra)
+                    recall_type=args.recall_type, **extra)
         if args.recall == "auto" and budget:  # on where the policy can recall (a question probe, whole cells)
             with contextlib.suppress(ValueError):
                 llm.set_recall(True)

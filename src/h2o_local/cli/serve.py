@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import typing
 
+from ..embeddings import POOLING_NAMES
 from .common import add_model_args, load_llama
 
 
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--export-scores", action="store_true", help="export attention scores even when the policy does "
                     "not rank by them: conversations may then choose a scoring policy (kv_cache.policy), and the web "
                     "page shades what a policy that keeps no scores kept (a few percent of speed)")
+    ap.add_argument("--pooling", choices=list(POOLING_NAMES), help="how the embedding routes pool a text's last "
+                    "hidden states (llama.cpp's --pooling; default: the model's own, mean where it names none; none: "
+                    "a vector per token, answered by /embeddings only)")
     args = ap.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields and v is not None}
     try:
@@ -45,7 +49,8 @@ def main(argv=None) -> int:
     except ValidationError as e:
         first = e.errors()[0]
         ap.error(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}")
-    llm = load_llama(ap, args, n_seq_max=settings.slots, kv_unified=False, export_scores=args.export_scores)
+    llm = load_llama(ap, args, n_seq_max=settings.slots, kv_unified=False, export_scores=args.export_scores,
+                     pooling_type=POOLING_NAMES.get(args.pooling, -1))
     app = create_app(llm, settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
                 limit_concurrency=settings.max_connections)
