@@ -146,3 +146,25 @@ def test_serve_s_pooling_option_reaches_the_embedding_routes(chat_model, monkeyp
     state.scheduler.close()
     with pytest.raises(SystemExit):
         main(["serve", "--model", chat_model, "--pooling", "rank"])
+
+
+def test_the_embedding_thread_holds_one_running_and_max_waiting_waiting_then_refuses_with_429():
+    import asyncio
+
+    from h2o_local.server.embeddings import EmbeddingWork
+    from h2o_local.server.protocol import APIError
+
+    async def scenario():
+        work = EmbeddingWork(max_waiting=1)
+        release = threading.Event()
+        running = [asyncio.ensure_future(work.run(release.wait)) for _ in range(2)]  # one runs, one waits
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as e:
+            await work.run(lambda: None)
+        assert e.value.status == 429
+        release.set()
+        assert await asyncio.gather(*running) == [True, True]
+        assert await work.run(lambda: 7) == 7  # room again
+        work.close()
+
+    asyncio.run(scenario())
