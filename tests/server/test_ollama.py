@@ -168,3 +168,19 @@ def test_tool_calls_go_in_and_come_out_in_ollama_s_shape(tmp_path):
     _, calls = parse_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
                            '</tool_call>')
     assert ollama_calls(calls) == [{"function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]
+
+
+def test_pulling_the_served_model_succeeds_and_any_other_or_managing_models_is_a_clear_error(server):
+    """Clients pull the model before they chat: the one this server runs is there at once; another is a 404 naming
+    the one it runs, and creating, copying, pushing or deleting models is a 501 (one model, given at the start)."""
+    port, _, client = server
+    assert client.pull("tiny").status == "success"
+    assert [p.status for p in client.pull("tiny:latest", stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3")
+    assert e.value.status_code == 404 and "'tiny'" in e.value.error
+    for call in (lambda: client.delete("tiny"), lambda: client.copy("tiny", "other"),
+                 lambda: client.create(model="other", from_="tiny")):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 501 and "one model" in e.value.error

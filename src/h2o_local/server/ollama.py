@@ -124,6 +124,43 @@ async def embed(request: Request, state: ServerState = Depends(server_state)):
         return _error(e)
 
 
+class OllamaPull(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # insecure, ...
+
+    model: str = ""
+    name: str = ""  # the older clients' field
+    stream: bool = True
+
+
+@router.post("/api/pull")
+async def pull(request: Request, state: ServerState = Depends(server_state)):
+    """Ollama's model download: this server runs the one model it was started with, so pulling that one succeeds
+    at once (clients pull before they chat) and any other is a 404 naming the model it runs."""
+    try:
+        body = await _parse(request, OllamaPull)
+        asked = body.model or body.name
+        if asked and asked.removesuffix(":latest") != state.model_id.removesuffix(":latest"):
+            raise APIError(404, f"model {asked!r} not found: this server runs {state.model_id!r} and does not pull "
+                                f"models")
+        if body.stream:
+            return _Lines(_one({"status": "success"}), state.settings.stream_send_timeout_s)
+        return {"status": "success"}
+    except APIError as e:
+        return _error(e)
+
+
+@router.post("/api/create")
+@router.post("/api/copy")
+@router.post("/api/push")
+@router.delete("/api/delete")
+@router.post("/api/blobs/{digest}")
+@router.head("/api/blobs/{digest}")
+async def manage(state: ServerState = Depends(server_state)) -> JSONResponse:
+    """Ollama's model management: not done here (the server runs the one model it was started with)."""
+    return _error(APIError(501, f"this server runs the one model it was started with ({state.model_id}); it does "
+                                f"not create, copy, push or delete models"))
+
+
 @router.get("/api/tags")
 async def tags(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
     return {"models": [_model_card(state)]}
