@@ -184,3 +184,11 @@ def test_pulling_the_served_model_succeeds_and_any_other_or_managing_models_is_a
         with pytest.raises(ollama.ResponseError) as e:
             call()
         assert e.value.status_code == 501 and "one model" in e.value.error
+
+
+def test_a_route_ollama_s_api_lacks_here_answers_in_ollama_s_error_shape(server):
+    port, _, client = server
+    status, out = post(port, "/api/no-such-route", {})
+    assert status == 404 and out["error"] == "Not Found: POST /api/no-such-route"
+    status, out = get(port, "/api/chat")
+    assert status == 405 and "GET /api/chat" in out["error"]

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -100,6 +101,8 @@ async def _invalid_request(request: Request, exc: RequestValidationError):
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
+    if request.url.path.startswith("/api/"):  # Ollama's routes: its error shape, which its clients show
+        return JSONResponse({"error": f"{exc.detail}: {request.method} {request.url.path}"}, status_code=exc.status_code)
     return error_response(exc.status_code, str(exc.detail),
                           kind="invalid_request_error" if exc.status_code < 500 else "server_error")
 
