@@ -699,3 +699,34 @@ def test_riders_that_cannot_ride_are_refused_and_leave_the_sequences_usable(chat
     unified.eval([1, 5, 6], seq_id=1)
     with pytest.raises(ValueError, match="a stream of its own"):
         engine(unified).eval({0: long_prompt}, False, lambda: {1: [5]})
+
+
+def test_a_batch_of_prompts_and_n_samples_give_a_choice_each_as_separate_requests_would(server):
+    """OpenAI's batch forms (evaluation harnesses send a list of prompts): choice i*n + k is prompt i's k-th sample,
+    each what a request of its own gives (greedy: the same text; with a seed, sample k draws with seed + k)."""
+    port, client = server
+    prompts = ["Once upon a time", "The sea was", "In the year"]
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = [client_tokens(port, p) for p in prompts[:2]]
+    assert [c.text for c in client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0).choices] \
+        == [a.choices[0].text for a in alone[:2]]
+    sampled = client.completions.create(model="tiny", prompt=prompts[:2], n=3, max_tokens=6, temperature=1.0, seed=7)
+    assert len(sampled.choices) == 6
+    for i, p in enumerate(prompts[:2]):
+        for k in range(3):
+            one = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=1.0, seed=7 + k)
+            assert sampled.choices[i * 3 + k].text == one.choices[0].text
+    assert sampled.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[:2])
+    for body, param in (({"prompt": prompts, "stream": True}, "stream"), ({"prompt": ["x"] * 12}, "prompt"),
+                        ({"prompt": "x", "n": 17}, "n"), ({"prompt": [[65, 66], [10**6]]}, "prompt")):
+        status, err = post(port, "/v1/completions", {"max_tokens": 2, **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+
+
+def client_tokens(port, text):
+    return post(port, "/tokenize", {"content": text, "add_special": True})[1]["tokens"]

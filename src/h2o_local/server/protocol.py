@@ -131,6 +131,14 @@ class CompletionRequest(_Request):
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # the text after the completion: a fill-in-the-middle prompt, for a model with its tokens (completions.infill_prompt)
     suffix: Optional[str] = None
+    n: int = Field(default=1, ge=1, le=16)  # answers per prompt (whole, not streamed, when more than one in all)
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """The prompts: one, or each of a batch (OpenAI's list forms)."""
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            return list(p)
+        return [p]
 
 
 class ChatCompletionRequest(_Request):

@@ -110,13 +110,34 @@ def _model_card(state: ServerState) -> Dict[str, Any]:
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
+    """OpenAI's completions. A list of prompts and `n` > 1 give a choice each (prompt by prompt, then sample by
+    sample: index = prompt * n + sample), decoded together in the slots as separate requests would be; a sample
+    after the first of a prompt draws with `seed` + its number where a seed is given."""
     body.refuse_unsupported()
+    prompts = body.prompts()
+    if len(prompts) * body.n == 1:
+        return await _completion(state, body, request, prompts[0])
+    if body.stream:
+        raise APIError(400, "several prompts or n > 1 are answered whole: send stream: false", param="stream")
+    most = state.scheduler.n_slots + state.scheduler.max_waiting
+    if len(prompts) * body.n > most:
+        raise APIError(400, f"{len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} answers; this server "
+                            f"takes at most {most} at once (its slots and waiting line)", param="prompt")
+    asks = [(p, body if body.seed is None or k == 0 else body.model_copy(update={"seed": body.seed + k}))
+            for p in prompts for k in range(body.n)]
+    outs = await asyncio.gather(*(_completion(state, b, request, p) for p, b in asks), return_exceptions=True)
+    for out in outs:
+        if isinstance(out, BaseException):
+            raise out
+    choices = [{**out["choices"][0], "index": i} for i, out in enumerate(outs)]
+    use = responses.usage(sum(outs[i]["usage"]["prompt_tokens"] for i in range(0, len(outs), body.n)),
+                          sum(out["usage"]["completion_tokens"] for out in outs))
+    return {**outs[0], "choices": choices, "usage": use}
+
+
+async def _completion(state: ServerState, body: CompletionRequest, request: Request, prompt: Any):
+    """One prompt's completion: the response, or with `stream` its event stream."""
     llm = state.llm
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) != 1:
-            raise APIError(400, "one prompt per request (n=1)", param="prompt")
-        prompt = prompt[0]
     try:
         if isinstance(prompt, str):  # special tokens parsed, as llama-cpp-python and llama-server do
             requests.check_prompt_bytes(state, requests.text_bytes(prompt) + requests.text_bytes(body.suffix or ""),
