@@ -87,7 +87,7 @@ MALFORMED: List[tuple] = [
     ("temperature NaN", CHAT, json.dumps(chat("hi", temperature=float("nan"))).encode(), 400),
     ("top_p 7", CHAT, chat("hi", top_p=7), 400),
     ("top_k -1", CHAT, chat("hi", top_k=-1), 400),
-    ("n = 3", CHAT, chat("hi", n=3), 400),
+    ("n = 17", CHAT, chat("hi", n=17), 400),
     ("stop is a number", CHAT, chat("hi", stop=7), 400),
     ("stream is a string", CHAT, chat("hi", stream="sometimes"), 400),
     ("stream_options is a list", CHAT, chat("hi", stream=True, stream_options=[1]), 400),

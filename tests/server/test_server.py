@@ -223,7 +223,7 @@ def test_a_planted_completion_does_not_change_a_chat_s_next_answer(chat_model):
 def test_bad_requests_get_openai_errors(server):
     port, client = server
     for body, param in (({"messages": []}, "messages"), ({"messages": USER, "temperature": -1}, "temperature"),
-                        ({"messages": USER, "n": 2}, "n"), ({"messages": [{"content": "x"}]}, "messages"),
+                        ({"messages": USER, "n": 17}, "n"), ({"messages": [{"content": "x"}]}, "messages"),
                         ({"messages": USER, "max_tokens": "ten"}, "max_tokens"), ({}, "messages")):
         status, err = post(port, "/v1/chat/completions", body)
         assert status == 400 and err["error"]["type"] == "invalid_request_error", (body, err)
@@ -730,3 +730,17 @@ def test_a_batch_of_prompts_and_n_samples_give_a_choice_each_as_separate_request
 
 def client_tokens(port, text):
     return post(port, "/tokenize", {"content": text, "add_special": True})[1]["tokens"]
+
+
+def test_chat_n_gives_n_choices_as_n_requests_would(server):
+    port, client = server
+    ask = dict(model="tiny", messages=USER, max_tokens=6, temperature=1.0, seed=11)
+    many = client.chat.completions.create(n=3, **ask)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    ones = [client.chat.completions.create(**{**ask, "seed": 11 + k}) for k in range(3)]
+    assert [c.message.content for c in many.choices] == [o.choices[0].message.content for o in ones]
+    assert many.usage.prompt_tokens == ones[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+    for body, param in (({"n": 2, "stream": True}, "stream"), ({"n": 16}, "n")):  # 16 > slots + waiting here
+        status, err = post(port, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)

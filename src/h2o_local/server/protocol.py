@@ -143,6 +143,7 @@ class CompletionRequest(_Request):
 
 class ChatCompletionRequest(_Request):
     messages: List[Dict[str, Any]] = Field(min_length=1)
+    n: int = Field(default=1, ge=1, le=16)  # choices (whole, not streamed, when more than one)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
     tools: Optional[List[Dict[str, Any]]] = Field(default=None, max_length=128)
     tool_choice: Union[str, Dict[str, Any], None] = None

@@ -119,20 +119,11 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         return await _completion(state, body, request, prompts[0])
     if body.stream:
         raise APIError(400, "several prompts or n > 1 are answered whole: send stream: false", param="stream")
-    most = state.scheduler.n_slots + state.scheduler.max_waiting
-    if len(prompts) * body.n > most:
-        raise APIError(400, f"{len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} answers; this server "
-                            f"takes at most {most} at once (its slots and waiting line)", param="prompt")
-    asks = [(p, body if body.seed is None or k == 0 else body.model_copy(update={"seed": body.seed + k}))
-            for p in prompts for k in range(body.n)]
-    outs = await asyncio.gather(*(_completion(state, b, request, p) for p, b in asks), return_exceptions=True)
-    for out in outs:
-        if isinstance(out, BaseException):
-            raise out
-    choices = [{**out["choices"][0], "index": i} for i, out in enumerate(outs)]
+    asks = [body.model_copy(update={"prompt": p}) for p in prompts]
+    outs = await _samples(state, body, request, asks, lambda b: _completion(state, b, request, b.prompt))
     use = responses.usage(sum(outs[i]["usage"]["prompt_tokens"] for i in range(0, len(outs), body.n)),
-                          sum(out["usage"]["completion_tokens"] for out in outs))
-    return {**outs[0], "choices": choices, "usage": use}
+                          sum(o["usage"]["completion_tokens"] for o in outs))
+    return {**outs[0], "choices": [{**o["choices"][0], "index": i} for i, o in enumerate(outs)], "usage": use}
 
 
 async def _completion(state: ServerState, body: CompletionRequest, request: Request, prompt: Any):
@@ -184,6 +175,36 @@ async def _completion(state: ServerState, body: CompletionRequest, request: Requ
 @router.post("/chat/completions", include_in_schema=False)  # llama-server's alias
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: ServerState = Depends(server_state)):
+    """OpenAI's chat completions; `n` > 1 gives n choices, decoded together as n requests would be (answered whole;
+    sample k draws with `seed` + k where a seed is given)."""
+    if body.n == 1:
+        return await _chat_completion(state, body, request)
+    if body.stream:
+        raise APIError(400, "n > 1 is answered whole: send stream: false", param="stream")
+    outs = await _samples(state, body, request, [body], lambda b: _chat_completion(state, b, request))
+    use = responses.usage(outs[0]["usage"]["prompt_tokens"], sum(o["usage"]["completion_tokens"] for o in outs))
+    return {**outs[0], "choices": [{**o["choices"][0], "index": i} for i, o in enumerate(outs)], "usage": use}
+
+
+async def _samples(state: ServerState, body: Any, request: Request, asks: List[Any],
+                   answer: Callable[[Any], Any]) -> List[Any]:
+    """`answer(ask)` for each of `asks` (one per prompt) n times, all at once as separate requests, in order (ask by
+    ask, sample by sample); a sample after the first draws with `seed` + its number where a seed is given."""
+    most = state.scheduler.n_slots + state.scheduler.max_waiting
+    if len(asks) * body.n > most:
+        raise APIError(400, f"{len(asks)} prompts x n={body.n} make {len(asks) * body.n} answers; this server takes "
+                            f"at most {most} at once (its slots and waiting line)", param="n" if len(asks) == 1
+                       else "prompt")
+    seeded = [a if a.seed is None or k == 0 else a.model_copy(update={"seed": a.seed + k})
+              for a in asks for k in range(body.n)]
+    outs = await asyncio.gather(*(answer(a) for a in seeded), return_exceptions=True)
+    for out in outs:
+        if isinstance(out, BaseException):
+            raise out
+    return outs
+
+
+async def _chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
     job, plan, k, thinking = await chat_job(state, body, request)
     meta = responses.chat_meta(state.model_id)
     if body.stream and not plan.parses:
