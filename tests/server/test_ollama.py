@@ -172,7 +172,7 @@ def test_tool_calls_go_in_and_come_out_in_ollama_s_shape(tmp_path):
 
 def test_pulling_the_served_model_succeeds_and_any_other_or_managing_models_is_a_clear_error(server):
     """Clients pull the model before they chat: the one this server runs is there at once; another is a 404 naming
-    the one it runs, and creating, copying, pushing or deleting models is a 501 (one model, given at the start)."""
+    the one it runs, and creating, copying, pushing or deleting models is a 403 (one model, given at the start)."""
     port, _, client = server
     assert client.pull("tiny").status == "success"
     assert [p.status for p in client.pull("tiny:latest", stream=True)] == ["success"]
@@ -183,7 +183,7 @@ def test_pulling_the_served_model_succeeds_and_any_other_or_managing_models_is_a
                  lambda: client.create(model="other", from_="tiny")):
         with pytest.raises(ollama.ResponseError) as e:
             call()
-        assert e.value.status_code == 501 and "one model" in e.value.error
+        assert e.value.status_code == 403 and "one model" in e.value.error
 
 
 def test_a_route_ollama_s_api_lacks_here_answers_in_ollama_s_error_shape(server):

@@ -149,15 +149,15 @@ async def pull(request: Request, state: ServerState = Depends(server_state)):
         return _error(e)
 
 
-@router.post("/api/create")
-@router.post("/api/copy")
-@router.post("/api/push")
-@router.delete("/api/delete")
-@router.post("/api/blobs/{digest}")
-@router.head("/api/blobs/{digest}")
+@router.post("/api/create", include_in_schema=False)
+@router.post("/api/copy", include_in_schema=False)
+@router.post("/api/push", include_in_schema=False)
+@router.delete("/api/delete", include_in_schema=False)
+@router.post("/api/blobs/{digest}", include_in_schema=False)
+@router.head("/api/blobs/{digest}", include_in_schema=False)
 async def manage(state: ServerState = Depends(server_state)) -> JSONResponse:
-    """Ollama's model management: not done here (the server runs the one model it was started with)."""
-    return _error(APIError(501, f"this server runs the one model it was started with ({state.model_id}); it does "
+    """Ollama's model management: refused here (the server runs the one model it was started with)."""
+    return _error(APIError(403, f"this server runs the one model it was started with ({state.model_id}); it does "
                                 f"not create, copy, push or delete models"))
 
 
