@@ -116,6 +116,8 @@ async def embedded(state: ServerState, raw: Any, *, param: str, truncate: bool, 
             return llm.embed(token_lists, return_count=True, truncate=True)
         except (TypeError, ValueError) as e:
             raise APIError(400, f"{param}: {e}", param=param) from None
+        except RuntimeError as e:  # llama.cpp could not make or run the embedding context (device memory, ...)
+            raise APIError(500, f"cannot embed: {e}", kind="server_error") from None
 
     return await state.embedding.run(work)
 
