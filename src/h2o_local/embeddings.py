@@ -6,10 +6,11 @@ context of their own, made at the first call (its KV cache holds one input: `con
 generation's bounded cache is never touched or outgrown."""
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from . import _engine
 
@@ -47,10 +48,15 @@ def check_pooling_type(value: Any) -> int:
     return value
 
 
-def normalized(row: Sequence[float]) -> Vector:
-    """`row` scaled to length 1 (Euclidean; a zero row stays zero), as llama.cpp's and OpenAI's embeddings are."""
-    norm = math.sqrt(math.fsum(x * x for x in row))
-    return [x / norm for x in row] if norm > 0 else list(row)
+def normalized(row: Sequence[float], norm: int = 2) -> Vector:
+    """`row` normalized as llama.cpp's `embd_normalize` says: 2 to Euclidean length 1 (OpenAI's and Ollama's
+    embeddings), -1 as it is, 0 scaled to int16's range by its largest absolute value, 1 taxicab, p > 2 the p-norm.
+    A zero row stays zero."""
+    x = np.asarray(row, dtype=np.float64)
+    if norm < 0:
+        return x.tolist()
+    total = np.abs(x).max() / 32760.0 if norm == 0 else np.sum(np.abs(x) ** norm) ** (1.0 / norm)
+    return (x / total if total > 0 else x).tolist()
 
 
 class Embeddings:

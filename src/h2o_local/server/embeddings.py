@@ -122,19 +122,6 @@ async def embedded(state: ServerState, raw: Any, *, param: str, truncate: bool, 
     return await state.embedding.run(work)
 
 
-def scaled(row: List[float], norm: int) -> List[float]:
-    """llama-server's embd_normalize: -1 as it is, 0 scaled to int16's range by its largest absolute value,
-    1 taxicab, 2 Euclidean, p > 2 the p-norm."""
-    x = np.asarray(row, dtype=np.float64)
-    if norm < 0:
-        return row
-    if norm == 0:
-        top = np.abs(x).max()
-        return (x * (32760.0 / top) if top > 0 else x).tolist()
-    total = np.sum(np.abs(x) ** norm) ** (1.0 / norm)
-    return (x / total if total > 0 else x).tolist()
-
-
 def check_dimensions(state: ServerState, dimensions: Optional[int]) -> None:
     if dimensions is not None and dimensions != state.llm.n_embd():
         raise APIError(400, f"dimensions: this model's embeddings have {state.llm.n_embd()} values; it cannot give "
@@ -150,7 +137,7 @@ async def openai_embeddings(request: Request, state: ServerState = Depends(serve
     vectors, n_tokens = await embedded(state, body.input, param="input", truncate=False)
     data = []
     for i, v in enumerate(vectors):
-        unit = scaled(v, 2)
+        unit = embeddings.normalized(v, 2)
         out: Union[List[float], str] = unit if body.encoding_format == "float" else \
             base64.b64encode(np.asarray(unit, dtype="<f4").tobytes()).decode("ascii")
         data.append({"object": "embedding", "index": i, "embedding": out})
@@ -170,7 +157,7 @@ async def llama_server_embeddings(request: Request, state: ServerState = Depends
         raise APIError(400, "content: give the text to embed", param="content")
     vectors, _ = await embedded(state, raw, param=param, truncate=False, pooled=False)
     rows_of = (lambda v: v) if state.llm.pooling_type() == 0 else (lambda v: [v])
-    return [{"index": i, "embedding": [scaled(r, body.embd_normalize) for r in rows_of(v)]}
+    return [{"index": i, "embedding": [embeddings.normalized(r, body.embd_normalize) for r in rows_of(v)]}
             for i, v in enumerate(vectors)]
 
 
@@ -192,5 +179,5 @@ async def ollama_embed(request: Request, state: ServerState, *, legacy: bool) ->
     t0 = asyncio.get_running_loop().time()
     vectors, n_tokens = await embedded(state, body.input, param="input", truncate=body.truncate)
     took = int((asyncio.get_running_loop().time() - t0) * 1e9)
-    return {"model": model, "embeddings": [scaled(v, 2) for v in vectors], "total_duration": took,
+    return {"model": model, "embeddings": [embeddings.normalized(v, 2) for v in vectors], "total_duration": took,
             "load_duration": 0, "prompt_eval_count": n_tokens}
