@@ -3,11 +3,11 @@ than n_embd / n_head), Gemma 2 (a sliding window on every other layer, soft-capp
 layers to one global, llama.cpp's iSWA cache), Phi-3 (fused q/k/v) and DeepSeek-V2's latent attention (MLA: the
 cache holds one compressed row per token and no V). On each, the engine's contract holds as on a llama: a budget
 that never evicts is the full cache, the exported scores are each query's attention, eviction keeps the budget, and
-a bounded snapshot continues as the original."""
+a bounded snapshot continues as the original, and embeddings come from a context of their own."""
 import numpy as np
 import pytest
 
-from device_tolerance import approximate, assert_logits_close
+from device_tolerance import approximate, assert_logits_close, assert_values_close
 from greedy import greedy_continuation
 from h2o_local import Llama
 from tiny_model import write_tiny_deepseek2, write_tiny_gemma2, write_tiny_gemma3, write_tiny_phi3, write_tiny_qwen3
@@ -102,3 +102,16 @@ def test_recall_keeps_evictions_in_host_memory_where_the_cache_can_part_them(arc
     llm.eval(PROMPT[:16])  # a new prompt brings back what it attends of what was spilled, within the budget
     assert len(llm.kv_state().positions) == 48
     assert np.isfinite(llm.last_logits()).all()
+
+
+def test_embeddings_pool_the_per_token_rows_and_leave_the_generation_s_cache_as_it_was(arch):
+    path, _, _ = arch
+    llm = Llama(path, policy="h2o", budget=64, pooling_type=0)
+    llm.eval(PROMPT)
+    before = llm.kv_state()
+    rows = np.asarray(llm.embed(PROMPT[:40]))
+    assert rows.shape == (40, llm.n_embd()) and np.all(np.isfinite(rows))
+    mean = np.asarray(Llama(path, policy="full", n_ctx=256, pooling_type=1).embed(PROMPT[:40]))
+    assert_values_close(mean, rows.mean(axis=0), device=approximate(llm), cpu_rtol=1e-5, cpu_atol=1e-6)
+    after = llm.kv_state()
+    assert after.positions.tolist() == before.positions.tolist() and np.array_equal(after.scores, before.scores)
