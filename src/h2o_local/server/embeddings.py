@@ -97,11 +97,11 @@ async def embedded(state: ServerState, raw: Any, *, param: str, truncate: bool, 
                        param=param)
     requests.check_prompt_bytes(state, sum(len(x.encode("utf-8", errors="surrogatepass")) if isinstance(x, str)
                                            else len(x) for x in inputs), param)
-    if pooled and llm.pooling_type() == 0:
-        raise APIError(400, "this server's pooling is 'none' (a vector per token), which this API cannot answer: "
-                            "start it with --pooling mean, cls or last, or use /embeddings", param=param)
 
     def work() -> Tuple[List[Any], int]:
+        if pooled and llm.pooling_type() == 0:  # here: the first call makes the embedding context
+            raise APIError(400, "this server's pooling is 'none' (a vector per token), which this API cannot answer: "
+                                "start it with --pooling mean, cls or last, or use /embeddings", param=param)
         n_ctx = llm.embedding_max_tokens
         token_lists = [llm.tokenize(x) if isinstance(x, str) else x for x in inputs]
         for i, tokens in enumerate(token_lists):
