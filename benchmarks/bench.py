@@ -1,5 +1,6 @@
 """Benchmark: prompt and decode speed and KV memory vs context depth, score-export and rolling overhead, and the
-decode roofline, side by side with llama-cpp-python on the same model, threads and batch size.
+decode roofline, side by side with llama.cpp's own API in this build ("llama.cpp", cpp/plain_run.h: nothing of ours
+around it) and llama-cpp-python (unpatched, where installed) on the same model, threads and batch size.
 
     pip install ".[bench]"
     python -m benchmarks.bench --depths 512 2048 8192 --budgets 128 256 512 1024 --repeats 3 --out results/speed/bench
@@ -86,6 +87,20 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         kv_bytes = kv_cells * llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * head_dim * 2 * 2
         cells = llm.n_tokens
         model_bytes = llama_cpp.llama_model_size(m)
+        evict_us = head_moves = prefill_parts = None
+    elif cfg["runner"] == "plain":
+        from h2o_local import Llama, ModelInfo, _engine
+
+        vocab = Llama(cfg["model"], policy="full", n_ctx=64, n_gpu_layers=0)
+        prompt = _prompt(lambda t: vocab.tokenize(t, add_bos=False), depth)
+        del vocab
+        run = _engine.plain_run(cfg["model"], prompt, n_dec, n_gpu_layers=cfg.get("n_gpu_layers", 0),
+                                flash_attn=cfg.get("flash_attn", False), n_batch=n_batch, n_threads=threads)
+        t_prefill, steps = run["prefill_s"], run["step_s"]
+        info = ModelInfo.load(cfg["model"])
+        kv_cells = cells = run["n_ctx"]
+        kv_bytes = kv_cells * info.kv_bytes_per_cell
+        model_bytes = run["model_bytes"]
         evict_us = head_moves = prefill_parts = None
     else:
         from h2o_local import Llama
@@ -184,11 +199,19 @@ def settings(budgets: List[int], peer: bool, labels: Optional[List[str]] = None)
         s = parse_setting(label)
         out.append({"name": label, "policy": s.policy, "budget": s.budget, "rolling": s.rolling,
                     "export_scores": s.export_scores})
-    if peer:  # with flash attention too where a setting asks for it (llama.cpp's default on a GPU)
-        for fa in (False, True) if any(label.endswith("+fa") for label in labels) else (False,):
-            out.append({"name": "llama-cpp-python" + ("+fa" if fa else ""), "runner": "llama_cpp", "policy": "full",
-                        "budget": None, "rolling": False, "export_scores": False, "flash_attn": fa})
+    # the baselines, with flash attention too where a setting asks for it (llama.cpp's default on a GPU): llama.cpp's
+    # own API in this build (cpp/plain_run.h), and llama-cpp-python (unpatched) where it is installed
+    for fa in (False, True) if any(label.endswith("+fa") for label in labels) else (False,):
+        runners = (("llama.cpp", "plain"),) + ((("llama-cpp-python", "llama_cpp"),) if peer else ())
+        for name, runner in runners:
+            out.append({"name": name + ("+fa" if fa else ""), "runner": runner, "policy": "full", "budget": None,
+                        "rolling": False, "export_scores": False, "flash_attn": fa})
     return out
+
+
+def is_baseline(name: str) -> bool:
+    """llama.cpp's own API or llama-cpp-python: no setting of ours."""
+    return name.startswith(("llama.cpp", "llama-cpp-python"))
 
 
 def run_one(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -265,6 +288,11 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
                  ("prefill full / llama-cpp-python", "full", "llama-cpp-python", "prefill_tok_s"),
                  ("decode full+fa / llama-cpp-python+fa", "full+fa", "llama-cpp-python+fa", "decode_tok_s"),
                  ("prefill full+fa / llama-cpp-python+fa", "full+fa", "llama-cpp-python+fa", "prefill_tok_s"),
+                 ("decode full / llama.cpp", "full", "llama.cpp", "decode_tok_s"),
+                 ("prefill full / llama.cpp", "full", "llama.cpp", "prefill_tok_s"),
+                 ("decode full+fa / llama.cpp+fa", "full+fa", "llama.cpp+fa", "decode_tok_s"),
+                 ("prefill full+fa / llama.cpp+fa", "full+fa", "llama.cpp+fa", "prefill_tok_s"),
+                 ("decode llama.cpp+fa / llama-cpp-python+fa", "llama.cpp+fa", "llama-cpp-python+fa", "decode_tok_s"),
                  ("decode full+scores / full", "full+scores", "full", "decode_tok_s"),
                  ("prefill full+scores / full", "full+scores", "full", "prefill_tok_s")]
         for b in meta["budgets"]:
@@ -274,13 +302,13 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
                       (f"decode (mean) h2o-{b}+roll64 / h2o-{b}", f"h2o-{b}+roll64", f"h2o-{b}",
                        "decode_mean_tok_s")]
         for name in names:  # every other policy against h2o at its budget (the scorers' and probes' cost)
-            if not name.startswith("llama-cpp-python"):
+            if not is_baseline(name):
                 st = parse_setting(name)
                 if st.budget and st.policy not in ("h2o", "full", "local") and st.policy_label == name:
                     pairs += [(f"decode {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "decode_tok_s"),
                               (f"prefill {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "prefill_tok_s")]
         for name in names:  # a bounded cache against the full one with the same flash attention and n_batch
-            if not name.startswith("llama-cpp-python") and parse_setting(name).budget:
+            if not is_baseline(name) and parse_setting(name).budget:
                 full = "+".join(["full"] + [x for x in name.split("+")[1:] if x == "fa" or x.startswith("batch")])
                 pairs += [(f"prefill {name} / {full}", name, full, "prefill_tok_s"),
                           (f"decode {name} / {full}", name, full, "decode_tok_s")]
@@ -297,7 +325,7 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
         if d != depths[0] and short:  # a bounded cache deep in a text against the full cache at the shortest depth
             for name in names:
                 s = summary.get((name, d))
-                if s and not name.startswith(("full", "llama-cpp-python")) and parse_setting(name).budget:
+                if s and not name.startswith("full") and not is_baseline(name) and parse_setting(name).budget:
                     lines.append(f"| {d} | decode {name} / full at {depths[0]} tokens | "
                                  f"{s['decode_tok_s'] / short['decode_tok_s']:.3f} |")
     lines += ["", "## Decode roofline", "",
@@ -391,7 +419,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
-    ap.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
+    ap.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python (llama.cpp's own API in this build still runs)")
     ap.add_argument("--out", type=Path, default=Path("results/speed/bench"))
     ap.add_argument("--report", type=Path, nargs="+", help="only write the report of these JSON files (merged)")
     ap.add_argument("--one", help=argparse.SUPPRESS)

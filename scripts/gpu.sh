@@ -13,6 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 SHAPE=${SHAPE:-qwen2.5-1.5b}
+TAG=${SHAPE//./}  # in report names, whose suffix Path.with_suffix would take the shape's dots for
 # full and the default policy at 256, each with and without flash attention (the library's default on CUDA), h2o
 DEFAULT_BENCH=(--depths 8192 32768 65536 131072 --settings full full+fa h2o-256 tova-256+s4+q32+p9+f12+r32
                tova-256+s4+q32+p9+f12+r32+fa)
@@ -38,14 +39,15 @@ for step in "${steps[@]}"; do
         ;;
     tests)
         # first the sequence that aborted (a Llama after an RPC server died), then the rest, a file per worker
-        export H2O_LOCAL_SKIP_SLOW=1 H2O_LOCAL_TEST_N_GPU_LAYERS=-1
+        # each failure's traceback is written as it comes (tests/conftest.py), so a run cut off still says why
+        export H2O_LOCAL_SKIP_SLOW=1 H2O_LOCAL_TEST_N_GPU_LAYERS=-1 H2O_LOCAL_FAILURES_LOG=$OUT/failures.log
         python -m pytest -q -p no:cacheprovider tests/engine/test_rpc.py tests/engine/test_scores.py \
             > "$OUT/tests-rpc-then-scores.log" 2>&1
         echo "rpc then scores: rc $?"; tail -3 "$OUT/tests-rpc-then-scores.log"
         # -v names each result as it comes (a run cut off at the lease's limit still says which failed); a test that
         # hangs is stopped after 90 s (pytest-timeout, in the image)
-        timeout "${TESTS_TIMEOUT:-600}" python -m pytest -v -p no:cacheprovider -p no:benchmark -n "${TESTS_WORKERS:-4}" \
-            --dist loadfile --timeout 90 tests --ignore=tests/experiments/test_experiments.py > "$OUT/tests.log" 2>&1
+        timeout "${TESTS_TIMEOUT:-600}" python -m pytest -v --tb=short -p no:cacheprovider -p no:benchmark \
+            -n "${TESTS_WORKERS:-4}" --dist loadfile --timeout 90 tests --ignore=tests/experiments/test_experiments.py > "$OUT/tests.log" 2>&1
         echo "suite: rc $?"; grep -E " (FAILED|ERROR) |crashed|Timeout| passed| failed" "$OUT/tests.log" | tail -40
         ;;
     peer)
@@ -60,8 +62,9 @@ for step in "${steps[@]}"; do
         model=/tmp/$SHAPE-random.gguf
         [ -f "$model" ] || python benchmarks/random_model.py --shape "$SHAPE" --out "$model"
         [ $# -gt 0 ] || set -- "${DEFAULT_BENCH[@]}"
-        # the peer (llama-cpp-python, plain llama.cpp) runs beside when step peer installed it
-        python -m benchmarks.bench --model "$model" --n-gpu-layers -1 --repeats 1 --out "$OUT/bench-$SHAPE" "$@" 2>&1 \
+        # beside ours: llama.cpp's own API in this build (the "llama.cpp" settings), and llama-cpp-python (plain
+        # llama.cpp) when step peer installed it
+        python -m benchmarks.bench --model "$model" --n-gpu-layers -1 --repeats 1 --out "$OUT/bench-$TAG" "$@" 2>&1 \
             | tail -60
         ;;
     graphs)
@@ -72,10 +75,10 @@ for step in "${steps[@]}"; do
         for graphs in on off; do
             env $([ "$graphs" = off ] && echo GGML_CUDA_DISABLE_GRAPHS=1) python -m benchmarks.bench --model "$model" \
                 --n-gpu-layers -1 --repeats 1 --decode-tokens 128 --depths 8192 --no-peer \
-                --out "$OUT/graphs-$graphs-$SHAPE" --settings full+fa tova-256+s4+q32+p9+f12+r32+fa 2>&1 | tail -12
+                --out "$OUT/graphs-$graphs-$TAG" --settings full+fa tova-256+s4+q32+p9+f12+r32+fa 2>&1 | tail -12
         done
         # and why: ggml-cuda's log of a 32-token decode per setting (captured once and replayed, or reset every step)
-        python -m benchmarks.cuda_graphs --model "$model" --depth 2048 --steps 32 --out "$OUT/cuda-graphs-$SHAPE" \
+        python -m benchmarks.cuda_graphs --model "$model" --depth 2048 --steps 32 --out "$OUT/cuda-graphs-$TAG" \
             --settings full+fa tova-256+s4+q32+p9+f12+r32+fa h2o-256 full \
             $(python -c "import llama_cpp" 2>/dev/null && echo llama-cpp-python+fa) 2>&1 | tail -8
         ;;

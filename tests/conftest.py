@@ -59,6 +59,17 @@ def long_text() -> str:
     return " ".join(words[(i * 7) % len(words)] for i in range(3000))
 
 
+# H2O_LOCAL_FAILURES_LOG=FILE: each failure's report appended as it comes (a GPU lease may cut the run off before
+# pytest's summary), written by the controller alone when the run is spread over workers
+_FAILURES_LOG = os.environ.get("H2O_LOCAL_FAILURES_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if _FAILURES_LOG and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(_FAILURES_LOG, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("H2O_LOCAL_SKIP_SLOW"):
         skip = pytest.mark.skip(reason="H2O_LOCAL_SKIP_SLOW is set")

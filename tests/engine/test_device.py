@@ -61,18 +61,20 @@ def test_every_layer_and_its_cache_go_where_n_gpu_layers_says(tiny_model, gpu):
     assert Llama(tiny_model, n_gpu_layers=n_layer).layer_devices == ("CPU",) + (gpu.name,) * (n_layer - 1)
 
 
-def test_flash_attention_is_on_by_default_on_cuda_and_metal_and_asked_for_elsewhere(tiny_model, gpu):
+def test_flash_attention_is_on_by_default_on_cuda_and_metal_and_asked_for_elsewhere(one_layer, gpu):
     """llama.cpp's `-fa auto` where the layers are on CUDA or Metal, a stream per sequence included; off by default
-    on Vulkan (its shader crashed lavapipe) and on the CPU, on when asked; a snapshot says which layout it holds."""
+    on Vulkan (its shader crashed lavapipe) and on the CPU, on when asked; a snapshot says which layout it holds.
+    On a model with heads of 64 values: `-fa auto` leaves it off where the device has no flash kernel for a head
+    size, as CUDA has none for the tiny model's 16 (this test failed on an H200 with the tiny model)."""
     home = gpu.name.startswith(("CUDA", "MTL"))
-    assert Llama(tiny_model).flash_attn == home and Llama(tiny_model, policy="h2o", budget=24).flash_attn == home
-    assert Llama(tiny_model, policy="h2o", budget=24, n_seq_max=2, kv_unified=False).flash_attn == home
-    assert Llama(tiny_model, flash_attn=True).flash_attn and not Llama(tiny_model, flash_attn=False).flash_attn
-    assert not Llama(tiny_model, **CPU).flash_attn and Llama(tiny_model, flash_attn=True, **CPU).flash_attn
-    flash = Llama(tiny_model, policy="h2o", budget=24, flash_attn=True)
+    assert Llama(one_layer).flash_attn == home and Llama(one_layer, policy="h2o", budget=24).flash_attn == home
+    assert Llama(one_layer, policy="h2o", budget=24, n_seq_max=2, kv_unified=False).flash_attn == home
+    assert Llama(one_layer, flash_attn=True).flash_attn and not Llama(one_layer, flash_attn=False).flash_attn
+    assert not Llama(one_layer, **CPU).flash_attn and Llama(one_layer, flash_attn=True, **CPU).flash_attn
+    flash = Llama(one_layer, policy="h2o", budget=24, flash_attn=True)
     flash.eval(flash.tokenize(TEXT))
     with pytest.raises(ValueError, match=r"\(flash attention\)"):  # V untransposed: not into a context without it
-        Llama(tiny_model, policy="h2o", budget=24, flash_attn=False).load_state(flash.save_state())
+        Llama(one_layer, policy="h2o", budget=24, flash_attn=False).load_state(flash.save_state())
 
 
 @pytest.mark.parametrize("sum_rows", [False, True], ids=["out_prod-or-chosen", "sum_rows"])

@@ -71,3 +71,18 @@ def test_real_model_h2o_with_a_large_budget_equals_the_full_cache(smol_model):
     t_h2o, l_h2o = greedy_trace(h2o, prompt, 24)
     assert t_h2o == t_full
     assert np.array_equal(l_h2o, l_full)
+
+
+def test_the_benchmarks_plain_llama_cpp_baseline_decodes_what_the_full_cache_decodes(tiny_model):
+    """benchmarks/bench.py's "llama.cpp" setting (llama.cpp's own API, nothing of ours around it) does the same work
+    as the full cache: the same greedy tokens, from the same prompt cut into the same chunks, on the same backend."""
+    from h2o_local import _engine
+
+    full = Llama(tiny_model, n_ctx=512, n_batch=32, n_gpu_layers=-1, flash_attn=False)
+    prompt = full.tokenize(PROMPT)
+    tokens, _ = greedy_trace(full, prompt, 12)
+    run = _engine.plain_run(tiny_model, prompt, 12, n_gpu_layers=-1, flash_attn=False, n_batch=32)
+    assert run["tokens"] == tokens
+    assert len(run["step_s"]) == 12 and all(s > 0 for s in run["step_s"]) and run["prefill_s"] > 0
+    with pytest.raises(ValueError, match="n_decode"):
+        _engine.plain_run(tiny_model, prompt, 0)
