@@ -121,9 +121,10 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
             llm.compress()
         t_prefill = time.perf_counter() - t0
         before = llm.kv_state()
-        # where the prompt's time went: the probes' decodes and the evictions (choice and removal); the rest is the
-        # prompt's own decodes, compaction and the host's bookkeeping
-        prefill_parts = {"probe_s": before.probe_seconds, "evict_s": before.evict_seconds, "n_probes": before.n_probes}
+        # where the prompt's time went: the probes' decodes, the evictions (choice and removal), the prompt's own
+        # decodes (the device's work and the wait for it), compaction; the rest is the host's bookkeeping
+        prefill_parts = {"probe_s": before.probe_seconds, "evict_s": before.evict_seconds, "n_probes": before.n_probes,
+                         "decode_s": before.decode_seconds, "compact_s": before.compact_seconds}
         steps = []
         for _ in range(n_dec):
             tok = int(np.argmax(llm.last_logits()))
@@ -348,26 +349,29 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
 
 
 def _prefill_parts_table(records: List[Dict[str, Any]], names: List[str], depths: List[int]) -> List[str]:
-    """The prompt's time by part (medians over repeats): the probes' decodes, the evictions, and the rest (the
-    prompt's own decodes, compaction, the host's bookkeeping), for the settings that evict."""
+    """The prompt's time by part (medians over repeats): the probes' decodes, the evictions, the prompt's own decodes
+    (the device's work and the wait for it), compaction, and the rest (the host's bookkeeping), for our settings."""
     rows = []
     for name in names:
         for d in depths:
             rs = [r for r in records if r["name"] == name and r["depth"] == d and "error" not in r
-                  and r.get("prefill_parts") and r["prefill_parts"]["n_probes"] + r["prefill_parts"]["evict_s"] > 0]
+                  and r.get("prefill_parts")]
             if not rs:
                 continue
             total = statistics.median(r["prefill_s"] for r in rs)
-            probe = statistics.median(r["prefill_parts"]["probe_s"] for r in rs)
-            evict = statistics.median(r["prefill_parts"]["evict_s"] for r in rs)
-            n_probes = statistics.median(r["prefill_parts"]["n_probes"] for r in rs)
-            rows.append(f"| {name} | {d} | {total * 1e3:.0f} | {n_probes:.0f} | {probe * 1e3:.0f} ({probe / total:.0%}) | "
-                        f"{evict * 1e3:.0f} ({evict / total:.0%}) | {(total - probe - evict) * 1e3:.0f} |")
+
+            def part(key):
+                return statistics.median(r["prefill_parts"].get(key, 0.0) for r in rs)
+
+            cells = [f"{part(k) * 1e3:.0f} ({part(k) / total:.0%})" for k in ("probe_s", "evict_s", "decode_s", "compact_s")]
+            rest = total - sum(part(k) for k in ("probe_s", "evict_s", "decode_s", "compact_s"))
+            rows.append(f"| {name} | {d} | {total * 1e3:.0f} | {part('n_probes'):.0f} | " + " | ".join(cells)
+                        + f" | {rest * 1e3:.0f} ({rest / total:.0%}) |")
     if not rows:
         return []
     return ["## The prompt's time by part, milliseconds", "",
-            "| setting | depth | prompt | probes run | in probes | in evictions | the rest |", "|---|---|---|---|---|---|---|"] \
-        + rows + [""]
+            "| setting | depth | prompt | probes run | in probes | in evictions | in its decodes | in compaction | "
+            "the rest (host) |", "|---|---|---|---|---|---|---|---|---|"] + rows + [""]
 
 
 def _cells_allocated(records, name, depth) -> int:

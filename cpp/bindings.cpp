@@ -82,6 +82,8 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["evict_seconds"] = st.evict_seconds;
     d["probe_seconds"] = st.probe_seconds;
     d["n_probes"]      = st.n_probes;
+    d["decode_seconds"]  = st.decode_seconds;
+    d["compact_seconds"] = st.compact_seconds;
     d["n_head_moves"]  = st.n_head_moves;
     const HostStore h = without_gil([&] { return e.host(seq, false); });
     const auto n_host = (py::ssize_t) h.size();

@@ -8,6 +8,7 @@
 #include "llama-ext.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -565,6 +566,7 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
 
     clear_llama_error();
     ++n_decode_;
+    const auto t0 = std::chrono::steady_clock::now();
     const int32_t rc = llama_decode(ctx_, batch_);
     if (rc != 0) {
         // llama.cpp drops only the failed ubatch: drop the whole chunk so the state stays as before the call
@@ -572,6 +574,13 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             seqs_.at(kv.first).drop_unfinished();
         }
         throw std::runtime_error("llama_decode failed with status " + std::to_string(rc) + llama_error_suffix());
+    }
+    llama_synchronize(ctx_); // the logits read below waits for the device anyway: the time is its work too
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (const auto & kv : chunk) {
+        if (probes.count(kv.first) == 0) {
+            seqs_.at(kv.first).note_decode(seconds);
+        }
     }
 
     const int32_t n_vocab = model_->n_vocab();
@@ -622,12 +631,14 @@ void Engine::compact(llama_seq_id seq) {
     if (!params_.compact_cells || (params_.kv_unified && params_.n_seq_max > 1)) {
         return;
     }
+    const auto t0 = std::chrono::steady_clock::now();
     if (!seqs_.at(seq).compact_cells()) {
         seqs_.erase(seq);
         last_logits_.erase(seq);
         throw std::runtime_error("could not move the kept KV cells of sequence " + std::to_string(seq) +
                                  llama_error_suffix());
     }
+    seqs_.at(seq).note_compact(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 } // namespace h2o

@@ -47,6 +47,8 @@ struct SeqState {
     double    evict_seconds = 0.0;      // time spent choosing and removing what is evicted (moves included)
     double    probe_seconds = 0.0;      // time spent in probe decodes (the device's work and the wait for it included)
     int64_t   n_probes      = 0;        // probes run (a question probe: one per eviction of a prompt)
+    double    decode_seconds  = 0.0;    // in the decodes that fed it, the device's work and the wait for it (probes apart)
+    double    compact_seconds = 0.0;    // moving its kept cells to the bottom of the cache after a prompt
     int64_t   n_head_moves  = 0;        // per-head cells: K/V slices of one layer's KV head moved between cells
     HeadParts parts;                    // per-head cells (empty: every cell holds its own position everywhere)
 };
@@ -100,6 +102,8 @@ public:
     // the previous prompt, with that prompt's last `question` tokens (what it asked), the last exchange
     void note_feed(size_t n, int32_t question);
     void note_probe(double seconds) { st_.probe_seconds += seconds; ++st_.n_probes; }
+    void note_decode(double seconds) { st_.decode_seconds += seconds; }
+    void note_compact(double seconds) { st_.compact_seconds += seconds; }
     const Exchange & exchange() const { return exchange_; }
     void set_exchange(const Exchange & exchange) { exchange_ = exchange; }
     // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more.

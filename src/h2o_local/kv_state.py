@@ -38,6 +38,8 @@ class KVState:
     n_head_moves: int = 0       # per-head cells: K/V slices of one layer's KV head moved between cells so far
     probe_seconds: float = 0.0  # time spent in probe decodes, the device's work included (seconds)
     n_probes: int = 0           # probes run so far (the question probe: one per eviction while a prompt is read)
+    decode_seconds: float = 0.0   # in the decodes that fed it, the device's work and the wait included (probes apart)
+    compact_seconds: float = 0.0  # moving the kept cells to the bottom of the cache after a prompt (seconds)
     # recall (`Llama(recall=...)`): the positions of the entries kept in host memory (in the order they left), their
     # K and V bytes there, entries spilled so far, brought back by a later prompt and kept, and dropped for the cap
     host_positions: Optional[np.ndarray] = None

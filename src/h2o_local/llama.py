@@ -563,6 +563,7 @@ class Llama:
                        head_positions=st["head_positions"], head_layers=st["head_layers"],
                        evict_seconds=st["evict_seconds"], n_head_moves=st["n_head_moves"],
                        probe_seconds=st["probe_seconds"], n_probes=st["n_probes"],
+                       decode_seconds=st["decode_seconds"], compact_seconds=st["compact_seconds"],
                        host_positions=st["host_positions"], host_bytes=st["host_bytes"], n_spilled=st["n_spilled"],
                        n_recalled=st["n_recalled"], n_dropped=st["n_dropped"])
 
