@@ -45,3 +45,20 @@ def assert_values_close(got: np.ndarray, expected: np.ndarray, *, device: bool, 
         assert rel_l1 <= DEVICE_VALUES_REL_L1, f"{rel_l1:.2e} apart (relative L1)"
     else:
         np.testing.assert_allclose(got, expected, rtol=cpu_rtol, atol=cpu_atol)
+
+
+def assert_same_choice(kept, expected, ranking: np.ndarray, *, device: bool) -> None:
+    """The positions a policy kept against those a reference keeps, by the reference's `ranking` (its scores, by
+    position). Exactly on the CPU backend; on a device, whose scores round otherwise, only a near tie at the cut may
+    differ: as many entries kept on each side alone, and by the reference, the best entry the device dropped scoring
+    at most DEVICE_VALUES_REL_L1 times the largest score of all above the worst it kept instead."""
+    kept, expected = [int(p) for p in kept], [int(p) for p in expected]
+    if not device:
+        assert kept == expected
+        return
+    assert len(kept) == len(expected)
+    gained, lost = sorted(set(kept) - set(expected)), sorted(set(expected) - set(kept))
+    if gained:
+        tolerance = DEVICE_VALUES_REL_L1 * float(np.abs(ranking[np.isfinite(ranking)]).max())
+        gap = float(ranking[lost].max() - ranking[gained].min())
+        assert gap <= tolerance, f"kept {gained} instead of {lost}: {gap:.3g} apart by the reference (> {tolerance:.3g})"
