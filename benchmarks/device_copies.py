@@ -22,7 +22,12 @@ DEFAULT = "tova-256+s4+q32+p9+f12+r32"  # the default policy's shape (Llama(path
 SUFFIXES = ("+nocompact", "", "+recall")
 
 
-def prefill_seconds(model: str, label: str, depth: int, repeats: int, n_gpu_layers: int, threads: int) -> List[float]:
+PARTS = ("evict_seconds", "decode_seconds", "compact_seconds", "probe_seconds")  # KVState's, after the prompt
+
+
+def prefill_seconds(model: str, label: str, depth: int, repeats: int, n_gpu_layers: int,
+                    threads: int) -> List[Dict[str, float]]:
+    """Each timed run's prompt seconds ("prompt") and where they went (PARTS: recall's spill is in the evictions)."""
     from h2o_local import Llama
 
     llm = Llama(model, **parse_setting(label).llama_kwargs(), n_ctx=0, n_batch=512, n_threads=threads,
@@ -34,7 +39,8 @@ def prefill_seconds(model: str, label: str, depth: int, repeats: int, n_gpu_laye
         t0 = time.perf_counter()
         llm.eval(prompt)
         if i > 0:
-            times.append(time.perf_counter() - t0)
+            st = llm.kv_state()
+            times.append({"prompt": time.perf_counter() - t0, **{k: getattr(st, k) for k in PARTS}})
     return times
 
 
@@ -49,18 +55,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     labels = [DEFAULT + fa + s for fa in ("+fa", "") for s in SUFFIXES]
-    runs: Dict[str, List[float]] = {label: [] for label in labels}
+    runs: Dict[str, List[Dict[str, float]]] = {label: [] for label in labels}
     for _ in range(args.repeats):  # interleaved: a drift of the machine spreads over every setting
         for label in labels:
             runs[label] += prefill_seconds(args.model, label, args.depth, 1, args.n_gpu_layers, args.threads)
-    med = {label: statistics.median(t) for label, t in runs.items()}
+    med = {label: {k: statistics.median(r[k] for r in rs) for k in ("prompt",) + PARTS} for label, rs in runs.items()}
 
     lines = [f"# Device copies: {Path(args.model).name}, {args.depth}-token prompt, n_gpu_layers {args.n_gpu_layers}",
-             "", f"Median of {args.repeats} runs (each after a warm-up run), interleaved.", "",
-             "| setting | prompt s | against +nocompact |", "|---|---|---|"]
+             "", f"Median of {args.repeats} runs (each after a warm-up run), interleaved; where the prompt's seconds "
+             "went (recall's spill is in the evictions).", "",
+             "| setting | prompt s | against +nocompact | evictions s | its decodes s | compaction s | probes s |",
+             "|---|---|---|---|---|---|---|"]
     for label in labels:
-        base = med[label.replace("+recall", "").replace("+nocompact", "") + "+nocompact"]
-        lines.append(f"| {label} | {med[label]:.3f} | {med[label] / base:.2f}x |")
+        m = med[label]
+        base = med[label.replace("+recall", "").replace("+nocompact", "") + "+nocompact"]["prompt"]
+        lines.append(f"| {label} | {m['prompt']:.3f} | {m['prompt'] / base:.2f}x | "
+                     + " | ".join(f"{m[k]:.3f}" for k in PARTS) + " |")
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
