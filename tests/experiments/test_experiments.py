@@ -18,19 +18,24 @@ def test_bench_measures_one_setting(tiny_model):
 
 
 def test_device_copies_times_each_setting_against_its_own_uncompacted_run(tiny_model, tmp_path):
-    from benchmarks.device_copies import DEFAULT, main
+    from benchmarks.device_copies import DEFAULT, PARTS, main
 
     out = tmp_path / "copies"
     assert main(["--model", tiny_model, "--depth", "600", "--repeats", "2", "--n-gpu-layers", "0", "--threads", "1",
                  "--out", str(out)]) == 0
-    seconds = json.loads(out.with_suffix(".json").read_text())["seconds"]
-    assert set(seconds) == {DEFAULT + fa + s for fa in ("+fa", "") for s in ("+nocompact", "", "+recall")}
-    assert all(len(t) == 2 and min(t) > 0 for t in seconds.values())
+    runs = json.loads(out.with_suffix(".json").read_text())["seconds"]
+    assert set(runs) == {DEFAULT + fa + s for fa in ("+fa", "") for s in ("+nocompact", "", "+recall")}
+    for label, timed in runs.items():
+        assert len(timed) == 2 and all(r["prompt"] > 0 for r in timed)
+        # where the prompt's seconds went: parts of it, none counted twice
+        assert all(0 <= sum(r[k] for k in PARTS) <= r["prompt"] for r in timed)
+        assert all(r["compact_seconds"] == 0 for r in timed) == label.endswith("+nocompact")
     rows = [line.split(" | ") for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("| tova")]
     assert len(rows) == 6
-    for label, _, ratio in rows:
+    for label, _, ratio, *parts in rows:
+        assert len(parts) == len(PARTS)
         if label.endswith("+nocompact"):
-            assert ratio == "1.00x |"
+            assert ratio == "1.00x"
 
 
 def test_streaming_nll_equals_a_direct_computation(tiny_model, tmp_path):
