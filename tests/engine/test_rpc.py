@@ -22,21 +22,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_rpc_server(tries: int = 5):
+    """(process, "host:port") of an RPC server of this build on a free port. The port is chosen here and bound by
+    the server: where another process took it in between (test workers starting servers at once), ours exits or
+    another answers the handshake there, and it is tried again on another port."""
+    from h2o_local.rpc import check_server
+
+    log = ""
+    for _ in range(tries):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "h2o_local", "rpc-server", "--port", str(port), "--threads", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                check_server(f"127.0.0.1:{port}", timeout_s=5)
+            except (ConnectionError, OSError):
+                time.sleep(0.2)
+                continue
+            if proc.poll() is None:
+                return proc, f"127.0.0.1:{port}"
+        proc.kill()
+        log = proc.communicate()[0].decode(errors="replace")
+    pytest.fail(f"the RPC server did not start in {tries} tries: {log}")
+
+
 @pytest.fixture(scope="module")
 def rpc_server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "h2o_local", "rpc-server", "--port", str(port), "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the RPC server did not start: {proc.stdout.read().decode(errors='replace')}")
-            time.sleep(0.2)
-    yield f"127.0.0.1:{port}"
+    proc, endpoint = start_rpc_server()
+    yield endpoint
     proc.terminate()
     proc.wait(timeout=30)
 

@@ -12,26 +12,32 @@ from typing import Iterator
 def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_s: float = 30.0,
                         stop_s: float = 30.0) -> Iterator[int]:
     """Serve `app` with uvicorn in a daemon thread; yields the port (a free one when `port` is 0) once it listens,
-    and stops the server on exit (RuntimeError if it has not stopped after stop_s: a request handler hangs)."""
+    and stops the server on exit (RuntimeError if it has not stopped after stop_s: a request handler hangs). The
+    socket is bound here and handed to uvicorn, so that no other process can take a free port between its choice
+    and its use (a race that several servers started at once on one machine lost)."""
     import uvicorn
 
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="h2o-local-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start on {host}:{port}")
-        time.sleep(0.01)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        yield port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="h2o-local-uvicorn", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + startup_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {host}:{port}")
+            time.sleep(0.01)
+        try:
+            yield port
+        finally:
+            server.should_exit = True
+            thread.join(timeout=stop_s)
+            if thread.is_alive():  # uvicorn waits for every request handler: one is stuck
+                server.force_exit = True
+                raise RuntimeError(f"the server on {host}:{port} did not stop within {stop_s:g} s")
     finally:
-        server.should_exit = True
-        thread.join(timeout=stop_s)
-        if thread.is_alive():  # uvicorn waits for every request handler: one is stuck
-            server.force_exit = True
-            raise RuntimeError(f"the server on {host}:{port} did not stop within {stop_s:g} s")
+        sock.close()
