@@ -354,3 +354,19 @@ def test_an_answer_made_to_defeat_the_reader_is_read_in_linear_time(fmt):
         started = time.perf_counter()
         parse_calls(text, ["x"], fmt)
         assert time.perf_counter() - started < 3.0, text[:40]
+
+
+LONG_CALLS = {"json": '<tool_call>{"name": "x", "arguments": %s}</tool_call>',
+              "mistral-list": '[TOOL_CALLS][{"name": "x", "arguments": %s, "id": "abcdefghi"}]',
+              "mistral-args": "[TOOL_CALLS]x[ARGS]%s",
+              "harmony": "<|channel|>commentary to=functions.x <|constrain|>json<|message|>%s"}
+
+
+@pytest.mark.parametrize("fmt", [f for f in tool_formats.FORMATS if f.name in LONG_CALLS], ids=lambda f: f.name)
+def test_a_call_longer_than_the_readers_first_window_is_read_whole(fmt):
+    """The JSON reader starts with a window of a few thousand characters and widens it while a value may go on past
+    it: a call whose arguments hold strings of thousands of characters with escapes in them and a number of 4,200
+    digits comes back whole."""
+    arguments = {"text": "x" * 4085 + "\u00e9\n" + "y" * 20000, "n": int("7" * 4200)}
+    content, calls = parse_calls(LONG_CALLS[fmt.name] % json.dumps(arguments), ["x"], fmt)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [arguments]

@@ -156,8 +156,9 @@ def test_with_an_api_key_the_page_asks_for_it(tmp_path, browser):
         browser.get(f"http://127.0.0.1:{port}/")
         browser.execute_script("localStorage.clear()")
         browser.refresh()
-        key = wait(browser, lambda d: d.find_element(By.ID, "key") if d.find_element(By.ID, "key").is_displayed() else None)
-        assert "API key" in browser.find_element(By.ID, "error").text
+        # the field and the message it comes with (the page shows them one after the other)
+        key = wait(browser, lambda d: d.find_element(By.ID, "key") if d.find_element(By.ID, "key").is_displayed()
+                   and "API key" in d.find_element(By.ID, "error").text else None)
         key.send_keys("sesame")
         browser.find_element(By.ID, "key-save").click()
         wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
