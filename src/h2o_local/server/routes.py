@@ -555,7 +555,8 @@ async def chat_answer(state: ServerState, job: Job, request: Request, plan: Opti
     pieces, finish, entries = await collect_answer(state, job, request, tokens)
     text = "".join(pieces)
     thought, answer = (None, text) if thinking is None else thinking.split(text)
-    content, calls = plan.parse(answer) if plan is not None else (answer, [])
+    # off the event loop: a bounded cache lets an answer run on without end, and reading it is linear in its length
+    content, calls = await state.prepared(plan.parse, answer) if plan is not None else (answer, [])
     if parallel_tool_calls is False:
         calls = calls[:1]
     return ChatAnswer(thought, content, calls, finish, text, entries)
