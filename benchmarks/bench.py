@@ -348,6 +348,9 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
     _plot(out.with_suffix(".png"), summary, names, depths)
 
 
+PREFILL_PARTS = ("probe_s", "evict_s", "decode_s", "compact_s")  # measure()'s prefill_parts, in the table's order
+
+
 def _prefill_parts_table(records: List[Dict[str, Any]], names: List[str], depths: List[int]) -> List[str]:
     """The prompt's time by part (medians over repeats): the probes' decodes, the evictions, the prompt's own decodes
     (the device's work and the wait for it), compaction, and the rest (the host's bookkeeping), for our settings."""
@@ -359,13 +362,10 @@ def _prefill_parts_table(records: List[Dict[str, Any]], names: List[str], depths
             if not rs:
                 continue
             total = statistics.median(r["prefill_s"] for r in rs)
-
-            def part(key):
-                return statistics.median(r["prefill_parts"].get(key, 0.0) for r in rs)
-
-            cells = [f"{part(k) * 1e3:.0f} ({part(k) / total:.0%})" for k in ("probe_s", "evict_s", "decode_s", "compact_s")]
-            rest = total - sum(part(k) for k in ("probe_s", "evict_s", "decode_s", "compact_s"))
-            rows.append(f"| {name} | {d} | {total * 1e3:.0f} | {part('n_probes'):.0f} | " + " | ".join(cells)
+            part = {k: statistics.median(r["prefill_parts"].get(k, 0.0) for r in rs) for k in PREFILL_PARTS + ("n_probes",)}
+            rest = total - sum(part[k] for k in PREFILL_PARTS)
+            rows.append(f"| {name} | {d} | {total * 1e3:.0f} | {part['n_probes']:.0f} | "
+                        + " | ".join(f"{part[k] * 1e3:.0f} ({part[k] / total:.0%})" for k in PREFILL_PARTS)
                         + f" | {rest * 1e3:.0f} ({rest / total:.0%}) |")
     if not rows:
         return []

@@ -37,7 +37,7 @@ def start_rpc_server(tries: int = 5):
         while proc.poll() is None and time.monotonic() < deadline:
             try:
                 check_server(f"127.0.0.1:{port}", timeout_s=5)
-            except (ConnectionError, OSError):
+            except OSError:  # not listening yet, or another server there (ConnectionError)
                 time.sleep(0.2)
                 continue
             if proc.poll() is None:

@@ -28,7 +28,7 @@ def test_device_copies_times_each_setting_against_its_own_uncompacted_run(tiny_m
     for label, timed in runs.items():
         assert len(timed) == 2 and all(r["prompt"] > 0 for r in timed)
         # where the prompt's seconds went: parts of it, none counted twice
-        assert all(0 <= sum(r[k] for k in PARTS) <= r["prompt"] for r in timed)
+        assert all(0 <= sum(r[k] for k in PARTS) <= r["prompt"] and r["decode_seconds"] > 0 for r in timed)
         assert all(r["compact_seconds"] == 0 for r in timed) == label.endswith("+nocompact")
     rows = [line.split(" | ") for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("| tova")]
     assert len(rows) == 6
