@@ -57,9 +57,21 @@ def _peak_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def warmup_tokens(cfg: Dict[str, Any]) -> int:
+    """Tokens of the prompt read (and one step decoded) before the timed run, then forgotten: cfg's "warmup_tokens",
+    or by default (-1) four chunks and, in a bounded cache, two past its budget, so that its evictions and probes run
+    too. A GPU loads each kernel on its first use (cuBLAS picks its own on a shape's first call): a cold run times that
+    loading, which a chat pays once per process; llama-bench warms up the same way."""
+    n = cfg.get("warmup_tokens", -1)
+    if n < 0:
+        n = max(4 * cfg["n_batch"], (cfg.get("budget") or 0) + 2 * cfg["n_batch"])
+    return min(n, cfg["depth"])
+
+
 def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """Prefill `depth` tokens, then decode `decode_tokens` greedily one by one; time both."""
+    """Warm up (warmup_tokens), then prefill `depth` tokens and decode `decode_tokens` greedily one by one; time both."""
     depth, n_dec, n_batch, threads = cfg["depth"], cfg["decode_tokens"], cfg["n_batch"], cfg["threads"]
+    n_warm = warmup_tokens(cfg)
     if cfg["runner"] == "llama_cpp":
         import llama_cpp
 
@@ -69,6 +81,9 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
                               n_gpu_layers=cfg.get("n_gpu_layers", 0), verbose=False)
         prompt = _prompt(lambda t: llm.tokenize(t.encode(), add_bos=False), depth)
         n_vocab = llm.n_vocab()
+        if n_warm:
+            llm.eval(prompt[:n_warm] + prompt[:1])
+            llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
         t_prefill = time.perf_counter() - t0
@@ -95,7 +110,8 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         prompt = _prompt(lambda t: vocab.tokenize(t, add_bos=False), depth)
         del vocab
         run = _engine.plain_run(cfg["model"], prompt, n_dec, n_gpu_layers=cfg.get("n_gpu_layers", 0),
-                                flash_attn=cfg.get("flash_attn", False), n_batch=n_batch, n_threads=threads)
+                                flash_attn=cfg.get("flash_attn", False), n_batch=n_batch, n_threads=threads,
+                                warmup_tokens=n_warm)
         t_prefill, steps = run["prefill_s"], run["step_s"]
         info = ModelInfo.load(cfg["model"])
         kv_cells = cells = run["n_ctx"]
@@ -114,6 +130,10 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         llm = Llama(cfg["model"], **kwargs, n_ctx=n_ctx, n_threads=threads,
                     n_gpu_layers=cfg.get("n_gpu_layers", 0))
         prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
+        if n_warm:
+            llm.eval(prompt[:n_warm])
+            llm.eval(prompt[:1])
+            llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
         if setting.after_full:
@@ -256,7 +276,8 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
              f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; threads {meta['threads']}, "
              f"n_batch {meta['n_batch']}; load average before/after {meta['load_before']:.2f} / {meta.get('load_after', float('nan')):.2f}; "
              f"copy bandwidth {bw / 1e9:.1f} GB/s ({meta.get('bandwidth_of', 'the host')}); {meta['repeats']} repeats, medians; {meta['decode_tokens']} "
-             f"decode steps per run (median step).", ""]
+             f"decode steps per run (median step); "
+             + _warmup_words(meta.get("warmup_tokens", 0)), ""]
     for metric, title in (("decode_tok_s", "Decode tokens/s (median step)"),
                           ("decode_mean_tok_s", "Decode tokens/s (mean over steps)"), ("prefill_tok_s", "Prompt tokens/s"),
                           ("kv_bytes", "KV MiB allocated"), ("peak_rss", "Peak RSS MiB"),
@@ -348,6 +369,12 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
     _plot(out.with_suffix(".png"), summary, names, depths)
 
 
+def _warmup_words(n: int) -> str:
+    if n < 0:
+        return "each run after a warm-up on its prompt's first four chunks (or two chunks past its budget)."
+    return f"each run after a warm-up on its prompt's first {n} tokens." if n else "cold runs (no warm-up)."
+
+
 PREFILL_PARTS = ("probe_s", "evict_s", "decode_s", "compact_s")  # measure()'s prefill_parts, in the table's order
 
 
@@ -423,6 +450,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--n-gpu-layers", type=int, default=0, help="layers offloaded to the GPU (-1: all)")
+    ap.add_argument("--warmup-tokens", type=int, default=-1,
+                    help="prompt tokens read before each timed run, then forgotten (-1: four chunks, or two past the "
+                         "budget; 0: cold runs, which time a device's kernel loading)")
     ap.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python (llama.cpp's own API in this build still runs)")
     ap.add_argument("--out", type=Path, default=Path("results/speed/bench"))
     ap.add_argument("--report", type=Path, nargs="+", help="only write the report of these JSON files (merged)")
@@ -459,7 +489,7 @@ def main(argv=None) -> int:
         todo = [s for s in todo if s["name"] in args.only]
     bandwidth, bandwidth_of = memory_bandwidth(device=args.n_gpu_layers != 0)
     meta = {"model": model, "machine": machine(), "threads": args.threads, "n_batch": args.n_batch, "n_gpu_layers": args.n_gpu_layers,
-            "repeats": args.repeats, "decode_tokens": args.decode_tokens, "budgets": args.budgets,
+            "warmup_tokens": args.warmup_tokens, "repeats": args.repeats, "decode_tokens": args.decode_tokens, "budgets": args.budgets,
             "depths": args.depths, "load_before": os.getloadavg()[0], "memory_bandwidth": bandwidth, "bandwidth_of": bandwidth_of}
     records: List[Dict[str, Any]] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -470,7 +500,8 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for s in todo:
                 cfg = {"runner": "h2o_local", **s, "model": model, "depth": depth, "decode_tokens": args.decode_tokens,
-                       "n_batch": args.n_batch, "threads": args.threads, "n_gpu_layers": args.n_gpu_layers}
+                       "n_batch": args.n_batch, "threads": args.threads, "n_gpu_layers": args.n_gpu_layers,
+                       "warmup_tokens": args.warmup_tokens}
                 r = run_one(cfg)
                 records.append({**s, "depth": depth, "repeat": rep, **r})
                 done += 1

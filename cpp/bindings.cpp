@@ -211,7 +211,8 @@ PYBIND11_MODULE(_engine, m) {
         return out;
     }, "The ggml devices this build and machine offer: name, description, type (cpu, gpu, igpu, accel), memory in bytes.");
     m.def("plain_run", [](const std::string & model, const std::vector<llama_token> & prompt, int32_t n_decode,
-                          int32_t n_gpu_layers, bool flash_attn, uint32_t n_batch, int32_t n_threads) {
+                          int32_t n_gpu_layers, bool flash_attn, uint32_t n_batch, int32_t n_threads,
+                          int32_t warmup_tokens) {
         init_backend(false);
         PlainRunParams p;
         p.model = model;
@@ -219,6 +220,7 @@ PYBIND11_MODULE(_engine, m) {
         p.flash_attn = flash_attn;
         p.n_batch = n_batch;
         p.n_threads = n_threads;
+        p.warmup_tokens = warmup_tokens;
         PlainRunTimes t;
         {
             py::gil_scoped_release unlocked;
@@ -227,9 +229,10 @@ PYBIND11_MODULE(_engine, m) {
         return py::dict("prefill_s"_a = t.prefill_s, "step_s"_a = t.step_s, "tokens"_a = t.tokens, "model_bytes"_a = t.model_bytes,
                         "n_ctx"_a = t.n_ctx);
     }, py::arg("model"), py::arg("prompt"), py::arg("n_decode"), py::arg("n_gpu_layers") = 0,
-       py::arg("flash_attn") = false, py::arg("n_batch") = 512, py::arg("n_threads") = 0,
-       "llama.cpp's own API on this build, nothing of h2o_local around it (plain_run.h): a prompt, then greedy "
-       "steps (their tokens and seconds). The benchmarks' baseline.");
+       py::arg("flash_attn") = false, py::arg("n_batch") = 512, py::arg("n_threads") = 0, py::arg("warmup_tokens") = 0,
+       "llama.cpp's own API on this build, nothing of h2o_local around it (plain_run.h): a warm-up of the prompt's "
+       "first warmup_tokens (then cleared), the prompt, then greedy steps (their tokens and seconds). The benchmarks' "
+       "baseline.");
     m.def("padded_cells", &padded_cells, py::arg("n_cells"), py::arg("n_seq"), py::arg("kv_unified"),
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");

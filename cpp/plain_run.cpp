@@ -21,11 +21,19 @@ void decode(llama_context * ctx, llama_token * tokens, int32_t n) {
     }
 }
 
+void read_prompt(llama_context * ctx, const std::vector<llama_token> & prompt, size_t n, uint32_t n_batch) {
+    std::vector<llama_token> tokens(prompt.begin(), prompt.begin() + n);
+    for (size_t i = 0; i < n; i += n_batch) {
+        decode(ctx, tokens.data() + i, (int32_t) std::min<size_t>(n_batch, n - i));
+    }
+    llama_synchronize(ctx);
+}
+
 } // namespace
 
 PlainRunTimes plain_run(const PlainRunParams & params, const std::vector<llama_token> & prompt, int32_t n_decode) {
-    if (prompt.empty() || n_decode < 1 || params.n_batch < 1) {
-        throw std::invalid_argument("plain_run needs a prompt, n_decode >= 1 and n_batch >= 1");
+    if (prompt.empty() || n_decode < 1 || params.n_batch < 1 || params.warmup_tokens < 0) {
+        throw std::invalid_argument("plain_run needs a prompt, n_decode >= 1, n_batch >= 1 and warmup_tokens >= 0");
     }
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = params.n_gpu_layers;
@@ -53,12 +61,16 @@ PlainRunTimes plain_run(const PlainRunParams & params, const std::vector<llama_t
     PlainRunTimes times;
     times.model_bytes = llama_model_size(model.get());
     times.n_ctx       = llama_n_ctx(ctx.get());
-    std::vector<llama_token> tokens(prompt);
-    auto t0 = Clock::now();
-    for (size_t i = 0; i < tokens.size(); i += params.n_batch) {
-        decode(ctx.get(), tokens.data() + i, (int32_t) std::min<size_t>(params.n_batch, tokens.size() - i));
+    if (params.warmup_tokens > 0) {
+        const size_t n = std::min<size_t>((size_t) params.warmup_tokens, prompt.size());
+        read_prompt(ctx.get(), prompt, n, params.n_batch);
+        llama_token next = prompt[0];
+        decode(ctx.get(), &next, 1);
+        llama_synchronize(ctx.get());
+        llama_memory_clear(llama_get_memory(ctx.get()), true);
     }
-    llama_synchronize(ctx.get());
+    auto t0 = Clock::now();
+    read_prompt(ctx.get(), prompt, prompt.size(), params.n_batch);
     times.prefill_s = seconds_since(t0);
     for (int32_t step = 0; step < n_decode; ++step) {
         const float * logits = llama_get_logits_ith(ctx.get(), -1);

@@ -4,9 +4,10 @@
 // llama.cpp's own cost and which is ours, on machines where the peer (llama-cpp-python, unpatched) was not built.
 // The patch's mechanisms stay dormant unless asked, so this is llama.cpp's own decode on the same kernels.
 //
-// Contract: the prompt is read in chunks of n_batch tokens into a context of prompt + n_decode + 16 cells; then
-// n_decode greedy steps (the first token chosen from the prompt's logits), each timed from llama_decode to its logits
-// on the host (seconds).
+// Contract: the first warmup_tokens of the prompt are read and one step decoded, then the cache is cleared (a device
+// loads its kernels on first use: llama-bench warms up the same way); then the prompt is read in chunks of n_batch
+// tokens into a context of prompt + n_decode + 16 cells, and n_decode greedy steps run (the first token chosen from
+// the prompt's logits), each timed from llama_decode to its logits on the host (seconds).
 
 #include "llama.h"
 
@@ -22,6 +23,7 @@ struct PlainRunParams {
     bool flash_attn      = false;
     uint32_t n_batch     = 512; // tokens per llama_decode of the prompt (n_ubatch the same)
     int32_t n_threads    = 0;   // 0: llama.cpp's default
+    int32_t warmup_tokens = 0;  // read before the timed run, then cleared (0: a cold run)
 };
 
 struct PlainRunTimes {

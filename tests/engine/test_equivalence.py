@@ -84,5 +84,9 @@ def test_the_benchmarks_plain_llama_cpp_baseline_decodes_what_the_full_cache_dec
     run = _engine.plain_run(tiny_model, prompt, 12, n_gpu_layers=-1, flash_attn=False, n_batch=32)
     assert run["tokens"] == tokens
     assert len(run["step_s"]) == 12 and all(s > 0 for s in run["step_s"]) and run["prefill_s"] > 0
+    # a warm-up on part of the prompt is forgotten before the timed run
+    warm = _engine.plain_run(tiny_model, prompt, 12, n_gpu_layers=-1, flash_attn=False, n_batch=32,
+                             warmup_tokens=len(prompt) // 2)
+    assert warm["tokens"] == tokens
     with pytest.raises(ValueError, match="n_decode"):
         _engine.plain_run(tiny_model, prompt, 0)

@@ -17,6 +17,25 @@ def test_bench_measures_one_setting(tiny_model):
     assert r["cells_in_use"] == 32 and r["kv_cells"] == 256 and r["kv_bytes"] > 0 and r["peak_rss"] > 0
 
 
+def test_bench_warms_up_on_the_prompt_and_then_forgets_it(tiny_model):
+    """Each run first reads part of its prompt (a device loads its kernels on first use), then starts over: the timed
+    prompt runs as many probes and evictions, and ends with the same cache, as a cold run."""
+    from benchmarks.bench import measure, warmup_tokens
+
+    # four chunks, or two past the budget where that is more, never past the prompt
+    assert warmup_tokens({"n_batch": 64, "depth": 1000, "budget": 32}) == 256
+    assert warmup_tokens({"n_batch": 64, "depth": 1000, "budget": 512}) == 640
+    assert warmup_tokens({"n_batch": 64, "depth": 200, "budget": None}) == 200
+    assert warmup_tokens({"n_batch": 64, "depth": 1000, "warmup_tokens": 0}) == 0
+
+    cfg = {"runner": "h2o_local", "name": "tova-32+s4+q8", "model": tiny_model, "policy": "tova", "budget": 32,
+           "rolling": False, "export_scores": False, "depth": 300, "decode_tokens": 2, "n_batch": 64, "threads": 1}
+    cold, warm = measure({**cfg, "warmup_tokens": 0}), measure(cfg)
+    assert cold["prefill_parts"]["n_probes"] > 0
+    assert warm["prefill_parts"]["n_probes"] == cold["prefill_parts"]["n_probes"]
+    assert warm["cells_in_use"] == cold["cells_in_use"]
+
+
 def test_device_copies_times_each_setting_against_its_own_uncompacted_run(tiny_model, tmp_path):
     from benchmarks.device_copies import DEFAULT, PARTS, main
 
