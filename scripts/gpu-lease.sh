@@ -54,6 +54,10 @@ case "${1:-1}" in
     OUT=$OUT/cold bash scripts/gpu.sh bench -- --depths 8192 --warmup-tokens 0 --settings full+fa $DEFAULT+fa \
         --only full+fa $DEFAULT+fa llama.cpp+fa
     pack bench-cold
+    # chat and serve read prompts in chunks of 128 tokens (their --n-batch): what that costs a GPU's prompt
+    OUT=$OUT/batch128 bash scripts/gpu.sh bench -- --depths 8192 --n-batch 128 --settings full+fa $DEFAULT+fa \
+        --only full+fa $DEFAULT+fa llama.cpp+fa
+    pack bench-batch128
     # issue 51's decode target at depth (>= 2x the full cache at 128k), each beside llama.cpp's own
     OUT=$OUT/deep bash scripts/gpu.sh bench -- --depths 131072 --settings full+fa $DEFAULT+fa \
         --only full+fa $DEFAULT+fa llama.cpp+fa

@@ -4,6 +4,7 @@ import pytest
 
 from h2o_local import KVState, Llama
 from h2o_local.text import TextAssembler
+from engine_view import engine
 from tiny_model import write_tiny_llama
 
 
@@ -147,6 +148,27 @@ def test_reset_one_sequence_keeps_the_other(tiny_model):
     assert llm.kv_state(1).n_cells == 0 and llm.kv_state(0).positions.tolist() == [0, 1, 2]
     llm.eval([10], seq_id=1)
     assert llm.kv_state(1).positions.tolist() == [0]
+
+
+@pytest.mark.parametrize("kw", [dict(policy="full", n_ctx=256), dict(budget=24), dict(policy="h2o", budget=24)],
+                         ids=["full", "default", "h2o"])
+def test_warm_up_reads_a_made_up_prompt_then_leaves_the_llama_as_new(tiny_model, kw):
+    """On a GPU the first prompt would wait for the device to load its kernels: warm_up() reads a prompt past the
+    budget first (a chunk, an eviction and its probe, a step), as llama.cpp's tools do at load, then forgets it."""
+    cold = Llama(tiny_model, n_batch=32, **kw)
+    warm = Llama(tiny_model, n_batch=32, **kw)
+    # by default only where a layer is on a device (on the CPU nothing is loaded on first use)
+    on_device = any(d != "CPU" for d in cold.layer_devices)
+    assert Llama(tiny_model, n_batch=32, **kw).warm_up() == on_device
+    assert warm.warm_up(anywhere=True) and engine(warm).n_decode >= (2 if warm.budget is None else 3)
+    st = warm.kv_state()
+    assert (st.n_seen, st.n_cells, st.n_evicted, st.n_probes, engine(warm).cells_used) == (0, 0, 0, 0, 0)
+    answer = cold.generate("Once upon a time there was", max_tokens=12, temperature=0)
+    assert warm.generate("Once upon a time there was", max_tokens=12, temperature=0) == answer
+    assert warm.kv_state().positions.tolist() == cold.kv_state().positions.tolist()
+    with pytest.raises(ValueError, match="before the first prompt"):
+        warm.warm_up(anywhere=True)
+    assert warm.kv_state().n_seen == cold.kv_state().n_seen  # what it held is untouched
 
 
 def test_cli_runs_the_main_job(tiny_model, capsys):

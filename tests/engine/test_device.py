@@ -77,6 +77,17 @@ def test_flash_attention_is_on_by_default_on_cuda_and_metal_and_asked_for_elsewh
         Llama(one_layer, policy="h2o", budget=24, flash_attn=False).load_state(flash.save_state())
 
 
+def test_a_llama_on_the_device_warms_up_and_then_answers_as_a_cold_one(tiny_model, gpu):
+    """warm_up() (the CLI and server call it at load) runs by default only where layers are on a device; after it the
+    cache is empty and the answers are the same, bit for bit, as a Llama's that never warmed up."""
+    cold, warm = Llama(tiny_model, budget=24, n_batch=32), Llama(tiny_model, budget=24, n_batch=32)
+    assert warm.warm_up() and engine(warm).n_decode > 0 and engine(warm).cells_used == 0
+    assert not Llama(tiny_model, budget=24, n_batch=32, **CPU).warm_up()
+    prompt = "The lighthouse keeper climbed the stairs at dusk"
+    assert warm.generate(prompt, max_tokens=12, temperature=0) == cold.generate(prompt, max_tokens=12, temperature=0)
+    np.testing.assert_array_equal(warm.last_logits(), cold.last_logits())
+
+
 @pytest.mark.parametrize("sum_rows", [False, True], ids=["out_prod-or-chosen", "sum_rows"])
 def test_exported_scores_match_the_cpu_backend_and_the_numpy_reference(tiny_model, gpu, sum_rows):
     """Both reductions (OUT_PROD where the device has it, the transpose + sum_rows path otherwise or when forced)."""

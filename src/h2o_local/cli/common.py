@@ -74,6 +74,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("-b", "--n-batch", "--batch-size", dest="n_batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells "
                                                            "(default: %(default)s)")
     g.add_argument("-s", "--seed", type=int, default=0)
+    g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip reading a made-up prompt at load where layers are on a GPU (llama.cpp's --no-warmup; "
+                   "without it the first prompt waits for the device to load its kernels)")
 
 
 def add_penalty_args(ap: argparse.ArgumentParser, repeat_penalty: float = 1.0) -> None:
@@ -186,6 +189,8 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
         if args.recall == "auto" and budget:  # on where the policy can recall (a question probe, whole cells)
             with contextlib.suppress(ValueError):
                 llm.set_recall(True)
+        if args.warmup:
+            llm.warm_up()
         return llm
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         ap.error(str(e))
