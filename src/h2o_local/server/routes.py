@@ -449,18 +449,38 @@ def _chat_messages(state: ServerState,
     return plan, messages
 
 
+MAX_BODY_DEPTH = 256  # levels of objects and arrays a body read by json_body may nest (a tool's schema: a few dozen)
+
+
+def nests_deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests objects and arrays more than `limit` levels deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 async def json_body(request: Request) -> Any:
     """A request's body read as JSON by a route that checks it itself (Ollama's, Anthropic's, the embeddings'): a
     400 for one not sent as JSON (curl -d's form content type is made JSON by the app's JSONBodies, except from a
-    browser), not JSON, or nesting deeper than Python's parser goes."""
+    browser), not JSON, or nesting deeper than MAX_BODY_DEPTH (Python's parser refuses a depth that depends on its
+    version: 1,500 levels on 3.11, more on some 3.12 builds, where a route that ignores the field went on)."""
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise APIError(400, "send the body as JSON (Content-Type: application/json)")
+    too_deep = APIError(400, f"the body nests too deeply to be read (at most {MAX_BODY_DEPTH} levels)")
     try:
-        return await request.json()
+        body = await request.json()
     except RecursionError:
-        raise APIError(400, "the body nests too deeply to be read") from None
+        raise too_deep from None
     except ValueError:
         raise APIError(400, "the body is not valid JSON") from None
+    if isinstance(body, (dict, list)) and nests_deeper_than(body, MAX_BODY_DEPTH):
+        raise too_deep
+    return body
 
 
 async def chat_prompt(state: ServerState,
