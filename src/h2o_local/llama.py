@@ -554,10 +554,10 @@ class Llama:
                 self._engine.reset_seq(seq)
 
     def warm_up(self, anywhere: bool = False) -> bool:
-        """Read a made-up prompt the way a prompt is read (a full chunk of n_batch tokens and, in a bounded cache, an
-        eviction past the budget with its probe), decode one step, then forget it all, as llama.cpp's own tools do
-        at load (`--no-warmup`): a GPU loads each kernel on its first use (Metal and Vulkan compile theirs), which the
-        first prompt would otherwise wait for. Runs where a layer is on a device other than the CPU, or `anywhere`
+        """Read a made-up prompt the way a prompt is read (a full chunk of n_batch tokens and, in a bounded cache whose
+        budget is within three chunks, an eviction with its probe; within the trained context), decode one step, then
+        forget it all, as llama.cpp's own tools do at load (`--no-warmup`): a GPU loads each kernel on its first use
+        (Metal and Vulkan compile theirs), which the first prompt would otherwise wait for. Runs where a layer is on a device other than the CPU, or `anywhere`
         (the CPU loads nothing on first use: there it only reads the weights from the file early), and returns whether
         it ran. For an empty cache (before the first prompt): ValueError otherwise."""
         if not anywhere and all(d == "CPU" for d in self.layer_devices):
@@ -565,7 +565,9 @@ class Llama:
         with self.lock:
             if self._engine.cells_used:
                 raise ValueError("warm_up() reads a made-up prompt into an empty cache: call it before the first prompt")
+            # a chunk, and past a budget within reach an eviction; never past four chunks or the trained context
             n = min(self.n_ctx() - 2, self.n_batch) if self.budget is None else self.budget + self.n_batch + 1
+            n = max(1, min(n, 4 * self.n_batch, self.n_ctx_train() - 1))
             words = self.tokenize("The quick brown fox jumps over the lazy dog while the sun sets. " * 8)
             tokens = (words * (n // len(words) + 1))[:n]
             try:
