@@ -331,7 +331,8 @@ def write_report(out: Path, meta: Dict[str, Any], records: List[Dict[str, Any]])
                               (f"prefill {name} / h2o-{st.budget}", name, f"h2o-{st.budget}", "prefill_tok_s")]
         for name in names:  # a bounded cache against the full one with the same flash attention and n_batch
             if not is_baseline(name) and parse_setting(name).budget:
-                full = "+".join(["full"] + [x for x in name.split("+")[1:] if x == "fa" or x.startswith("batch")])
+                full = "+".join(["full"] + [x for x in name.split("+")[1:]
+                                            if x == "fa" or x.startswith(("batch", "ubatch"))])
                 pairs += [(f"prefill {name} / {full}", name, full, "prefill_tok_s"),
                           (f"decode {name} / {full}", name, full, "decode_tok_s")]
         for name in names:  # a suffix against the same setting without it (+nocompact, +fa, +kq8_0, ...)

@@ -239,7 +239,8 @@ PYBIND11_MODULE(_engine, m) {
     m.def("context_size", [](const EngineParams & params, std::shared_ptr<Policy> policy, int32_t n_ctx_train,
                              int32_t n_probe) {
         const ContextSize c = context_size(params, *policy, n_ctx_train, n_probe);
-        return py::dict("n_ctx"_a = c.n_ctx, "n_batch"_a = c.n_batch, "n_outputs_max"_a = c.n_outputs_max);
+        return py::dict("n_ctx"_a = c.n_ctx, "n_batch"_a = c.n_batch, "n_ubatch"_a = c.n_ubatch,
+                        "n_outputs_max"_a = c.n_outputs_max);
     }, py::arg("params"), py::arg("policy"), py::arg("n_ctx_train"), py::arg("n_probe") = 0,
        "The KV cells, batch and logits rows of a context for params under policy (n_probe: one probe's cells).");
     m.def("q8_0_entry_bytes", &q8_0_entry_bytes, py::arg("raw_bytes"), "Bytes of one F16 entry kept as q8_0 blocks.");
@@ -417,6 +418,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_readwrite("roll_interval", &EngineParams::roll_interval)
         .def_readwrite("n_ctx", &EngineParams::n_ctx)
         .def_readwrite("n_batch", &EngineParams::n_batch)
+        .def_readwrite("n_ubatch", &EngineParams::n_ubatch)
         .def_readwrite("n_seq_max", &EngineParams::n_seq_max)
         .def_readwrite("n_keep", &EngineParams::n_keep)
         .def_readwrite("kv_unified", &EngineParams::kv_unified)
@@ -547,6 +549,7 @@ PYBIND11_MODULE(_engine, m) {
         .def("room", &Engine::room, py::arg("seq_id"), py::call_guard<py::gil_scoped_release>(),
              "KV cells still free for seq_id: its stream's, or the whole unified cache's (shared by all sequences).")
         .def_property_readonly("n_batch", &Engine::n_batch)
+        .def_property_readonly("n_ubatch", &Engine::n_ubatch)
         .def_property_readonly("n_threads", &Engine::n_threads)
         .def_property_readonly("kv_bytes", [](const Engine & e) { return without_gil([&] { return e.kv_bytes(); }); })
         .def("probe_cells", [](const Engine & e, const Policy & p) { return e.probe_cells(p); }, py::arg("policy"),

@@ -37,6 +37,7 @@ ContextSize context_size(const EngineParams & params, const Policy & policy, int
                                     std::to_string(kept_per_stream) + " entries per stream): use n_ctx > budget * n_seq_max, or 0");
     }
     out.n_batch       = std::min(params.n_batch, out.n_ctx);
+    out.n_ubatch      = params.n_ubatch == 0 ? out.n_batch : std::min(params.n_ubatch, out.n_batch);
     out.n_outputs_max = std::max(out.n_batch, params.n_seq_max); // a step of n_seq_max sequences has that many outputs
     return out;
 }

@@ -17,7 +17,8 @@ uint32_t bounded_cells(uint32_t n_seq, uint32_t budget, uint32_t n_batch, bool k
 uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified);
 struct ContextSize {
     uint32_t n_ctx         = 0; // KV cells asked of llama.cpp (it pads them: padded_cells)
-    uint32_t n_batch       = 0; // tokens per llama_decode (n_ubatch the same)
+    uint32_t n_batch       = 0; // tokens per llama_decode
+    uint32_t n_ubatch      = 0; // tokens per ubatch: params' (0: n_batch), at most n_batch
     uint32_t n_outputs_max = 0; // rows of logits one decode may return
 };
 

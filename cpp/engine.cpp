@@ -73,7 +73,7 @@ llama_context_params context_params(const EngineParams & params, const ContextSi
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = size.n_ctx;
     cp.n_batch         = size.n_batch;
-    cp.n_ubatch        = size.n_batch;
+    cp.n_ubatch        = size.n_ubatch;
     cp.n_outputs_max   = size.n_outputs_max;
     cp.n_seq_max       = params.n_seq_max;
     cp.kv_unified      = params.kv_unified;

@@ -108,6 +108,7 @@ public:
     llama_context * ctx()   const { return ctx_; }
     uint32_t n_ctx()    const { return llama_n_ctx(ctx_); }
     uint32_t n_batch()  const { return llama_n_batch(ctx_); }
+    uint32_t n_ubatch() const { return llama_n_ubatch(ctx_); }
     int32_t n_threads() const { return llama_n_threads(ctx_); }
     uint32_t capacity() const { return capacity_; } // cells the engine fills: n_ctx as asked, before llama.cpp pads it
     uint32_t stream_capacity() const;               // cells of one stream: all of them, or a sequence's share

@@ -17,7 +17,8 @@ struct EngineParams {
     bool     position_rolling = false;
     int32_t  roll_interval = 1;      // with rolling: renumber once the kept positions span this many gaps or more
     uint32_t n_ctx     = 0;          // KV cells; 0: budget + n_batch per sequence (bounded) or the trained context (full)
-    uint32_t n_batch   = 512;        // tokens per llama_decode
+    uint32_t n_batch   = 512;        // tokens per llama_decode: a prompt is evicted between batches
+    uint32_t n_ubatch  = 0;          // tokens per ubatch (llama.cpp's physical batch: its compute buffers); 0: n_batch
     uint32_t n_seq_max = 1;
     int32_t  n_keep    = 0;          // every sequence starts with its first n_keep tokens protected (see set_keep)
     bool     kv_unified = true;      // one cell space for all sequences; false: a stream of n_ctx / n_seq_max cells each

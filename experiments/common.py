@@ -25,7 +25,7 @@ class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
     `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
     snapkv), `+rN` / `+rN%` (N recent entries, or N% of the budget), the probes `+qN` / `+repeat` / `+catalyst` and `+pN` (pool), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
-    does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention), `+batchN` (n_batch: tokens per decode, so the prompt's chunk between evictions), `+recall` (evicted entries kept in host memory and recalled by each new prompt), `+recallq8` (the same, the host copy as q8_0 blocks) and `+afterfull` (the prompt goes into the
+    does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention), `+batchN` (n_batch: tokens per decode, so the prompt's chunk between evictions), `+ubatchN` (n_ubatch: the tokens one ubatch computes), `+recall` (evicted entries kept in host memory and recalled by each new prompt), `+recallq8` (the same, the host copy as q8_0 blocks) and `+afterfull` (the prompt goes into the
     full cache, then `compress()` applies the policy: the save / compress pattern)."""
 
     label: str
@@ -47,6 +47,7 @@ class Setting:
     recall: bool = False  # evicted entries kept in host memory, recalled by each new prompt (Llama(recall=True))
     recall_type: Optional[str] = None  # "q8_0": the host copy as q8_0 blocks (Llama(recall_type="q8_0"))
     n_batch: Optional[int] = None  # tokens per llama_decode (None: what the experiment passes)
+    n_ubatch: Optional[int] = None  # tokens per ubatch (None: n_batch)
 
     def budget_for(self, prompt_tokens: Optional[int] = None) -> Optional[int]:
         """Entries kept per sequence (a percentage needs the prompt's length)."""
@@ -91,6 +92,7 @@ class Setting:
         """Keyword arguments of `Llama(...)` for this setting (`n_batch` only where the label gives it: the caller's
         own n_batch is the default, `kwargs.setdefault`)."""
         return {**({"n_batch": self.n_batch} if self.n_batch else {}),
+                **({"n_ubatch": self.n_ubatch} if self.n_ubatch else {}),
                 "policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
                 "roll_interval": self.roll_interval, "export_scores": self.export_scores,
                 "compact_cells": self.compact, "type_k": self.type_k, "type_v": self.type_v,
@@ -119,6 +121,8 @@ def parse_setting(label: str) -> Setting:
             fields["flash_attn"] = fields["portable_scores"] = True
         elif s.startswith("batch") and s[5:].isdigit() and int(s[5:]) > 0:
             fields["n_batch"] = int(s[5:])
+        elif s.startswith("ubatch") and s[6:].isdigit() and int(s[6:]) > 0:
+            fields["n_ubatch"] = int(s[6:])
         elif s.startswith("k") and len(s) > 1:
             fields["type_k"] = s[1:]
         elif s.startswith("v") and len(s) > 1:
@@ -130,7 +134,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
             fields["recent_percent"] = float(s[1:-1])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa, +fapass, +batchN, +recall, +recallq8 or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa, +fapass, +batchN, +ubatchN, +recall, +recallq8 or +afterfull)")
     if policy_fields:
         fields["policy_fields"] = tuple(sorted(policy_fields.items()))
     if head == "full":

@@ -43,7 +43,7 @@ ENGINE_DEFAULTS = _engine.EngineParams()
 # is checked as one): checked and copied in one loop. Adding one: the C++ field and its binding, an entry here, the
 # keyword (its default read from ENGINE_DEFAULTS) and README's row (tests/unit/test_docs.py checks it).
 _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
-    "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_seq_max": 1, "kv_unified": None,
+    "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_ubatch": 0, "n_seq_max": 1, "kv_unified": None,
     "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None, "export_scores": None,
     "verbose": None,
 }
@@ -85,6 +85,10 @@ class Llama:
         n_ctx: KV cells to allocate; 0 = budget + n_batch (bounded) or the trained context (full).
         n_batch: tokens per llama_decode; prompts longer than the free cells are fed in chunks with eviction in
             between, so memory stays at about budget + n_batch cells.
+        n_ubatch: tokens per ubatch, llama.cpp's physical batch (its compute buffers grow with it): a batch is
+            computed in ubatches of this many tokens and evicted only after the whole batch (its scores summed over
+            all of them); 0 (the default) is n_batch, a larger value is n_batch (llama.cpp's and llama-cpp-python's
+            min(n_batch, n_ubatch)).
         n_seq_max: sequences the context can hold at once (each with its own budget).
         kv_unified: one cell space shared by all sequences (n_ctx = their budgets + one batch); False gives each
             sequence its own stream of n_ctx / n_seq_max cells (default: a budget + one batch each), so that a
@@ -143,8 +147,8 @@ class Llama:
             0.53x the bytes, and twice the tokens in recall=True's 256 MiB; a recalled entry differs from the one
             that left by q8_0's rounding). "q8_0" needs an F16 cache (no kv_f32, type_k or type_v).
 
-    llama-cpp-python's other keywords are taken where they ask for what this `Llama` does anyway: `n_ubatch` from
-    n_batch up (one ubatch per batch), `n_threads_batch` equal to n_threads, `type_k` / `type_v` as ggml type
+    llama-cpp-python's other keywords are taken where they ask for what this `Llama` does anyway: `n_threads_batch`
+    equal to n_threads, `type_k` / `type_v` as ggml type
     numbers (8: "q8_0"), `logits_all` and `no_perf` (ignored: logprobs need no logits_all here), and at their
     defaults the settings this library does not offer (`use_mmap=True`, `use_mlock=False`, `embedding=False`,
     `offload_kqv=True`, `lora_path=None`, `rope_freq_base=0.0`, ...; `h2o_local.llama_cpp_python`); any other value
@@ -164,6 +168,7 @@ class Llama:
         roll_interval: int = ENGINE_DEFAULTS.roll_interval,
         n_ctx: int = ENGINE_DEFAULTS.n_ctx,
         n_batch: int = ENGINE_DEFAULTS.n_batch,
+        n_ubatch: int = ENGINE_DEFAULTS.n_ubatch,
         n_seq_max: int = ENGINE_DEFAULTS.n_seq_max,
         kv_unified: bool = ENGINE_DEFAULTS.kv_unified,
         n_threads: Optional[int] = None,
@@ -187,7 +192,7 @@ class Llama:
         _scores_sum_rows: bool = False,
         **_llama_cpp_python: Any,
     ):
-        llama_cpp_python.check_constructor(_llama_cpp_python, n_batch=n_batch, n_threads=n_threads)
+        llama_cpp_python.check_constructor(_llama_cpp_python, n_threads=n_threads)
         type_k = llama_cpp_python.ggml_type_name("type_k", type_k)
         type_v = llama_cpp_python.ggml_type_name("type_v", type_v)
         if op_offload is None:  # llama-cpp-python's default: llama.cpp's

@@ -56,16 +56,11 @@ def without_not_done(params: Mapping[str, Any], not_done: Mapping[str, Tuple[Any
     return {k: v for k, v in params.items() if k not in not_done and k not in ignored}
 
 
-def check_constructor(keywords: Mapping[str, Any], *, n_batch: int, n_threads: Optional[int]) -> None:
+def check_constructor(keywords: Mapping[str, Any], *, n_threads: Optional[int]) -> None:
     """llama-cpp-python's `Llama(...)` keywords that this library's `Llama` has no parameter for: a name it does not
-    know is a TypeError (as Python's own), one that asks for something not done here a ValueError. `n_ubatch` is
-    llama-cpp-python's min(n_batch, n_ubatch): one ubatch per batch here (the policy evicts between them), so any
-    value from n_batch up; `n_threads_batch` may repeat n_threads."""
+    know is a TypeError (as Python's own), one that asks for something not done here a ValueError;
+    `n_threads_batch` may repeat n_threads."""
     rest = dict(keywords)
-    n_ubatch = rest.pop("n_ubatch", None)
-    if n_ubatch is not None and not (type(n_ubatch) is int and n_ubatch >= n_batch):
-        raise ValueError(f"n_ubatch: h2o_local decodes each batch of n_batch ({n_batch}) tokens as one ubatch, so "
-                         f"that the policy evicts between them; give n_batch alone (got n_ubatch={n_ubatch!r})")
     n_threads_batch = rest.pop("n_threads_batch", None)
     if n_threads_batch is not None and n_threads_batch != n_threads:
         raise ValueError(f"n_threads_batch: h2o_local reads prompts with n_threads threads; give n_threads alone "

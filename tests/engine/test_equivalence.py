@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from device_tolerance import approximate, assert_logits_close
 from greedy import greedy_trace
 from h2o_local import Llama
 from support.engine_view import engine
@@ -90,3 +91,28 @@ def test_the_benchmarks_plain_llama_cpp_baseline_decodes_what_the_full_cache_dec
     assert warm["tokens"] == tokens
     with pytest.raises(ValueError, match="n_decode"):
         _engine.plain_run(tiny_model, prompt, 0)
+
+
+@pytest.mark.parametrize("kw", [dict(policy="full", n_ctx=512), dict(policy="h2o", budget=24), dict(budget=24),
+                                dict(policy="h2o-24+ph")], ids=["full", "h2o", "default", "per-head"])
+def test_a_batch_computed_in_ubatches_is_evicted_as_one_batch(tiny_model, kw):
+    """n_ubatch below n_batch (llama.cpp's physical batch: what its compute buffers hold): each batch is computed in
+    ubatches and evicted once, after all of them, by its scores summed over all of them. The same decodes, entries
+    kept and logits as one ubatch per batch: exactly on the CPU backend (its scores up to the order of additions), at
+    the device's tolerance where attention adds in a device's precision."""
+    one = Llama(tiny_model, n_batch=64, **kw)
+    split = Llama(tiny_model, n_batch=64, n_ubatch=16, **kw)
+    assert (engine(one).n_ubatch, engine(split).n_ubatch) == (64, 16) and split.n_ctx() == one.n_ctx()
+    assert engine(Llama(tiny_model, n_batch=64, n_ubatch=1000, **kw)).n_ubatch == 64  # llama.cpp's min(n_batch, n_ubatch)
+    prompt = [3 + i % 250 for i in range(120)]  # two batches, an eviction after each in a bounded cache
+    for llm in (one, split):
+        llm.eval(prompt)
+        llm.eval([7])
+    assert engine(split).n_decode == engine(one).n_decode
+    kept, got = one.kv_state(), split.kv_state()
+    assert got.n_evicted == kept.n_evicted and (kept.n_evicted > 0) == (one.budget is not None)
+    device = approximate(one)
+    assert_logits_close(split.last_logits(), one.last_logits(), device=device, cpu_atol=0.0)
+    if not device:
+        assert got.positions.tolist() == kept.positions.tolist()
+        np.testing.assert_allclose(got.scores, kept.scores, rtol=1e-5, atol=1e-7)

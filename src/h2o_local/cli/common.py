@@ -73,6 +73,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     # rather than 1,024 at the chat's budget of 512
     g.add_argument("-b", "--n-batch", "--batch-size", dest="n_batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells "
                                                            "(default: %(default)s)")
+    g.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=int, default=ENGINE_DEFAULTS.n_ubatch,
+                   help="tokens per ubatch, llama.cpp's physical batch (its compute buffers); a prompt is evicted after "
+                   "each whole batch (default 0: the batch size)")
     g.add_argument("-s", "--seed", type=int, default=0)
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip reading a made-up prompt at load where layers are on a GPU (llama.cpp's --no-warmup; "
@@ -182,7 +185,8 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                                                            **{k: getattr(args, k) for k in _POLICY_OPTIONS})
         llm = Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                     position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
-                    n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc, seed=args.seed,
+                    n_ubatch=args.n_ubatch, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                    rpc_servers=args.rpc, seed=args.seed,
                     chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                     type_v=args.cache_type_v, recall=args.recall if args.recall != "auto" and budget else False,
                     recall_type=args.recall_type, **extra)
