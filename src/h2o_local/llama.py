@@ -43,9 +43,9 @@ ENGINE_DEFAULTS = _engine.EngineParams()
 # is checked as one): checked and copied in one loop. Adding one: the C++ field and its binding, an entry here, the
 # keyword (its default read from ENGINE_DEFAULTS) and README's row (tests/unit/test_docs.py checks it).
 _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
-    "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_ubatch": 0, "n_seq_max": 1, "kv_unified": None,
-    "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None, "export_scores": None,
-    "verbose": None,
+    "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_ubatch": 0, "n_seq_max": 1,
+    "kv_unified": None, "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None,
+    "export_scores": None, "verbose": None,
 }
 
 
@@ -148,11 +148,11 @@ class Llama:
             that left by q8_0's rounding). "q8_0" needs an F16 cache (no kv_f32, type_k or type_v).
 
     llama-cpp-python's other keywords are taken where they ask for what this `Llama` does anyway: `n_threads_batch`
-    equal to n_threads, `type_k` / `type_v` as ggml type
-    numbers (8: "q8_0"), `logits_all` and `no_perf` (ignored: logprobs need no logits_all here), and at their
-    defaults the settings this library does not offer (`use_mmap=True`, `use_mlock=False`, `embedding=False`,
-    `offload_kqv=True`, `lora_path=None`, `rope_freq_base=0.0`, ...; `h2o_local.llama_cpp_python`); any other value
-    is a ValueError naming it, an unknown keyword a TypeError.
+    equal to n_threads, `type_k` / `type_v` as ggml type numbers (8: "q8_0"), `logits_all` and `no_perf` (ignored:
+    logprobs need no logits_all here), and at their defaults the settings this library does not offer
+    (`use_mmap=True`, `use_mlock=False`, `embedding=False`, `offload_kqv=True`, `lora_path=None`,
+    `rope_freq_base=0.0`, ...; `h2o_local.llama_cpp_python`); any other value is a ValueError naming it, an unknown
+    keyword a TypeError.
     """
 
     def __init__(
@@ -562,14 +562,16 @@ class Llama:
         """Read a made-up prompt the way a prompt is read (a full chunk of n_batch tokens and, in a bounded cache whose
         budget is within three chunks, an eviction with its probe; within the trained context), decode one step, then
         forget it all, as llama.cpp's own tools do at load (`--no-warmup`): a GPU loads each kernel on its first use
-        (Metal and Vulkan compile theirs), which the first prompt would otherwise wait for. Runs where a layer is on a device other than the CPU, or `anywhere`
-        (the CPU loads nothing on first use: there it only reads the weights from the file early), and returns whether
-        it ran. For an empty cache (before the first prompt): ValueError otherwise."""
+        (Metal and Vulkan compile theirs), which the first prompt would otherwise wait for. Runs where a layer is on a
+        device other than the CPU, or `anywhere` (the CPU loads nothing on first use: there it only reads the weights
+        from the file early), and returns whether it ran. For an empty cache (before the first prompt): ValueError
+        otherwise."""
         if not anywhere and all(d == "CPU" for d in self.layer_devices):
             return False
         with self.lock:
             if self._engine.cells_used:
-                raise ValueError("warm_up() reads a made-up prompt into an empty cache: call it before the first prompt")
+                raise ValueError("warm_up() reads a made-up prompt into an empty cache: call it before the first "
+                                 "prompt")
             # a chunk, and past a budget within reach an eviction; never past four chunks or the trained context
             n = min(self.n_ctx() - 2, self.n_batch) if self.budget is None else self.budget + self.n_batch + 1
             n = max(1, min(n, 4 * self.n_batch, self.n_ctx_train() - 1))
