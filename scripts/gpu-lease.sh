@@ -52,6 +52,10 @@ case "${1:-1}" in
     bash scripts/gpu.sh bench -- --depths 8192 32768 --settings $SETTINGS --only $SETTINGS llama.cpp+fa \
         llama-cpp-python+fa
     pack bench-8k-32k
+    # issue 51's decode target at depth (>= 2x the full cache at 128k), each beside llama.cpp's own
+    OUT=$OUT/deep bash scripts/gpu.sh bench -- --depths 131072 --settings full+fa $DEFAULT+fa \
+        --only full+fa $DEFAULT+fa llama.cpp+fa
+    pack bench-128k
     # each run above follows a warm-up of the same prompt (llama-bench's way); cold, the first prompt of a process
     # also loads the kernels it uses first: the 8k figures of the last lease (0.50x) were cold, device_copies' warm
     OUT=$OUT/cold bash scripts/gpu.sh bench -- --depths 8192 --warmup-tokens 0 --settings full+fa $DEFAULT+fa \
@@ -61,10 +65,6 @@ case "${1:-1}" in
     OUT=$OUT/batch128 bash scripts/gpu.sh bench -- --depths 8192 --n-batch 128 --settings full+fa $DEFAULT+fa \
         --only full+fa $DEFAULT+fa llama.cpp+fa
     pack bench-batch128
-    # issue 51's decode target at depth (>= 2x the full cache at 128k), each beside llama.cpp's own
-    OUT=$OUT/deep bash scripts/gpu.sh bench -- --depths 131072 --settings full+fa $DEFAULT+fa \
-        --only full+fa $DEFAULT+fa llama.cpp+fa
-    pack bench-128k
     bash scripts/gpu.sh graphs
     pack graphs
     # what compaction and recall pay in transfers (patch 0013: a few per tensor; thousands per prompt before it)
