@@ -5,8 +5,9 @@ around it) and llama-cpp-python (unpatched, where installed) on the same model, 
     pip install ".[bench]"
     python -m benchmarks.bench --depths 512 2048 8192 --budgets 128 256 512 1024 --repeats 3 --out results/speed/bench
 
-Every setting runs in its own subprocess (peak resident memory is per process) and the settings of one depth run
-interleaved, repeat after repeat, so that machine noise spreads over all of them; medians are reported.
+Every setting runs in its own subprocess (peak resident memory is per process), after a warm-up on its own prompt
+(`--warmup-tokens`: a device loads its kernels on first use), and the settings of one depth run interleaved, repeat
+after repeat, so that machine noise spreads over all of them; medians are reported.
 Writes OUT.json (every measurement), OUT.md (tables) and OUT.png (decode speed and KV memory vs depth).
 """
 from __future__ import annotations

@@ -31,6 +31,14 @@ def test_the_batch_fits_the_context_and_a_step_of_every_sequence_fits_the_output
     assert size("h2o-8", n_batch=4, n_seq_max=16)["n_outputs_max"] == 16
 
 
+def test_a_ubatch_is_the_batch_unless_asked_smaller_and_never_larger():
+    assert size("h2o-64", n_batch=32)["n_ubatch"] == 32
+    assert size("h2o-64", n_batch=32, n_ubatch=8)["n_ubatch"] == 8
+    assert size("h2o-64", n_batch=32, n_ubatch=1000)["n_ubatch"] == 32  # llama.cpp's min(n_batch, n_ubatch)
+    assert size("full", n_ctx=100, n_batch=512, n_ubatch=256)["n_ubatch"] == 100  # the batch, cut to the context
+    assert size("h2o-64", n_batch=2048, n_ubatch=512)["n_ctx"] == 64 + 2048  # the cells follow the batch
+
+
 def test_an_n_ctx_without_room_beside_the_budgets_is_refused():
     with pytest.raises(ValueError, match="leaves no room beside the budget"):
         size("h2o-64", n_ctx=64)
