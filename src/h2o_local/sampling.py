@@ -96,6 +96,8 @@ class SamplingParams:
         check_int("top_k", self.top_k, minimum=0, maximum=None)  # at least the vocabulary: off
         check_int("seed", self.seed, maximum=None)  # any int: the sampler takes its low 32 bits
         stop = self.stop
+        if not (stop is None or isinstance(stop, (str, Sequence))):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
         stops: Tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if not all(isinstance(s, str) for s in stops):
             raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")

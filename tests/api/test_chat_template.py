@@ -43,9 +43,12 @@ def test_openai_message_forms():
     assert named.render([{"role": "user", "name": "ann", "content": "hi"}]) == "ann: hi\n"
     for bad, error in ((["hi"], TypeError), ([{"content": "x"}], ValueError), ([{"role": "user"}], ValueError),
                        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], ValueError),
+                       ([{"role": "user", "content": [{"type": "text"}]}], ValueError),
                        ([{"role": "user", "content": 3}], TypeError), ("hi", TypeError)):
         with pytest.raises(error):
             named.render(bad)
+    with pytest.raises(ValueError, match="needs 'text'"):
+        named.render([{"role": "user", "content": [{"type": "text", "text": None}]}])
 
 
 def test_a_template_given_by_the_user(bare_model):

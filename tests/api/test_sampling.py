@@ -53,13 +53,14 @@ def test_logit_bias_pushes_and_bans_tokens(tiny_model):
     assert banned[0] != plain[0] and plain[0] not in banned
 
 
-def test_bad_penalties_and_bias_raise_and_leave_the_llama_usable(tiny_model):
+def test_bad_penalties_bias_and_stops_raise_and_leave_the_llama_usable(tiny_model):
     llm = Llama(tiny_model, policy="h2o", budget=24, n_batch=32)
     before = llm.generate("abc", max_tokens=8, temperature=0)
     for kwargs, error in (({"repeat_penalty": 0}, ValueError), ({"frequency_penalty": float("nan")}, ValueError),
                           ({"penalty_last_n": -1}, ValueError), ({"logit_bias": {-1: 1.0}}, ValueError),
                           ({"logit_bias": {"x": 1.0}}, ValueError), ({"logit_bias": {3: "high"}}, ValueError),
-                          ({"logit_bias": [1, 2]}, TypeError), ({"logit_bias": {10**6: 1.0}}, ValueError)):
+                          ({"logit_bias": [1, 2]}, TypeError), ({"logit_bias": {10**6: 1.0}}, ValueError),
+                          ({"stop": 5}, TypeError), ({"stop": ["a", 5]}, TypeError), ({"stop": {"a"}}, TypeError)):
         with pytest.raises(error):
             llm.generate("abc", max_tokens=8, temperature=0, **kwargs)
     assert llm.generate("abc", max_tokens=8, temperature=0) == before
