@@ -560,7 +560,8 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             batch_.pos[j]       = p0 + (llama_pos) i;
             batch_.n_seq_id[j]  = 1;
             batch_.seq_id[j][0] = seq;
-            batch_.logits[j]    = logits_all || i + 1 == toks.size();
+            // a probe's tokens give no logits: it leaves the sequence's own (last_logits_) as they were
+            batch_.logits[j]    = probes.count(seq) == 0 && (logits_all || i + 1 == toks.size());
         }
     }
 
@@ -588,15 +589,17 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
     for (const auto & [seq, toks] : chunk) {
         SeqCache & sc = seqs_.at(seq);
         const int32_t n_new = (int32_t) toks.size();
-        if (logits_all) {
-            auto & rows = logits_all_[seq];
-            for (int32_t i = 0; i < n_new; ++i) {
-                const float * row = llama_get_logits_ith(ctx_, j + i);
-                rows.insert(rows.end(), row, row + n_vocab);
+        if (probes.count(seq) == 0) {
+            if (logits_all) {
+                auto & rows = logits_all_[seq];
+                for (int32_t i = 0; i < n_new; ++i) {
+                    const float * row = llama_get_logits_ith(ctx_, j + i);
+                    rows.insert(rows.end(), row, row + n_vocab);
+                }
             }
+            const float * last = llama_get_logits_ith(ctx_, j + n_new - 1);
+            last_logits_[seq].assign(last, last + n_vocab);
         }
-        const float * last = llama_get_logits_ith(ctx_, j + n_new - 1);
-        last_logits_[seq].assign(last, last + n_vocab);
         j += n_new;
 
         sc.append(toks);

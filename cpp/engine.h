@@ -150,7 +150,7 @@ private:
     // riders: valid tokens of existing sequences, each with a stream of its own, none of them being fed
     void check_riders(const Riders & riders, const TokenMap & fed);
     // query_windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
-    // probes: the sequences whose tokens in chunk are a probe's (observed into SeqScores::probe)
+    // probes: the sequences whose tokens in chunk are a probe's (observed into SeqScores::probe; they give no logits)
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
                 const std::set<llama_seq_id> & query_windows = {}, const std::set<llama_seq_id> & probes = {});
     void evict(llama_seq_id seq, int32_t incoming = 0); // incoming: SeqCache::evict's
@@ -158,7 +158,8 @@ private:
     // (the question probe's source; null in compress())
     void probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt);
     void run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt);
-    // decode toks after what seq holds as a probe, then remove them (cells, positions, scores, logits)
+    // decode toks after what seq holds as a probe, then remove them (cells, positions, scores); its logits are never
+    // computed, so the sequence's last logits stay those of its own last token
     void probe(llama_seq_id seq, const std::vector<llama_token> & toks);
     // add a probe decode's exported sums over the entries it probes to probe_sums_
     void add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n);

@@ -76,9 +76,6 @@ void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
     if (toks.empty()) {
         return;
     }
-    const auto it = last_logits_.find(seq);
-    const bool had_logits = it != last_logits_.end();
-    const std::vector<float> logits = had_logits ? it->second : std::vector<float>();
     SeqCache & sc = seqs_.at(seq);
     const auto t0 = std::chrono::steady_clock::now();
     const int32_t n_old = sc.size();
@@ -92,11 +89,6 @@ void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
     const Policy & policy = policy_of(seq);
     sc.observe_probe(policy, probe_sums_, (int32_t) toks.size(), policy.probe().source == ProbeSource::repeat);
     sc.note_probe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    if (had_logits) {
-        last_logits_[seq] = logits;
-    } else {
-        last_logits_.erase(seq);
-    }
 }
 
 void Engine::add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n) {
