@@ -267,13 +267,14 @@ PYBIND11_MODULE(_engine, m) {
     }, py::arg("params"), py::arg("key_head"), py::arg("offloaded_to") = "", py::arg("rotation_disabled") = false,
        "The (K, V) cache types a context gets from params on a model with key heads of key_head values whose layers "
        "are on offloaded_to (empty: the CPU); raises ValueError for what llama.cpp cannot do with them.");
-    m.def("flash_attn_type", [](const EngineParams & params, const std::string & offloaded_to) {
+    m.def("flash_attn_type", [](const EngineParams & params, const std::string & offloaded_to, bool software_device) {
         KvTypeFacts facts;
         facts.offloaded_to = offloaded_to;
+        facts.software_device = software_device;
         return std::string(llama_flash_attn_type_name(flash_attn_type(params, facts)));
-    }, py::arg("params"), py::arg("offloaded_to") = "",
+    }, py::arg("params"), py::arg("offloaded_to") = "", py::arg("software_device") = false,
        "What a context with params asks llama.cpp for (\"enabled\", \"disabled\" or \"auto\") when its layers are "
-       "on offloaded_to (empty: the CPU).");
+       "on offloaded_to (empty: the CPU; software_device: a device that runs on the CPU, as Mesa's lavapipe).");
     m.def("plan_prefill", [](const std::map<llama_seq_id, size_t> & sizes, const std::map<llama_seq_id, int32_t> & cells,
                              int32_t capacity, bool kv_unified, bool defer_eviction, bool bounded, int32_t budget,
                              size_t n_batch, size_t query_window) {

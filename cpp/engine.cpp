@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <limits>
 #include <numeric>
@@ -64,6 +65,8 @@ KvTypeFacts kv_type_facts(const Model & model, const Model::Offload & offload) {
     facts.key_head = key_head_size(model.get());
     // the first device other than the CPU that holds a layer (and its KV cache); empty: everything on the CPU
     facts.offloaded_to = offload.devices.empty() ? "" : offload.devices.front();
+    ggml_backend_dev_t dev = facts.offloaded_to.empty() ? nullptr : ggml_backend_dev_by_name(facts.offloaded_to.c_str());
+    facts.software_device = dev != nullptr && std::strstr(ggml_backend_dev_description(dev), "llvmpipe") != nullptr;
     const char * rot_disable = std::getenv("LLAMA_ATTN_ROT_DISABLE");
     facts.rotation_disabled = rot_disable && std::atoi(rot_disable);
     return facts;

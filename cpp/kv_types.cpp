@@ -97,12 +97,12 @@ llama_flash_attn_type flash_attn_type(const EngineParams & params, const KvTypeF
     if (!params.type_v.empty() && ggml_is_quantized(kv_cache_type("type_v", params.type_v))) {
         return LLAMA_FLASH_ATTN_TYPE_ENABLED;
     }
-    // CUDA and Metal (ggml's "MTL") only: on Vulkan, llama.cpp's flash-attention shader crashed Mesa's lavapipe
-    // (its queue thread) under the server's concurrent streams and in a recall test with one stream, with the full
-    // cache as with the policies (docs/gpu.md); the other backends (RPC, ...) are untested here
+    // a GPU: CUDA, Metal (ggml's "MTL") and Vulkan, but not a Vulkan device that is the CPU itself (Mesa's lavapipe:
+    // off as on the CPU, and its flash-attention shader crashed Mesa 22.3, not 25: docs/gpu.md); the other backends
+    // (RPC, ...) are untested here
     const std::string & dev = facts.offloaded_to;
-    const bool home_gpu = dev.rfind("CUDA", 0) == 0 || dev.rfind("MTL", 0) == 0;
-    return home_gpu ? LLAMA_FLASH_ATTN_TYPE_AUTO : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    const bool gpu = dev.rfind("CUDA", 0) == 0 || dev.rfind("MTL", 0) == 0 || dev.rfind("Vulkan", 0) == 0;
+    return gpu && !facts.software_device ? LLAMA_FLASH_ATTN_TYPE_AUTO : LLAMA_FLASH_ATTN_TYPE_DISABLED;
 }
 
 } // namespace h2o

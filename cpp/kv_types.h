@@ -15,6 +15,7 @@ namespace h2o {
 struct KvTypeFacts {
     int32_t     key_head = 0;             // elements per key head (GGUF's attention.key_length)
     std::string offloaded_to;             // the first device other than the CPU that holds a layer; empty: none
+    bool        software_device = false;  // offloaded_to runs on the CPU itself (Mesa's lavapipe, "llvmpipe")
     bool        rotation_disabled = false; // LLAMA_ATTN_ROT_DISABLE: llama.cpp's Hadamard rotation of quantized K/V off
 };
 

@@ -109,9 +109,10 @@ class Llama:
             layers (`n_gpu_layers`) run there and on this machine's GPUs, split by their free memory. Scores and
             eviction work as locally. A model uses its own servers only, never one an earlier `Llama` reached.
         flash_attn: llama.cpp's flash attention, with every policy: "auto" (the default) as llama.cpp's `-fa auto`
-            where the layers run on a CUDA or Metal GPU (on where the device supports it: an 8k prompt on an H200 is
-            read 4.4x faster), on for a quantized V cache, and off on the CPU, where it gains nothing for these
-            models and costs the scoring policies a pass, and on Vulkan (docs/gpu.md); True or "on", False or "off".
+            where the layers run on a CUDA, Metal or Vulkan GPU (on where the device supports it: an 8k prompt on an
+            H200 is read 4.4x faster), on for a quantized V cache, and off on the CPU, where it gains nothing for
+            these models and costs the scoring policies a pass, as on a Vulkan device that is the CPU (Mesa's
+            lavapipe; docs/gpu.md); True or "on", False or "off".
             `Llama.flash_attn` says what the context runs; a snapshot taken with it restores only into a context
             with it (V is kept untransposed). It forms no softmax: for the scoring policies the CPU kernel writes the softmax's column sums itself (a
             cache in CPU memory costs what `local` costs); a cache on a GPU gets them from a KQ softmax pass beside

@@ -28,15 +28,16 @@ def test_a_full_cache_snapshot_taken_past_the_window_loads_and_continues_as_the_
 
 
 def test_flash_attention_scores_on_a_window_model_decode_after_a_prompt_of_512_cells(tiny_swa_model, request):
-    # Mesa's lavapipe kills the process here (docs/gpu.md, "Sliding-window models with flash attention on Vulkan"):
-    # a child process, so that the crash is a failed check and not the end of the run
-    if any(d.name.startswith("Vulkan") for d in h2o_local.devices()):  # where a tiny model's layers go
-        request.applymarker(pytest.mark.xfail(reason="ggml-vulkan on lavapipe: SIGSEGV in its queue thread", strict=False))
+    # Mesa 22.3's lavapipe (CI's) kills the process here, Mesa 25's does not (docs/gpu.md, "Sliding-window models with
+    # flash attention on Vulkan"): a child process, so that a crash is a failed check and not the end of the run; its
+    # time limit leaves room for a device compiling its shaders for the first time (lavapipe 25: minutes)
+    if any("llvmpipe" in d.description for d in h2o_local.devices()):
+        request.applymarker(pytest.mark.xfail(reason="Mesa 22.3's lavapipe: SIGSEGV in its queue thread", strict=False))
     script = (f"from h2o_local import Llama\n"
               f"llm = Llama({tiny_swa_model!r}, policy='h2o', budget=600, flash_attn='on')\n"
               f"llm.eval({PROMPT[:150] * 2!r})\n"  # 300 tokens: a base cache of 512 cells
               f"for t in (5, 6, 7):\n    llm.eval([t])\n"
               f"print(len(llm.kv_state().positions))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "303"

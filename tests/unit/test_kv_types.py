@@ -35,17 +35,17 @@ def test_a_quantized_v_needs_flash_attention():
     assert types(type_v="q8_0") == ("f16", "q8_0")  # auto: flash_attn_type turns it on
 
 
-def flash(offloaded_to="", **settings):
-    return _engine.flash_attn_type(engine_params(**settings), offloaded_to)
+def flash(offloaded_to="", software_device=False, **settings):
+    return _engine.flash_attn_type(engine_params(**settings), offloaded_to, software_device)
 
 
 def test_flash_attention_is_auto_on_a_gpu_and_off_on_the_cpu_unless_asked():
     assert flash() == "disabled"  # the default, on the CPU: the kernel gains nothing there
-    for device in ("CUDA0", "CUDA1", "MTL0"):
+    for device in ("CUDA0", "CUDA1", "MTL0", "Vulkan0"):
         assert flash(device) == "auto"  # llama.cpp's own rule decides there: on where the device supports it
         assert flash(device, n_seq_max=4, kv_unified=False) == "auto"  # a stream per sequence (the server's slots)
-    # Vulkan's shader crashed lavapipe (docs/gpu.md); RPC is untested
-    for device, settings in (("Vulkan0", {}), ("Vulkan0", {"n_seq_max": 4, "kv_unified": False}), ("RPC0", {})):
+    # a Vulkan device that is the CPU itself (Mesa's lavapipe) is the CPU here; RPC is untested
+    for device, settings in (("Vulkan0", {"software_device": True}), ("RPC0", {})):
         assert flash(device, **settings) == "disabled" and flash(device, flash_attn=1, **settings) == "enabled"
     assert flash(type_v="q8_0") == flash("CUDA0", type_v="q4_0") == "enabled"  # a quantized V needs it
     assert flash(type_v="f16") == "disabled"

@@ -55,8 +55,8 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
     g.add_argument("-fa", "--flash-attn", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
-                   help="llama.cpp's flash attention, with every policy (default auto: on where the layers run on a CUDA "
-                   "or Metal GPU, off on the CPU and on Vulkan; --flash-attn alone: on)")
+                   help="llama.cpp's flash attention, with every policy (default auto: on where the layers run on a CUDA, "
+                   "Metal or Vulkan GPU, off on the CPU and lavapipe; --flash-attn alone: on)")
     g.add_argument("-ctk", "--cache-type-k", help="K cache type: f16 (default), q8_0, q4_0, ... (llama.cpp's -ctk)")
     g.add_argument("-ctv", "--cache-type-v", help="V cache type: f16 (default), q8_0, ...; a quantized one needs flash attention")
     g.add_argument("--recall", nargs="?", const=True, default="auto" if recall_default else False, type=_recall_value,
