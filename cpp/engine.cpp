@@ -557,14 +557,15 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
     batch_.n_tokens = 0;
     for (const auto & [seq, toks] : chunk) {
         const llama_pos p0 = seqs_.at(seq).next_pos();
+        // a probe's tokens give no logits: it leaves the sequence's own (last_logits_) as they were
+        const bool wants_logits = probes.count(seq) == 0;
         for (size_t i = 0; i < toks.size(); ++i) {
             const int32_t j = batch_.n_tokens++;
             batch_.token[j]     = toks[i];
             batch_.pos[j]       = p0 + (llama_pos) i;
             batch_.n_seq_id[j]  = 1;
             batch_.seq_id[j][0] = seq;
-            // a probe's tokens give no logits: it leaves the sequence's own (last_logits_) as they were
-            batch_.logits[j]    = probes.count(seq) == 0 && (logits_all || i + 1 == toks.size());
+            batch_.logits[j]    = wants_logits && (logits_all || i + 1 == toks.size());
         }
     }
 

@@ -96,10 +96,9 @@ class SamplingParams:
         check_int("top_k", self.top_k, minimum=0, maximum=None)  # at least the vocabulary: off
         check_int("seed", self.seed, maximum=None)  # any int: the sampler takes its low 32 bits
         stop = self.stop
-        if not (stop is None or isinstance(stop, (str, Sequence))):
-            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
-        stops: Tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if not all(isinstance(s, str) for s in stops):
+        is_sequence = stop is None or isinstance(stop, (str, Sequence))
+        stops: Tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop or ()) if is_sequence else ()
+        if not is_sequence or not all(isinstance(s, str) for s in stops):
             raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
         object.__setattr__(self, "stop", tuple(s for s in stops if s))
         if self.ignore_eos and self.max_tokens is None:
