@@ -237,12 +237,13 @@ PYBIND11_MODULE(_engine, m) {
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
     m.def("context_size", [](const EngineParams & params, std::shared_ptr<Policy> policy, int32_t n_ctx_train,
-                             int32_t n_probe) {
-        const ContextSize c = context_size(params, *policy, n_ctx_train, n_probe);
+                             int32_t n_probe, int32_t n_ride) {
+        const ContextSize c = context_size(params, *policy, n_ctx_train, n_probe, n_ride);
         return py::dict("n_ctx"_a = c.n_ctx, "n_batch"_a = c.n_batch, "n_ubatch"_a = c.n_ubatch,
-                        "n_outputs_max"_a = c.n_outputs_max);
-    }, py::arg("params"), py::arg("policy"), py::arg("n_ctx_train"), py::arg("n_probe") = 0,
-       "The KV cells, batch and logits rows of a context for params under policy (n_probe: one probe's cells).");
+                        "n_outputs_max"_a = c.n_outputs_max, "n_probe_ride"_a = c.n_probe_ride);
+    }, py::arg("params"), py::arg("policy"), py::arg("n_ctx_train"), py::arg("n_probe") = 0, py::arg("n_ride") = 0,
+       "The KV cells, batch and logits rows of a context for params under policy (n_probe: one probe's cells; n_ride: "
+       "the probe's tokens that can ride with a chunk's decode).");
     m.def("q8_0_entry_bytes", &q8_0_entry_bytes, py::arg("raw_bytes"), "Bytes of one F16 entry kept as q8_0 blocks.");
     m.def("check_host_memory", [](uint32_t n_ctx, uint32_t n_outputs_max, uint64_t kv_bytes_per_cell, int32_t n_vocab,
                                   bool kv_on_host, uint64_t have) {
@@ -420,6 +421,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_readwrite("n_ctx", &EngineParams::n_ctx)
         .def_readwrite("n_batch", &EngineParams::n_batch)
         .def_readwrite("n_ubatch", &EngineParams::n_ubatch)
+        .def_readwrite("probe_rides", &EngineParams::probe_rides)
         .def_readwrite("n_seq_max", &EngineParams::n_seq_max)
         .def_readwrite("n_keep", &EngineParams::n_keep)
         .def_readwrite("kv_unified", &EngineParams::kv_unified)
@@ -558,6 +560,8 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("cells_used", [](const Engine & e) { return without_gil([&] { return e.cells_used(); }); })
         .def_property_readonly("scores_sum_rows", &Engine::scores_sum_rows)
         .def_property_readonly("flash_attn", &Engine::flash_attn, "Whether the context runs flash attention.")
+        .def_property_readonly("probe_rides", &Engine::probe_rides,
+                               "Whether a prompt's probe is decoded with the chunk before its eviction.")
         .def_property_readonly("params", [](const Engine & e) {
             EngineParams p = e.params();
             p.check_interrupt = nullptr;

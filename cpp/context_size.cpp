@@ -20,7 +20,8 @@ uint32_t padded_cells(uint32_t n_cells, uint32_t n_seq, bool kv_unified) {
     return kv_unified ? up(n_cells) : n_seq*up(up(n_cells)/n_seq);
 }
 
-ContextSize context_size(const EngineParams & params, const Policy & policy, int32_t n_ctx_train, int32_t n_probe) {
+ContextSize context_size(const EngineParams & params, const Policy & policy, int32_t n_ctx_train, int32_t n_probe,
+                         int32_t n_ride) {
     // cells per stream: the budgets of all sequences + one batch (unified), or a budget + one batch per sequence
     const uint32_t n_stream        = params.kv_unified ? 1 : params.n_seq_max;
     const uint32_t kept_per_stream = policy.bounded() ? params.n_seq_max/n_stream*policy.split().total() : 0;
@@ -39,6 +40,7 @@ ContextSize context_size(const EngineParams & params, const Policy & policy, int
     out.n_batch       = std::min(params.n_batch, out.n_ctx);
     out.n_ubatch      = params.n_ubatch == 0 ? out.n_batch : std::min(params.n_ubatch, out.n_batch);
     out.n_outputs_max = std::max(out.n_batch, params.n_seq_max); // a step of n_seq_max sequences has that many outputs
+    out.n_probe_ride  = policy.bounded() ? std::min((uint32_t) std::max(n_ride, 0), out.n_ctx - out.n_batch) : 0;
     return out;
 }
 

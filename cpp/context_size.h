@@ -20,12 +20,17 @@ struct ContextSize {
     uint32_t n_batch       = 0; // tokens per llama_decode
     uint32_t n_ubatch      = 0; // tokens per ubatch: params' (0: n_batch), at most n_batch
     uint32_t n_outputs_max = 0; // rows of logits one decode may return
+    // a probe's tokens that can ride with a whole batch in one llama_decode: llama.cpp's batch and ubatch are made
+    // that much larger than n_batch and n_ubatch, which stay the tokens a prompt is read in per chunk
+    uint32_t n_probe_ride  = 0;
 };
 
 // the context for params under policy: n_ctx as asked, or (0) the budgets plus one batch and one probe's cells
 // (n_probe) per stream for a bounded policy, the trained context per stream for the full cache; refuses an n_ctx that
-// leaves no room beside the budgets
-ContextSize context_size(const EngineParams & params, const Policy & policy, int32_t n_ctx_train, int32_t n_probe);
+// leaves no room beside the budgets; n_ride: the probe's tokens that can ride with a chunk (the question or catalyst
+// probe's; 0 for the repeat probe, which is a batch of its own)
+ContextSize context_size(const EngineParams & params, const Policy & policy, int32_t n_ctx_train, int32_t n_probe,
+                         int32_t n_ride = 0);
 
 // refuses a context whose KV cells (when they are in host memory) and logits alone need more than `have` bytes
 // (0: unknown, nothing refused): parts of it would be allocated, and the system would stop the process when they

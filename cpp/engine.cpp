@@ -75,8 +75,8 @@ KvTypeFacts kv_type_facts(const Model & model, const Model::Offload & offload) {
 llama_context_params context_params(const EngineParams & params, const ContextSize & size, const KvTypeFacts & facts) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = size.n_ctx;
-    cp.n_batch         = size.n_batch;
-    cp.n_ubatch        = size.n_ubatch;
+    cp.n_batch         = size.n_batch + size.n_probe_ride;
+    cp.n_ubatch        = size.n_ubatch + size.n_probe_ride;
     cp.n_outputs_max   = size.n_outputs_max;
     cp.n_seq_max       = params.n_seq_max;
     cp.kv_unified      = params.kv_unified;
@@ -126,9 +126,14 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     catalyst_      = model_->tokenize(probe_text(ProbeSource::catalyst), false, false);
     repeat_prefix_ = model_->tokenize(probe_text(ProbeSource::repeat), false, false);
 
+    const ProbeSource probe_source = policy_->probe().source;
+    const bool probe_can_ride = params.probe_rides &&
+                                (probe_source == ProbeSource::question || probe_source == ProbeSource::catalyst);
     const ContextSize size = context_size(params, *policy_, llama_model_n_ctx_train(model_->get()),
-                                          probe_cells(*policy_));
+                                          probe_cells(*policy_), probe_can_ride ? probe_cells(*policy_) : 0);
     capacity_ = size.n_ctx;
+    n_batch_  = size.n_batch;
+    n_ubatch_ = size.n_ubatch;
     check_evictable(*policy_);
     check_room(*policy_);
     if (policy_->bounded()) {
@@ -159,6 +164,10 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         if (scores_path_ < 0) {
             throw std::invalid_argument("cannot export attention scores for this model" + llama_error_suffix());
         }
+        // the CPU's flash kernel sums all its queries together: a riding probe would take the scores' separate pass
+        // there, which costs more on the CPU than the probe's own decode
+        const bool on_cpu_kernel = llama_flash_attn_enabled(ctx_) && offload.n_layer < llama_model_n_layer(model_->get());
+        probe_rides_ = size.n_probe_ride > 0 && !on_cpu_kernel;
     }
     use_per_head(*policy_);
     check_recall(*policy_, params_.host_entries);
@@ -339,6 +348,7 @@ void Engine::set_keep(llama_seq_id seq, int32_t n_keep) {
 void Engine::compress(llama_seq_id seq) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const int64_t n_evicted = seq_cache(seq).state().n_evicted;
+    probed_.clear();
     probe_and_evict(seq, nullptr);
     if (seqs_.at(seq).state().n_evicted > n_evicted) {
         compact(seq);
@@ -364,6 +374,7 @@ void Engine::eval(const TokenMap & tokens, bool logits_all, const std::function<
         mark_clean(clean, kv.first);
         seqs_.at(kv.first).note_feed(kv.second.size(), policy_of(kv.first).probe().question);
     }
+    probed_.clear();
     recall_prompts(clean, tokens); // a new prompt first brings back what it asks about of what its sequence spilled
     feed_steps(clean, plan, tokens, logits_all, between_chunks);
     if (plan.fits) {
@@ -524,7 +535,8 @@ void Engine::feed_steps(CleanState & clean, const PrefillPlan & plan, const Toke
         } else {
             chunk.insert(riders.begin(), riders.end());
         }
-        decode(chunk, logits_all, step.query_windows);
+        probed_.clear();
+        decode(chunk, logits_all, step.query_windows, {}, riding_probes(step, chunk, tokens));
         for (const auto & kv : riders) {
             evict_or_roll_back(clean, kv.first, &kv.second);
         }
@@ -553,19 +565,33 @@ void Engine::check_riders(const Riders & riders, const TokenMap & fed) {
 }
 
 void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
-                    const std::set<llama_seq_id> & query_windows, const std::set<llama_seq_id> & probes) {
+                    const std::set<llama_seq_id> & query_windows, const std::set<llama_seq_id> & probes,
+                    const TokenMap & rides) {
     batch_.n_tokens = 0;
+    const auto add = [&](llama_seq_id seq, llama_token token, llama_pos pos, bool logits) {
+        const int32_t j = batch_.n_tokens++;
+        batch_.token[j]     = token;
+        batch_.pos[j]       = pos;
+        batch_.n_seq_id[j]  = 1;
+        batch_.seq_id[j][0] = seq;
+        batch_.logits[j]    = logits;
+    };
     for (const auto & [seq, toks] : chunk) {
         const llama_pos p0 = seqs_.at(seq).next_pos();
         // a probe's tokens give no logits: it leaves the sequence's own (last_logits_) as they were
         const bool wants_logits = probes.count(seq) == 0;
         for (size_t i = 0; i < toks.size(); ++i) {
-            const int32_t j = batch_.n_tokens++;
-            batch_.token[j]     = toks[i];
-            batch_.pos[j]       = p0 + (llama_pos) i;
-            batch_.n_seq_id[j]  = 1;
-            batch_.seq_id[j][0] = seq;
-            batch_.logits[j]    = wants_logits && (logits_all || i + 1 == toks.size());
+            add(seq, toks[i], p0 + (llama_pos) i, wants_logits && (logits_all || i + 1 == toks.size()));
+        }
+        const auto ride = rides.find(seq);
+        if (ride != rides.end()) {
+            const llama_pos p_probe = p0 + (llama_pos) toks.size();
+            for (size_t i = 0; i < ride->second.size(); ++i) {
+                add(seq, ride->second[i], p_probe + (llama_pos) i, false);
+            }
+            if (llama_attn_scores_probe(ctx_, seq, p_probe) != 0) {
+                throw std::logic_error("a probe rides with a chunk, but no scores are exported");
+            }
         }
     }
 
@@ -593,6 +619,8 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
     for (const auto & [seq, toks] : chunk) {
         SeqCache & sc = seqs_.at(seq);
         const int32_t n_new = (int32_t) toks.size();
+        const auto ride = rides.find(seq);
+        const int32_t n_ride = ride == rides.end() ? 0 : (int32_t) ride->second.size();
         if (probes.count(seq) == 0) {
             if (logits_all) {
                 auto & rows = logits_all_[seq];
@@ -604,7 +632,7 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             const float * last = llama_get_logits_ith(ctx_, j + n_new - 1);
             last_logits_[seq].assign(last, last + n_vocab);
         }
-        j += n_new;
+        j += n_new + n_ride;
 
         sc.append(toks);
         if (scores_path_ >= 0) {
@@ -619,9 +647,20 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
                 if (policy.per_head()) { // first: a sequence's first per-head decode starts from the scores before it
                     sc.observe_heads(policy, n_new, window);
                 }
-                sc.observe(policy, pos, sums, n, n_new, window,
+                // (a riding probe's entries are the newest n_ride: the chunk's queries gave them nothing)
+                sc.observe(policy, pos, sums, n - n_ride, n_new, window,
                            !(window && policy.probe().source == ProbeSource::question));
             }
+        }
+        if (n_ride > 0) {
+            probe_sums_.assign((size_t) sc.size()*n_head_, 0.0f);
+            sc.append(ride->second);
+            const llama_pos * pos = nullptr;
+            const float * sums = nullptr;
+            const int32_t n = llama_attn_scores_get_probe(ctx_, seq, &pos, &sums);
+            add_probe_sums(sc, pos, sums, n);
+            finish_probe(seq, n_ride, 0.0); // its time is the chunk's decode's
+            probed_.insert(seq);
         }
     }
 }

@@ -107,8 +107,8 @@ public:
     const EngineParams & params() const { return params_; }
     llama_context * ctx()   const { return ctx_; }
     uint32_t n_ctx()    const { return llama_n_ctx(ctx_); }
-    uint32_t n_batch()  const { return llama_n_batch(ctx_); }
-    uint32_t n_ubatch() const { return llama_n_ubatch(ctx_); }
+    uint32_t n_batch()  const { return n_batch_; }  // tokens a prompt is read in per chunk
+    uint32_t n_ubatch() const { return n_ubatch_; } // and per ubatch (llama.cpp's are larger by a riding probe)
     int32_t n_threads() const { return llama_n_threads(ctx_); }
     uint32_t capacity() const { return capacity_; } // cells the engine fills: n_ctx as asked, before llama.cpp pads it
     uint32_t stream_capacity() const;               // cells of one stream: all of them, or a sequence's share
@@ -120,6 +120,9 @@ public:
     size_t   kv_bytes() const;    // bytes allocated for the KV cache
     // cells a policy's probe needs beside a sequence's entries (the repeat probe: its instruction + one batch)
     int32_t  probe_cells(const Policy & policy) const;
+    // whether a prompt's question (or catalyst) probe is decoded in the same llama_decode as the chunk before the
+    // eviction it ranks for, its queries' attention summed apart (llama_attn_scores_probe), rather than after it
+    bool     probe_rides() const { return probe_rides_; }
     int32_t  cells_used() const;  // KV entries held by all sequences
     int64_t  n_decode() const { return n_decode_; } // llama_decode calls made so far
     int32_t  n_graphs_reused() const { return llama_perf_context(ctx_).n_reused; } // decodes that reused the last graph
@@ -151,8 +154,19 @@ private:
     void check_riders(const Riders & riders, const TokenMap & fed);
     // query_windows: the sequences whose tokens in chunk are their prompt's query window (Policy::query_window)
     // probes: the sequences whose tokens in chunk are a probe's (observed into SeqScores::probe; they give no logits)
+    // rides: the probes decoded after their sequence's tokens in chunk (riding_probe), then removed
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
-                const std::set<llama_seq_id> & query_windows = {}, const std::set<llama_seq_id> & probes = {});
+                const std::set<llama_seq_id> & query_windows = {}, const std::set<llama_seq_id> & probes = {},
+                const TokenMap & rides = {});
+    // the probe seq's eviction after its next n_chunk tokens of prompt will run, where it can ride with them in one
+    // decode (the question or catalyst probe, scores exported apart, a batch with room); else none
+    std::vector<llama_token> riding_probe(llama_seq_id seq, size_t n_chunk, const std::vector<llama_token> & prompt) const;
+    TokenMap riding_probes(const PrefillStep & step, const TokenMap & chunk, const TokenMap & tokens) const;
+    // the probe's tokens seq's policy decodes before an eviction: the prompt's last ones, or the catalyst's; empty
+    // for the repeat probe (its own batches) and where there is no question (compress())
+    std::vector<llama_token> question_or_catalyst(llama_seq_id seq, const std::vector<llama_token> * prompt) const;
+    // a probe's decode done (toks.size() queries, their sums in probe_sums_): remove it, and rank by its attention
+    void finish_probe(llama_seq_id seq, int32_t n_toks, double seconds);
     void evict(llama_seq_id seq, int32_t incoming = 0); // incoming: SeqCache::evict's
     // before an eviction that will remove entries, the policy's probe ranks them; `prompt` is the prompt being fed
     // (the question probe's source; null in compress())
@@ -191,6 +205,10 @@ private:
     int32_t  n_head_ = 0;
     uint32_t capacity_ = 0;
     int32_t  scores_path_ = -1; // llama_attn_scores_enable: 0 out_prod, 1 sum_rows, -1 off
+    uint32_t n_batch_  = 0;
+    uint32_t n_ubatch_ = 0;
+    bool     probe_rides_ = false;
+    std::set<llama_seq_id> probed_; // sequences whose probe rode with the last chunk: their eviction runs none
     std::string origin_;
     std::vector<llama_token> catalyst_;      // the catalyst probe's tokens
     std::vector<llama_token> repeat_prefix_; // the repeat probe's instruction, before the entries' own tokens

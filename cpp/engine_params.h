@@ -36,6 +36,9 @@ struct EngineParams {
     bool     op_offload = true;       // llama.cpp's: large batches' products of CPU-held weights run on the GPU
     std::vector<std::string> rpc_servers; // "host:port" of ggml RPC servers that take the offloaded layers
     bool     compact_cells = true;    // after a prompt or compress() evicted, move the kept cells to the bottom
+    // a prompt's question (or catalyst) probe decoded in the same llama_decode as the chunk before the eviction it
+    // ranks for, its attention summed apart, rather than in a decode of its own after it: the same scores
+    bool     probe_rides = true;
     // recall: each sequence keeps up to this many evicted entries in host memory (K and V of every layer) and, before
     // each new prompt, brings back those the prompt's question ranks above the kept ones (0: evicted entries are gone)
     int64_t  host_entries = 0;

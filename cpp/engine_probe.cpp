@@ -26,12 +26,54 @@ int32_t Engine::probe_cells(const Policy & policy) const {
 
 void Engine::probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt) {
     // generation's single tokens run no probe (they stay unjudged); a prompt, or compress() (no prompt), does
+    // (a probe that rode with the chunk before has run: probed_)
     const bool is_prompt = prompt == nullptr || prompt->size() > 1;
+    const bool probed = probed_.erase(seq) > 0;
     const Policy & policy = policy_of(seq);
-    if (is_prompt && policy.bounded() && seqs_.at(seq).size() > policy.split().total()) {
+    if (!probed && is_prompt && policy.bounded() && seqs_.at(seq).size() > policy.split().total()) {
         run_probe(seq, prompt);
     }
     evict(seq);
+}
+
+std::vector<llama_token> Engine::question_or_catalyst(llama_seq_id seq, const std::vector<llama_token> * prompt) const {
+    const ProbeSpec spec = policy_of(seq).probe();
+    if (spec.source == ProbeSource::question && prompt != nullptr) { // compress() knows no question
+        const size_t n = std::min(prompt->size(), (size_t) spec.question);
+        return std::vector<llama_token>(prompt->end() - n, prompt->end());
+    }
+    return spec.source == ProbeSource::catalyst ? catalyst_ : std::vector<llama_token>{};
+}
+
+std::vector<llama_token> Engine::riding_probe(llama_seq_id seq, size_t n_chunk, const std::vector<llama_token> & prompt) const {
+    const Policy & policy = policy_of(seq);
+    // as probe_and_evict decides after the chunk
+    if (!probe_rides_ || !policy.bounded() || prompt.size() < 2 ||
+        seqs_.at(seq).size() + (int64_t) n_chunk <= (int64_t) policy.split().total()) {
+        return {};
+    }
+    return question_or_catalyst(seq, &prompt);
+}
+
+Engine::TokenMap Engine::riding_probes(const PrefillStep & step, const TokenMap & chunk, const TokenMap & tokens) const {
+    TokenMap rides;
+    size_t n = 0;
+    for (const auto & kv : chunk) {
+        n += kv.second.size();
+    }
+    for (const llama_seq_id seq : step.evict_after) {
+        const auto it = chunk.find(seq);
+        // a unified cache keeps one probe's cells beside its chunk (plan_for)
+        if (it == chunk.end() || (params_.kv_unified && !rides.empty())) {
+            continue;
+        }
+        std::vector<llama_token> toks = riding_probe(seq, it->second.size(), tokens.at(seq));
+        if (!toks.empty() && n + toks.size() <= llama_n_batch(ctx_)) {
+            n += toks.size();
+            rides[seq] = std::move(toks);
+        }
+    }
+    return rides;
 }
 
 void Engine::run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt) {
@@ -40,13 +82,8 @@ void Engine::run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt
         case ProbeSource::none:
             return;
         case ProbeSource::question:
-            if (prompt != nullptr) { // compress() knows no question
-                const size_t n = std::min(prompt->size(), (size_t) spec.question);
-                probe(seq, std::vector<llama_token>(prompt->end() - n, prompt->end()));
-            }
-            return;
         case ProbeSource::catalyst:
-            probe(seq, catalyst_);
+            probe(seq, question_or_catalyst(seq, prompt));
             return;
         case ProbeSource::repeat: {
             // the entries no probe has seen yet, repeated after the instruction in pieces of at most one batch
@@ -85,10 +122,15 @@ void Engine::probe(llama_seq_id seq, const std::vector<llama_token> & toks) {
         decode({{seq, std::vector<llama_token>(toks.begin() + a, toks.begin() + std::min(toks.size(), a + n_batch()))}},
                false, {}, {seq});
     }
-    sc.drop_newest((int32_t) toks.size());
+    finish_probe(seq, (int32_t) toks.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+void Engine::finish_probe(llama_seq_id seq, int32_t n_toks, double seconds) {
+    SeqCache & sc = seqs_.at(seq);
+    sc.drop_newest(n_toks);
     const Policy & policy = policy_of(seq);
-    sc.observe_probe(policy, probe_sums_, (int32_t) toks.size(), policy.probe().source == ProbeSource::repeat);
-    sc.note_probe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    sc.observe_probe(policy, probe_sums_, n_toks, policy.probe().source == ProbeSource::repeat);
+    sc.note_probe(seconds);
 }
 
 void Engine::add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n) {

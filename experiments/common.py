@@ -25,7 +25,7 @@ class Setting:
     """One cache setting, named by its label: `full`, `NAME-BUDGET` (entries: h2o-256, local-64, sink-128),
     `NAME-P%` (a share of the prompt: h2o-20%), then optional suffixes `+sN` (N sinks), `+wN` (a query window of N,
     snapkv), `+rN` / `+rN%` (N recent entries, or N% of the budget), the probes `+qN` / `+repeat` / `+catalyst` and `+pN` (pool), `+roll` / `+rollN` (position rolling, every N tokens), `+scores` (export scores even if the policy
-    does not need them), `+nocompact` (leave kept cells where they are), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention), `+batchN` (n_batch: tokens per decode, so the prompt's chunk between evictions), `+ubatchN` (n_ubatch: the tokens one ubatch computes), `+recall` (evicted entries kept in host memory and recalled by each new prompt), `+recallq8` (the same, the host copy as q8_0 blocks) and `+afterfull` (the prompt goes into the
+    does not need them), `+nocompact` (leave kept cells where they are), `+noride` (a prompt's probe in a decode of its own, not with its chunk), `+kTYPE` / `+vTYPE` (K / V cache type: +kq8_0), `+fa` (flash attention), `+batchN` (n_batch: tokens per decode, so the prompt's chunk between evictions), `+ubatchN` (n_ubatch: the tokens one ubatch computes), `+recall` (evicted entries kept in host memory and recalled by each new prompt), `+recallq8` (the same, the host copy as q8_0 blocks) and `+afterfull` (the prompt goes into the
     full cache, then `compress()` applies the policy: the save / compress pattern)."""
 
     label: str
@@ -39,6 +39,7 @@ class Setting:
     roll_interval: int = 1
     export_scores: bool = False
     compact: bool = True
+    probe_rides: bool = True
     after_full: bool = False
     type_k: Optional[str] = None
     type_v: Optional[str] = None
@@ -95,7 +96,7 @@ class Setting:
                 **({"n_ubatch": self.n_ubatch} if self.n_ubatch else {}),
                 "policy": self.policy_value(prompt_tokens), "position_rolling": self.rolling,
                 "roll_interval": self.roll_interval, "export_scores": self.export_scores,
-                "compact_cells": self.compact, "type_k": self.type_k, "type_v": self.type_v,
+                "compact_cells": self.compact, "probe_rides": self.probe_rides, "type_k": self.type_k, "type_v": self.type_v,
                 "flash_attn": self.flash_attn, "_scores_sum_rows": self.portable_scores, "recall": self.recall,
                 "recall_type": self.recall_type}
 
@@ -109,6 +110,8 @@ def parse_setting(label: str) -> Setting:
             fields["export_scores"] = True
         elif s == "nocompact":
             fields["compact"] = False
+        elif s == "noride":
+            fields["probe_rides"] = False
         elif s == "afterfull":
             fields["after_full"] = True
         elif s == "fa":
@@ -134,7 +137,7 @@ def parse_setting(label: str) -> Setting:
         elif s.startswith("r") and s.endswith("%") and s[1:-1].isdigit():
             fields["recent_percent"] = float(s[1:-1])
         else:
-            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +kTYPE, +vTYPE, +fa, +fapass, +batchN, +ubatchN, +recall, +recallq8 or +afterfull)")
+            raise ValueError(f"{label}: unknown suffix +{s} (expected +sN, +wN, +rN, +rN%, +qN, +repeat, +catalyst, +pN, +fN, +mN, +ph, +roll, +rollN, +scores, +nocompact, +noride, +kTYPE, +vTYPE, +fa, +fapass, +batchN, +ubatchN, +recall, +recallq8 or +afterfull)")
     if policy_fields:
         fields["policy_fields"] = tuple(sorted(policy_fields.items()))
     if head == "full":

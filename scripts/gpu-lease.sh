@@ -42,12 +42,13 @@ case "${1:-1}" in
 2)
     command -v python >/dev/null || export PATH=/tmp/pybin:$PATH
     for _ in $(seq 60); do [ -f $MODEL ] && break; sleep 2; done
-    # the probe's cost (the default without it: tova-256+s4+r32), the score export's (local-256 evicts without
-    # scores) and the chunk size's (+batch2048) beside the rest; the time by part says which of the prompt's decodes,
+    # the probe's cost (the default without it: tova-256+s4+r32; +noride: the probe in a decode of its own, as before
+    # patch 0014), the score export's (local-256 evicts without scores) and the chunk size's (+batch2048) beside the
+    # rest; the time by part says which of the prompt's decodes,
     # compaction or the host's bookkeeping a 512-token chunk pays over the full cache's (14 ms on the H200)
     # and llama.cpp's own default batches (n_batch 2048 in ubatches of 512: four times fewer evictions and probes,
     # the compute buffers of 512)
-    SETTINGS="full+fa $DEFAULT+fa h2o-256 $DEFAULT tova-256+s4+r32+fa local-256+fa full+fa+batch2048 $DEFAULT+fa+batch2048
+    SETTINGS="full+fa $DEFAULT+fa $DEFAULT+fa+noride h2o-256 $DEFAULT tova-256+s4+r32+fa local-256+fa full+fa+batch2048 $DEFAULT+fa+batch2048
               full+fa+batch2048+ubatch512 $DEFAULT+fa+batch2048+ubatch512"
     bash scripts/gpu.sh bench -- --depths 8192 32768 --settings $SETTINGS --only $SETTINGS llama.cpp+fa \
         llama-cpp-python+fa

@@ -45,7 +45,7 @@ ENGINE_DEFAULTS = _engine.EngineParams()
 _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
     "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_ubatch": 0, "n_seq_max": 1,
     "kv_unified": None, "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None,
-    "export_scores": None, "verbose": None,
+    "export_scores": None, "verbose": None, "probe_rides": None,
 }
 
 
@@ -122,6 +122,12 @@ class Llama:
         compact_cells: after a prompt (or `compress()`) evicted, move the kept entries to the lowest KV cells, so
             that decoding attends about `budget` cells rather than every cell the prompt went through (llama.cpp
             attends up to the highest used cell). Costs one copy of the kept K/V per prompt; off only to measure it.
+        probe_rides: a prompt's question probe (the default policy's: the prompt's last tokens, decoded after each
+            chunk to rank its entries before the eviction) is decoded in the same llama.cpp batch as the chunk, its
+            attention summed apart from the chunk's (patch 0014), rather than in a decode of its own: the same
+            scores for one pass over the weights instead of two (llama.cpp's batch and ubatch are larger by the
+            probe's 32 tokens). Not with flash attention on the CPU, whose kernel sums every query together; off
+            only to measure it.
         export_scores: export attention scores even when the policy does not rank by them, so that `kv_state()`
             and `last_scores()` show what H2O would see (costs a few percent of speed).
         keep: a protected prefix, never evicted whatever the policy decides (llama.cpp's `--keep`): an int keeps the
@@ -190,6 +196,7 @@ class Llama:
         recall_type: Optional[str] = None,
         pooling_type: int = -1,
         verbose: bool = ENGINE_DEFAULTS.verbose,
+        probe_rides: bool = ENGINE_DEFAULTS.probe_rides,
         _scores_sum_rows: bool = False,
         **_llama_cpp_python: Any,
     ):

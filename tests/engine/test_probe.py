@@ -344,16 +344,22 @@ def test_generation_runs_no_probe(tiny_model):
 
 def test_the_probes_run_and_their_time_are_counted(tiny_model):
     """One question probe per eviction while a prompt is read in chunks, none for generation or a probeless policy;
-    their time (the benchmark's "time by part") is part of the prompt's."""
+    their time (the benchmark's "time by part") is part of the prompt's, and is its chunks' where they ride with them
+    (probe_rides)."""
     import time
 
-    llm = Llama(tiny_model, policy=TOVA(budget=BUDGET, recent=4, probe="question", question=8), n_batch=16, n_threads=1)
+    policy = TOVA(budget=BUDGET, recent=4, probe="question", question=8)
+    llm = Llama(tiny_model, policy=policy, n_batch=16, n_threads=1, probe_rides=False)
     t0 = time.perf_counter()
     llm.eval(PROMPT)
     elapsed = time.perf_counter() - t0
     st = llm.kv_state()
     n_chunks = -(-len(PROMPT) // 16)
     assert 1 <= st.n_probes <= n_chunks and 0.0 < st.probe_seconds < elapsed
+    riding = Llama(tiny_model, policy=policy, n_batch=16, n_threads=1)
+    riding.eval(PROMPT)
+    assert riding.kv_state().n_probes == st.n_probes
+    assert (riding.kv_state().probe_seconds == 0.0) == engine(riding).probe_rides
     for t in (7, 8, 9):
         llm.eval([t])
     assert llm.kv_state().n_probes == st.n_probes

@@ -6,11 +6,11 @@ from h2o_local import _engine
 from h2o_local.policies import resolve
 
 
-def size(policy, n_ctx_train=4096, n_probe=0, **settings):
+def size(policy, n_ctx_train=4096, n_probe=0, n_ride=0, **settings):
     params = _engine.EngineParams()
     for name, value in settings.items():
         setattr(params, name, value)
-    return _engine.context_size(params, resolve(policy).cpp, n_ctx_train, n_probe)
+    return _engine.context_size(params, resolve(policy).cpp, n_ctx_train, n_probe, n_ride)
 
 
 def test_the_full_cache_gets_the_trained_context_per_stream():
@@ -63,3 +63,14 @@ def test_a_cache_its_devices_cannot_hold_is_refused_before_llama_cpp_allocates_i
     with pytest.raises(ValueError, match=r"on CUDA0, more than this machine's CUDA0 hold \(1 GiB\)"):
         _engine.check_device_memory(2000, 2**20, "CUDA0", gib)
     _engine.check_device_memory(10**9, 2**20, "RPC0", 0)  # memory unknown: nothing refused
+
+
+def test_llama_cpp_s_batch_has_room_for_a_probe_that_rides_with_a_chunk():
+    """A question probe decoded in its chunk's llama_decode (probe_rides): llama.cpp's batch and ubatch grow by it,
+    the chunks a prompt is read in (n_batch, n_ubatch) do not; a probe never rides with a full cache, and in a context
+    asked smaller the batch grows by what fits in its n_ctx."""
+    question = resolve("tova", 256, probe="question")
+    got = size(question, n_probe=32, n_ride=32, n_batch=512)
+    assert (got["n_batch"], got["n_ubatch"], got["n_probe_ride"]) == (512, 512, 32) and got["n_ctx"] == 256 + 512 + 32
+    assert size("full", n_ride=32, n_batch=512)["n_probe_ride"] == 0
+    assert size(question, n_probe=32, n_ride=32, n_batch=512, n_ctx=512 + 8)["n_probe_ride"] == 8
