@@ -348,7 +348,6 @@ void Engine::set_keep(llama_seq_id seq, int32_t n_keep) {
 void Engine::compress(llama_seq_id seq) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const int64_t n_evicted = seq_cache(seq).state().n_evicted;
-    probed_.clear();
     probe_and_evict(seq, nullptr);
     if (seqs_.at(seq).state().n_evicted > n_evicted) {
         compact(seq);
@@ -374,7 +373,6 @@ void Engine::eval(const TokenMap & tokens, bool logits_all, const std::function<
         mark_clean(clean, kv.first);
         seqs_.at(kv.first).note_feed(kv.second.size(), policy_of(kv.first).probe().question);
     }
-    probed_.clear();
     recall_prompts(clean, tokens); // a new prompt first brings back what it asks about of what its sequence spilled
     feed_steps(clean, plan, tokens, logits_all, between_chunks);
     if (plan.fits) {
@@ -474,9 +472,10 @@ void Engine::mark_clean(CleanState & clean, llama_seq_id seq) const {
     clean.logits[seq] = it == last_logits_.end() ? std::nullopt : std::make_optional(it->second);
 }
 
-void Engine::evict_or_roll_back(CleanState & clean, llama_seq_id seq, const std::vector<llama_token> * prompt) {
+void Engine::evict_or_roll_back(CleanState & clean, llama_seq_id seq, const std::vector<llama_token> * prompt,
+                                bool probed) {
     try {
-        probe_and_evict(seq, prompt);
+        probe_and_evict(seq, prompt, probed);
     } catch (...) {
         for (const auto & [s, state] : clean.states) {
             seqs_.at(s).roll_back(state);
@@ -535,13 +534,13 @@ void Engine::feed_steps(CleanState & clean, const PrefillPlan & plan, const Toke
         } else {
             chunk.insert(riders.begin(), riders.end());
         }
-        probed_.clear();
-        decode(chunk, logits_all, step.query_windows, {}, riding_probes(step, chunk, tokens));
+        const TokenMap rides = riding_probes(step, chunk, tokens);
+        decode(chunk, logits_all, step.query_windows, {}, rides);
         for (const auto & kv : riders) {
             evict_or_roll_back(clean, kv.first, &kv.second);
         }
         for (const llama_seq_id seq : step.evict_after) {
-            evict_or_roll_back(clean, seq, &tokens.at(seq));
+            evict_or_roll_back(clean, seq, &tokens.at(seq), rides.count(seq) > 0);
         }
     }
 }
@@ -660,7 +659,6 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             const int32_t n = llama_attn_scores_get_probe(ctx_, seq, &pos, &sums);
             add_probe_sums(sc, pos, sums, n);
             finish_probe(seq, n_ride, 0.0); // its time is the chunk's decode's
-            probed_.insert(seq);
         }
     }
 }

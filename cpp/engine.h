@@ -146,7 +146,9 @@ private:
         std::map<llama_seq_id, std::optional<std::vector<float>>> logits;
     };
     void mark_clean(CleanState & clean, llama_seq_id seq) const;
-    void evict_or_roll_back(CleanState & clean, llama_seq_id seq, const std::vector<llama_token> * prompt);
+    // probed: its probe rode with the chunk just decoded (riding_probes), so the eviction runs none
+    void evict_or_roll_back(CleanState & clean, llama_seq_id seq, const std::vector<llama_token> * prompt,
+                            bool probed = false);
     void recall_prompts(CleanState & clean, const TokenMap & tokens);
     void feed_steps(CleanState & clean, const PrefillPlan & plan, const TokenMap & tokens, bool logits_all,
                     const std::function<Riders()> & between_chunks);
@@ -170,7 +172,10 @@ private:
     void evict(llama_seq_id seq, int32_t incoming = 0); // incoming: SeqCache::evict's
     // before an eviction that will remove entries, the policy's probe ranks them; `prompt` is the prompt being fed
     // (the question probe's source; null in compress())
-    void probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt);
+    void probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt, bool probed = false);
+    // whether an eviction of seq holding n entries, after prompt (null: compress()), is ranked by a probe first
+    // (generation's single tokens stay unjudged)
+    bool probes_before_evicting(llama_seq_id seq, int64_t n, const std::vector<llama_token> * prompt) const;
     void run_probe(llama_seq_id seq, const std::vector<llama_token> * prompt);
     // decode toks after what seq holds as a probe, then remove them (cells, positions, scores); its logits are never
     // computed, so the sequence's last logits stay those of its own last token
@@ -208,7 +213,6 @@ private:
     uint32_t n_batch_  = 0;
     uint32_t n_ubatch_ = 0;
     bool     probe_rides_ = false;
-    std::set<llama_seq_id> probed_; // sequences whose probe rode with the last chunk: their eviction runs none
     std::string origin_;
     std::vector<llama_token> catalyst_;      // the catalyst probe's tokens
     std::vector<llama_token> repeat_prefix_; // the repeat probe's instruction, before the entries' own tokens

@@ -24,13 +24,14 @@ int32_t Engine::probe_cells(const Policy & policy) const {
     return 0;
 }
 
-void Engine::probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt) {
-    // generation's single tokens run no probe (they stay unjudged); a prompt, or compress() (no prompt), does
-    // (a probe that rode with the chunk before has run: probed_)
+bool Engine::probes_before_evicting(llama_seq_id seq, int64_t n, const std::vector<llama_token> * prompt) const {
     const bool is_prompt = prompt == nullptr || prompt->size() > 1;
-    const bool probed = probed_.erase(seq) > 0;
     const Policy & policy = policy_of(seq);
-    if (!probed && is_prompt && policy.bounded() && seqs_.at(seq).size() > policy.split().total()) {
+    return is_prompt && policy.bounded() && n > (int64_t) policy.split().total();
+}
+
+void Engine::probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt, bool probed) {
+    if (!probed && probes_before_evicting(seq, seqs_.at(seq).size(), prompt)) {
         run_probe(seq, prompt);
     }
     evict(seq);
@@ -46,10 +47,7 @@ std::vector<llama_token> Engine::question_or_catalyst(llama_seq_id seq, const st
 }
 
 std::vector<llama_token> Engine::riding_probe(llama_seq_id seq, size_t n_chunk, const std::vector<llama_token> & prompt) const {
-    const Policy & policy = policy_of(seq);
-    // as probe_and_evict decides after the chunk
-    if (!probe_rides_ || !policy.bounded() || prompt.size() < 2 ||
-        seqs_.at(seq).size() + (int64_t) n_chunk <= (int64_t) policy.split().total()) {
+    if (!probe_rides_ || !probes_before_evicting(seq, seqs_.at(seq).size() + (int64_t) n_chunk, &prompt)) {
         return {};
     }
     return question_or_catalyst(seq, &prompt);

@@ -36,7 +36,9 @@ class KVState:
     head_layers: Optional[np.ndarray] = None   # int32 [n_layers]: the layers of head_positions
     evict_seconds: float = 0.0  # time spent choosing and removing what is evicted, moves included (seconds)
     n_head_moves: int = 0       # per-head cells: K/V slices of one layer's KV head moved between cells so far
-    probe_seconds: float = 0.0  # time spent in probe decodes, the device's work included (seconds)
+    # time spent in probe decodes, the device's work included (seconds); a probe that rode in its chunk's decode
+    # (`probe_rides`) adds none: its time is the chunk's, in decode_seconds
+    probe_seconds: float = 0.0
     n_probes: int = 0           # probes run so far (the question probe: one per eviction while a prompt is read)
     decode_seconds: float = 0.0   # in the decodes that fed it, the device's work and the wait included (probes apart)
     compact_seconds: float = 0.0  # moving the kept cells to the bottom of the cache after a prompt (seconds)

@@ -267,6 +267,9 @@ def test_setting_labels_give_the_split_they_name():
     batched = parse_setting("tova-256+s4+fa+batch2048")
     assert batched.llama_kwargs()["n_batch"] == 2048 and batched.policy_label == "tova-256+s4" and batched.flash_attn
     assert "n_batch" not in parse_setting("tova-256+s4+fa").llama_kwargs()
+    # the probe in a decode of its own, to measure what riding with its chunk saves
+    assert parse_setting("tova-256+s4+q32+noride").llama_kwargs()["probe_rides"] is False
+    assert parse_setting("tova-256+s4+q32").llama_kwargs()["probe_rides"] is True
     for bad in ("h2o-256+x3", "h2o-256+r", "h2o", "tova-256+r300", "h2o-256+batch0"):
         with pytest.raises(ValueError):
             parse_setting(bad)
