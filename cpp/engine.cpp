@@ -582,15 +582,16 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
         for (size_t i = 0; i < toks.size(); ++i) {
             add(seq, toks[i], p0 + (llama_pos) i, wants_logits && (logits_all || i + 1 == toks.size()));
         }
-        const auto ride = rides.find(seq);
-        if (ride != rides.end()) {
-            const llama_pos p_probe = p0 + (llama_pos) toks.size();
-            for (size_t i = 0; i < ride->second.size(); ++i) {
-                add(seq, ride->second[i], p_probe + (llama_pos) i, false);
-            }
-            if (llama_attn_scores_probe(ctx_, seq, p_probe) != 0) {
-                throw std::logic_error("a probe rides with a chunk, but no scores are exported");
-            }
+    }
+    // after every sequence's tokens, so that a probe's cells lie where a decode of its own after this one puts them
+    // (and with them the cells of the entries that come after)
+    for (const auto & [seq, toks] : rides) {
+        const llama_pos p_probe = seqs_.at(seq).next_pos() + (llama_pos) chunk.at(seq).size();
+        for (size_t i = 0; i < toks.size(); ++i) {
+            add(seq, toks[i], p_probe + (llama_pos) i, false);
+        }
+        if (llama_attn_scores_probe(ctx_, seq, p_probe) != 0) {
+            throw std::logic_error("a probe rides with a chunk, but no scores are exported");
         }
     }
 
@@ -631,7 +632,7 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             const float * last = llama_get_logits_ith(ctx_, j + n_new - 1);
             last_logits_[seq].assign(last, last + n_vocab);
         }
-        j += n_new + n_ride;
+        j += n_new;
 
         sc.append(toks);
         if (scores_path_ >= 0) {
