@@ -6,6 +6,7 @@ from device_tolerance import approximate, assert_logits_close
 from greedy import greedy_trace
 from h2o_local import Llama
 from support.engine_view import engine
+from twin_sessions import run_twin_sessions
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old clockmaker."
 
@@ -116,3 +117,11 @@ def test_a_batch_computed_in_ubatches_is_evicted_as_one_batch(tiny_model, kw):
     if not device:
         assert got.positions.tolist() == kept.positions.tolist()
         np.testing.assert_allclose(got.scores, kept.scores, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kv_unified=True), dict(kv_unified=False, recall=True)],
+                         ids=["unified", "streams+recall"])
+def test_random_sessions_in_ubatches_keep_what_whole_batches_keep(tiny_model, kwargs):
+    """Two sequences, policies with probes that ride, snapshots, recall: ubatches of 5 tokens beside batches of 16
+    computed whole, whatever is called in whatever order (tests/support/twin_sessions.py)."""
+    run_twin_sessions(tiny_model, ({"n_ubatch": 5}, {}), **kwargs)
