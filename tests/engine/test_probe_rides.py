@@ -132,12 +132,8 @@ def test_where_no_probe_rides(tiny_model, how):
     assert riding.kv_state().positions.tolist() == alone.kv_state().positions.tolist()
 
 
-
-LAYOUTS = [dict(kv_unified=True), dict(kv_unified=False), dict(kv_unified=False, recall=True)]
-LAYOUT_IDS = ["unified", "streams", "streams+recall"]
-
-
-@pytest.mark.parametrize("kwargs", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("kwargs", [dict(kv_unified=True), dict(kv_unified=False), dict(kv_unified=False, recall=True)],
+                         ids=["unified", "streams", "streams+recall"])
 def test_random_sessions_ride_as_probes_of_their_own(tiny_model, kwargs):
     """The riding `Llama` beside one with `probe_rides=False`, whatever is called in whatever order (tests/support/
     twin_sessions.py; they found the probe placed before the next sequence's chunk, above)."""

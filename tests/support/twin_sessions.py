@@ -112,7 +112,8 @@ class TwinSessions(RuleBasedStateMachine):
             assert (sa.n_seen, sa.n_evicted, sa.n_probes) == (sb.n_seen, sb.n_evicted, sb.n_probes)
             for x, y in ((sa.scores, sb.scores), (sa.probe_scores, sb.probe_scores)):
                 scale = float(np.abs(y).max()) if len(y) else 0.0
-                assert_values_close(x, y, device=False, cpu_rtol=LAST_BITS_TOLERANCE, cpu_atol=LAST_BITS_TOLERANCE*scale)
+                assert_values_close(x, y, device=False, cpu_rtol=LAST_BITS_TOLERANCE,
+                                    cpu_atol=LAST_BITS_TOLERANCE*scale)
             if sa.n_cells:
                 assert_logits_close(a.last_logits(seq), b.last_logits(seq), device=False, cpu_atol=LAST_BITS_TOLERANCE)
 
