@@ -4,8 +4,6 @@ set_policy over two sequences, checked after every step against a small Python m
 CI runs a small number of examples; a large run:
     H2O_LOCAL_FUZZ_EXAMPLES=2000 H2O_LOCAL_FUZZ_STEPS=80 pytest tests/api/test_state_machine.py
 """
-import os
-
 import pytest
 
 import hypothesis
@@ -17,14 +15,10 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
 from h2o_local import H2O, Llama, Local, Sink  # noqa: E402
 from engine_view import engine
 from device_tolerance import CPU_BACKEND, approximate, assert_logits_close
+from fuzz_settings import EXAMPLES, PHASES, STEPS
 
 BUDGET, N_BATCH, N_SEQ = 12, 8, 2
 PROBE = 70  # the token fed to compare a snapshot's continuation with the original's
-EXAMPLES = int(os.environ.get("H2O_LOCAL_FUZZ_EXAMPLES", "12"))
-STEPS = int(os.environ.get("H2O_LOCAL_FUZZ_STEPS", "30"))
-# shrinking a failure can take minutes: CI reports the failing run as found (H2O_LOCAL_FUZZ_SHRINK=1 shrinks it)
-PHASES = list(hypothesis.Phase) if os.environ.get("H2O_LOCAL_FUZZ_SHRINK") else \
-    [hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate]
 
 seqs = st.integers(0, N_SEQ - 1)
 token_lists = st.lists(st.integers(3, 258), min_size=1, max_size=20)

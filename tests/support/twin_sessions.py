@@ -8,18 +8,15 @@ where a near tie is decided alike.
 """
 from __future__ import annotations
 
-import os
-
 import hypothesis
 import numpy as np
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from device_tolerance import CPU_BACKEND, assert_logits_close, assert_values_close
+from fuzz_settings import EXAMPLES, PHASES, STEPS
 from h2o_local import H2O, TOVA, Llama, SnapKV
 
-EXAMPLES = int(os.environ.get("H2O_LOCAL_FUZZ_EXAMPLES", "12"))
-STEPS = int(os.environ.get("H2O_LOCAL_FUZZ_STEPS", "30"))
 N_SEQ = 2
 # a chunk of one token (a prefill plan cuts one off before a query window) is a matrix-vector product on the CPU
 # backend when decoded alone and a matrix product beside a riding probe, and a catalyst probe's sums add in another
@@ -124,5 +121,5 @@ def run_twin_sessions(model_path: str, twins_apart: tuple, **kwargs) -> None:
     if kwargs.get("recall"):  # recall ranks what it brings back by the question
         machine.policies = st.sampled_from([p for p in PROBING_POLICIES if p.probe == "question"])
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
+        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None, phases=PHASES,
         suppress_health_check=list(hypothesis.HealthCheck)))
