@@ -608,7 +608,7 @@ PYBIND11_MODULE(_engine, m) {
                          int32_t penalty_last_n, float repeat_penalty, float frequency_penalty, float presence_penalty,
                          std::vector<llama_token> history, const std::string & grammar, uint64_t grammar_max_work,
                          const Engine * engine, float typical_p, int32_t mirostat, float mirostat_tau,
-                         float mirostat_eta) {
+                         float mirostat_eta, const Sampler * grammar_of) {
                  SamplerParams p;
                  p.temperature = temperature; p.top_p = top_p; p.top_k = top_k; p.min_p = min_p; p.seed = seed;
                  p.typical_p = typical_p; p.mirostat = mirostat; p.mirostat_tau = mirostat_tau;
@@ -623,6 +623,9 @@ PYBIND11_MODULE(_engine, m) {
                  p.grammar = grammar;
                  p.grammar_max_work = grammar_max_work;
                  py::gil_scoped_release release; // parsing a grammar and checking its start can take long
+                 if (grammar_of != nullptr) {
+                     return new Sampler(p, n_vocab, *grammar_of);
+                 }
                  return new Sampler(p, n_vocab, engine != nullptr ? engine->model().vocab() : nullptr);
              }), py::arg("n_vocab"), py::kw_only(), py::arg("temperature"), py::arg("top_p"), py::arg("top_k"),
              py::arg("min_p"), py::arg("seed"), py::arg("banned") = std::vector<llama_token>(),
@@ -631,7 +634,9 @@ PYBIND11_MODULE(_engine, m) {
              py::arg("history") = std::vector<llama_token>(), py::arg("grammar") = "",
              py::arg("grammar_max_work") = 0, py::arg("engine") = nullptr, py::arg("typical_p") = 1.0f,
              py::arg("mirostat") = 0, py::arg("mirostat_tau") = 5.0f, py::arg("mirostat_eta") = 0.1f,
-             py::keep_alive<1, 17>())
+             py::arg("grammar_of") = nullptr, py::keep_alive<1, 17>(),
+             "grammar_of: a sampler whose grammar (parsed and checked) this one copies instead of parsing `grammar`; "
+             "give the same engine")
         .def("sample", [](Sampler & s, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
             if (logits.size() != s.n_vocab()) {
                 throw std::invalid_argument("expected " + std::to_string(s.n_vocab()) + " logits, got " + std::to_string(logits.size()));

@@ -77,35 +77,62 @@ std::vector<llama_logit_bias> checked_bias(const SamplerParams & params, int32_t
 
 Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_vocab * vocab) : n_vocab_(n_vocab) {
     const std::vector<llama_logit_bias> bias = checked_bias(params, n_vocab);
-    llama_sampler * grammar = nullptr;
     if (!params.grammar.empty()) {
         if (vocab == nullptr) {
             throw std::invalid_argument("a grammar needs the model's vocabulary");
         }
-        grammar_call([&] {
-            grammar = llama_sampler_init_grammar_bounded(vocab, params.grammar.c_str(), "root", params.grammar_max_work);
-        });
-        if (grammar == nullptr) {
-            throw std::invalid_argument("the grammar does not parse as GBNF with a rule 'root' (llama.cpp's grammar "
-                                        "parser; its log says where)");
-        }
-        grammar_ = grammar;
-        grammar_eog_ = end_of_generation(vocab);
-        bool any = false;
-        try {
-            any = grammar_allows_any();
-        } catch (...) {
-            llama_sampler_free(grammar);
-            grammar_ = nullptr;
-            throw;
-        }
-        if (!any) {
-            llama_sampler_free(grammar);
-            grammar_ = nullptr;
-            throw GrammarError("the grammar allows no token at its start: no text this model's tokens spell can "
-                               "begin to match it");
-        }
+        init_grammar(params, vocab);
     }
+    init_chain(params, bias);
+}
+
+Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const Sampler & checked) : n_vocab_(n_vocab) {
+    if (checked.grammar_ == nullptr) {
+        throw std::invalid_argument("the sampler whose grammar is to be copied has none");
+    }
+    if (checked.n_vocab_ != n_vocab) {
+        throw std::invalid_argument("the sampler whose grammar is to be copied is for another vocabulary");
+    }
+    const std::vector<llama_logit_bias> bias = checked_bias(params, n_vocab);
+    grammar_ = llama_sampler_clone(checked.grammar_);
+    grammar_eog_ = checked.grammar_eog_;
+    grammar_end_ = params.banned.empty() ? checked.grammar_default_end_ : params.banned.front();
+    grammar_default_end_ = checked.grammar_default_end_;
+    init_chain(params, bias);
+}
+
+void Sampler::init_grammar(const SamplerParams & params, const llama_vocab * vocab) {
+    llama_sampler * grammar = nullptr;
+    grammar_call([&] {
+        grammar = llama_sampler_init_grammar_bounded(vocab, params.grammar.c_str(), "root", params.grammar_max_work);
+    });
+    if (grammar == nullptr) {
+        throw std::invalid_argument("the grammar does not parse as GBNF with a rule 'root' (llama.cpp's grammar "
+                                    "parser; its log says where)");
+    }
+    grammar_ = grammar;
+    grammar_eog_ = end_of_generation(vocab);
+    bool any = false;
+    try {
+        any = grammar_allows_any();
+    } catch (...) {
+        llama_sampler_free(grammar);
+        grammar_ = nullptr;
+        throw;
+    }
+    if (!any) {
+        llama_sampler_free(grammar);
+        grammar_ = nullptr;
+        throw GrammarError("the grammar allows no token at its start: no text this model's tokens spell can "
+                           "begin to match it");
+    }
+    // kept beside the chain: sample() asks it about the chosen token first
+    grammar_default_end_ = llama_vocab_eos(vocab);
+    grammar_end_ = params.banned.empty() ? grammar_default_end_ : params.banned.front();
+}
+
+void Sampler::init_chain(const SamplerParams & params, const std::vector<llama_logit_bias> & bias) {
+    const int32_t n_vocab = n_vocab_;
     chain_ = llama_sampler_chain_init(llama_sampler_chain_default_params());
     if (!bias.empty()) {
         llama_sampler_chain_add(chain_, llama_sampler_init_logit_bias(n_vocab, (int32_t) bias.size(), bias.data()));
@@ -117,9 +144,6 @@ Sampler::Sampler(const SamplerParams & params, int32_t n_vocab, const llama_voca
             llama_sampler_accept(penalties, t);
         }
         llama_sampler_chain_add(chain_, penalties);
-    }
-    if (grammar != nullptr) { // kept beside the chain: sample() asks it about the chosen token first
-        grammar_end_ = params.banned.empty() ? llama_vocab_eos(vocab) : params.banned.front();
     }
     if (params.temperature <= 0.0f) {
         llama_sampler_chain_add(chain_, llama_sampler_init_greedy());

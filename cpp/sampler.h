@@ -59,6 +59,9 @@ class Sampler {
 public:
     // vocab: needed (and kept by reference: it must outlive the sampler) when params.grammar is set
     Sampler(const SamplerParams & params, int32_t n_vocab, const llama_vocab * vocab = nullptr);
+    // params' chain with a copy of `checked`'s grammar, in the state it is in (already parsed and checked at its
+    // start): n samples of one request share one grammar check
+    Sampler(const SamplerParams & params, int32_t n_vocab, const Sampler & checked);
     ~Sampler();
     Sampler(const Sampler &) = delete;
     Sampler & operator=(const Sampler &) = delete;
@@ -68,6 +71,8 @@ public:
     bool has_grammar() const { return grammar_ != nullptr; }
 
 private:
+    void init_grammar(const SamplerParams & params, const llama_vocab * vocab);
+    void init_chain(const SamplerParams & params, const std::vector<llama_logit_bias> & bias);
     llama_token_data_array candidates(const float * logits);
     bool grammar_allows(llama_token tok) const;
     bool grammar_complete() const;
@@ -79,6 +84,7 @@ private:
     int32_t n_vocab_ = 0;
     // the end token a finished grammar gives when the bans and biases rule out every token; -1: none
     llama_token grammar_end_ = -1;
+    llama_token grammar_default_end_ = -1; // the vocabulary's end token: grammar_end_ where nothing is banned
     // an end-of-generation token: the grammar allows it exactly when it is complete; -1: the vocabulary has none
     llama_token grammar_eog_ = -1;
     std::vector<llama_token_data> cand_;

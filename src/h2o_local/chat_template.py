@@ -66,6 +66,32 @@ def content_pieces(text: str, contents: Sequence[str], plain: Sequence[str]) -> 
     return [(piece, special) for piece, special in pieces if piece]
 
 
+def markup_strings(messages: Sequence[Message], tools: Optional[Sequence[Any]] = None,
+                   variables: Optional[Mapping[str, Any]] = None) -> Iterator[Tuple[str, str]]:
+    """(where, text) for every string a template may write as markup from a request, besides the messages'
+    contents: message fields (`name`, `tool_calls` with their arguments, `reasoning_content`, ...), the tools'
+    names, descriptions and schemas, the template's variables; a string holding JSON (a call's arguments) also
+    gives the strings inside it, since a template may write them parsed."""
+    roots: List[Tuple[str, Any]] = [(f"messages[{i}]", {k: v for k, v in m.items() if k != "content"})
+                                    if isinstance(m, dict) else (f"messages[{i}]", m) for i, m in enumerate(messages)]
+    roots += [("tools", tools), ("chat_template_kwargs", variables)]
+    stack = list(reversed(roots))
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            yield where, value
+            if value.lstrip()[:1] in ("{", "["):
+                try:
+                    stack.append((where, json.loads(value)))
+                except (ValueError, RecursionError):
+                    pass
+        elif isinstance(value, dict):
+            stack += [(f"{where}.{k}", v) for k, v in reversed(value.items())]
+            stack += [(f"{where} (a key)", k) for k in value if isinstance(k, str)]
+        elif isinstance(value, (list, tuple)):
+            stack += [(f"{where}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+
+
 def _content_text(content: Any, i: int) -> str:
     if content is None:
         return ""

@@ -53,10 +53,14 @@ def normalized(row: Sequence[float], norm: int = 2) -> Vector:
     embeddings), -1 as it is, 0 scaled to int16's range by its largest absolute value, 1 taxicab, p > 2 the p-norm.
     A zero row stays zero."""
     x = np.asarray(row, dtype=np.float64)
-    if norm < 0:
+    if norm < 0 or x.size == 0:
         return x.tolist()
-    total = np.abs(x).max() / 32760.0 if norm == 0 else np.sum(np.abs(x) ** norm) ** (1.0 / norm)
-    return (x / total if total > 0 else x).tolist()
+    largest = np.abs(x).max()
+    if largest == 0:
+        return x.tolist()
+    # the p-norm from the row scaled by its largest value: no overflow at any p (the largest term is 1)
+    total = largest / 32760.0 if norm == 0 else largest * np.sum((np.abs(x) / largest) ** float(norm)) ** (1.0 / norm)
+    return (x / total).tolist()
 
 
 class Embeddings:

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _engine, embeddings, generation, llama_cpp_python, rpc
 from . import sampling as sampling_
-from .chat_template import ChatTemplate, Message, content_pieces, normalize_messages
+from .chat_template import ChatTemplate, Message, content_pieces, markup_strings, normalize_messages
 from .text import TextAssembler, check_text
 from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .completions import Completions
@@ -42,6 +42,8 @@ ENGINE_DEFAULTS = _engine.EngineParams()
 # Llama keywords that are EngineParams fields of the same name and meaning, with an int's minimum (None: any; a bool
 # is checked as one): checked and copied in one loop. Adding one: the C++ field and its binding, an entry here, the
 # keyword (its default read from ENGINE_DEFAULTS) and README's row (tests/unit/test_docs.py checks it).
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: more crashed in its thread pool
+
 _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
     "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_ubatch": 0, "n_seq_max": 1,
     "kv_unified": None, "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None,
@@ -93,7 +95,8 @@ class Llama:
         kv_unified: one cell space shared by all sequences (n_ctx = their budgets + one batch); False gives each
             sequence its own stream of n_ctx / n_seq_max cells (default: a budget + one batch each), so that a
             sequence attends only its own cells, as in llama.cpp's parallel server slots.
-        n_threads: CPU threads (None: the physical cores this process may use, `h2o_local.cpu.physical_cores()`).
+        n_threads: CPU threads (None: the physical cores this process may use, `h2o_local.cpu.physical_cores()`;
+            at most 512, ggml's limit).
         n_gpu_layers: layers whose weights and KV cache go to the GPU (-1, the default: all, as llama.cpp's own
             default and Ollama do; 0: none). Only a build with a GPU backend has a GPU to offload to (README,
             "GPU backends"); on a CPU build every value runs on the CPU. `layer_devices` says where each layer went.
@@ -215,7 +218,7 @@ class Llama:
                     raise TypeError(f"{name} must be True or False, got {given[name]!r}")
             else:
                 check_int(name, given[name], minimum)
-        check_int("n_threads", n_threads, 0)
+        check_int("n_threads", n_threads, 0, MAX_THREADS)
         check_int("seed", seed, maximum=None)  # seeds Python's generator: any int
         for endpoint in rpc.parse_endpoints(rpc_servers):
             rpc.check_server(endpoint)
@@ -846,14 +849,17 @@ class Llama:
         that does not parse), before anything runs; nothing changes."""
         self.sampler(params, seed=0)
 
-    def sampler(self, params: SamplingParams, *, seed: Optional[int] = None, history: Sequence[int] = ()):
+    def sampler(self, params: SamplingParams, *, seed: Optional[int] = None, history: Sequence[int] = (),
+                grammar_of: Any = None):
         """The sampler a generation with `params` draws with (`seed` None: params.seed, else the next one of this
         Llama's generator; `history`: the prompt, for the penalties). Raises ValueError as `check_sampling`. Safe
         from any thread (it reads the vocabulary only): a server builds a grammar's sampler (its parse and its
-        check of the vocabulary) beside the decoding thread, with the GIL released."""
+        check of the vocabulary) beside the decoding thread, with the GIL released. `grammar_of`: a sampler this
+        Llama made for the same grammar, whose checked grammar is copied (no parse, no check: n samples of one
+        grammar are checked once)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {params!r}")
-        return self._sampler(params, seed=seed, history=history)
+        return self._sampler(params, seed=seed, history=history, grammar_of=grammar_of)
 
     def probe_cells(self, policy: Union[str, Policy, None] = None) -> int:
         """KV cells a policy's probe takes beside its budget while it ranks (0 without a probe; default: this
@@ -863,12 +869,13 @@ class Llama:
             raise TypeError(f"policy must be a Policy or a name, got {policy!r}")
         return int(self._engine.probe_cells(value.cpp))
 
-    def _sampler(self, params: SamplingParams, seed: Optional[int] = None, history: Sequence[int] = ()):
+    def _sampler(self, params: SamplingParams, seed: Optional[int] = None, history: Sequence[int] = (),
+                 grammar_of: Any = None):
         if seed is None:
             seed = self._rng.getrandbits(32) if params.seed is None else params.seed
         try:
             return params.sampler(self.n_vocab(), seed, self.eog_tokens() if params.ignore_eos else (), history,
-                                  engine=self._engine)
+                                  engine=self._engine, grammar_of=grammar_of)
         except ValueError as e:
             if "token id" not in str(e):
                 raise
@@ -1050,9 +1057,13 @@ class Llama:
         holds `<|im_end|>` cannot close its turn and open a system one (OpenAI's behaviour). A content that holds
         such text and that the template does not write out as it is raises ValueError. `special_in_content=True`
         parses the contents' special tokens too (llama-server's and Ollama's behaviour), for a client that writes
-        turns into messages on purpose."""
+        turns into messages on purpose. Every other string a template writes (tool names, descriptions and schemas,
+        a call's name and arguments, a message's `name`, the template's variables) cannot be told from its markup
+        once written, so one that spells a special token raises ValueError unless `special_in_content=True`."""
         msgs = normalize_messages(messages)
         contents = None if special_in_content else [m["content"] for m in msgs]
+        if not special_in_content:
+            self._check_markup_strings(msgs, tools, chat_template_kwargs)
         tokens = self._template_tokens(self.apply_chat_template(msgs, time_limit_s=time_limit_s, tools=tools,
                                                                 chat_template_kwargs=chat_template_kwargs), contents)
         if self.keep != "system":
@@ -1070,6 +1081,19 @@ class Llama:
         while n < min(len(prefix), len(tokens)) and prefix[n] == tokens[n]:
             n += 1
         return tokens, n
+
+    def _check_markup_strings(self, messages: Sequence[Message], tools: Optional[List[Dict[str, Any]]],
+                              variables: Optional[Dict[str, Any]]) -> None:
+        """ValueError naming the first string of `messages` (besides contents), `tools` or `variables` that spells a
+        special token (`markup_strings`): written by the template, it would become a control token."""
+        found = list(markup_strings(messages, tools, variables))
+        if not found or not self._holds_special_text("\x00".join(text for _, text in found)):
+            return  # the common case: one look at all of them together
+        for where, text in found:
+            if self._holds_special_text(text):
+                raise ValueError(f"{where} holds the text of a special token; the chat template writes it as its "
+                                 f"own markup, where it would become a control token (a forged turn): remove it, or "
+                                 f"ask for special tokens in content (special_in_content)")
 
     def _template_tokens(self, text: str, contents: Optional[List[str]] = None) -> List[int]:
         """The tokens of a rendered chat: special tokens parsed, but inside the spans of `contents` that hold

@@ -117,18 +117,22 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def sampler(self, n_vocab: int, seed: int, banned: Sequence[int] = (), history: Sequence[int] = (),
-                engine: Optional["_engine.Engine"] = None) -> "_engine.Sampler":
+                engine: Optional["_engine.Engine"] = None,
+                grammar_of: Optional["_engine.Sampler"] = None) -> "_engine.Sampler":
         """The C++ sampler chain for these parameters, seeded with `seed` (32 bits); `history`: the prompt's tokens,
         whose last penalty_last_n the penalties count. A token id outside the vocabulary raises ValueError, as does a
         grammar that allows no token at its start (`_engine.GrammarError`) or needs more work than its limits allow
-        to start (`GrammarTooLarge`). The grammar is parsed and checked with the GIL released."""
+        to start (`GrammarTooLarge`). The grammar is parsed and checked with the GIL released. `grammar_of`: a
+        sampler of the same grammar (and engine) whose checked grammar is copied instead (no parse, no check)."""
+        if grammar_of is not None and not self.grammar:
+            raise ValueError("grammar_of is for a sampler with a grammar")
         try:
-            return self._sampler(n_vocab, seed, banned, history, engine)
+            return self._sampler(n_vocab, seed, banned, history, engine, grammar_of)
         except _engine.GrammarWorkExceeded:
             raise work_exceeded(self.grammar_limits) from None
 
     def _sampler(self, n_vocab: int, seed: int, banned: Sequence[int], history: Sequence[int],
-                 engine: Optional["_engine.Engine"]) -> "_engine.Sampler":
+                 engine: Optional["_engine.Engine"], grammar_of: Optional["_engine.Sampler"]) -> "_engine.Sampler":
         return _engine.Sampler(n_vocab, temperature=float(self.temperature), top_p=float(self.top_p),
                                top_k=min(int(self.top_k), n_vocab), min_p=float(self.min_p), seed=int(seed) & 0xFFFFFFFF,
                                banned=list(banned), logit_bias=dict(self.logit_bias or {}),
@@ -138,7 +142,8 @@ class SamplingParams:
                                history=list(history[-self.penalty_last_n:]) if self.penalty_last_n else [],
                                grammar=self.grammar or "", grammar_max_work=self.grammar_limits.max_work,
                                engine=engine, typical_p=float(self.typical_p), mirostat=int(self.mirostat_mode),
-                               mirostat_tau=float(self.mirostat_tau), mirostat_eta=float(self.mirostat_eta))
+                               mirostat_tau=float(self.mirostat_tau), mirostat_eta=float(self.mirostat_eta),
+                               grammar_of=grammar_of)
 
 
 def _logit_bias(bias: Any) -> Optional[Dict[int, float]]:

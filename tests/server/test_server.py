@@ -582,11 +582,16 @@ def test_api_key_guards_every_route_and_cors_answers_the_allowed_origin(chat_mod
     with serving(chat_model, slots=1, app_kwargs={"api_key": "s3cret", "cors_origins": "http://ui.example"}) as (port, client):
         body = json.dumps({"prompt": "x", "max_tokens": 1})
         for auth in (None, "Bearer wrong", "s3cret", "Bearer s3cret2", "Basic s3cret"):
-            for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
-                headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+            headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics")):
                 status, head, data = raw_request(port, method, path, headers, body if method == "POST" else None)
                 assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key", (auth, path)
                 assert head["www-authenticate"] == "Bearer"
+            # /health is public, as llama-server's (container probes carry no key), and then says only that
+            status, _, data = raw_request(port, "GET", "/health", headers)
+            assert status == 200 and json.loads(data) == {"status": "ok"}
+        status, _, data = raw_request(port, "GET", "/health", {"Authorization": "Bearer s3cret"})
+        assert status == 200 and "slots_total" in json.loads(data)
         assert [m.id for m in client.models.list().data] == ["tiny"]  # the official client sends the key
         assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens <= 2
         with pytest.raises(openai.AuthenticationError):

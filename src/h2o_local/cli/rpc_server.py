@@ -20,8 +20,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=50052)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for the layers served here")
     args = ap.parse_args(argv)
-    if not 0 < args.port < 65536 or args.threads < 1:
-        ap.error("--port must be in 1..65535 and --threads >= 1")
+    if not 0 < args.port < 65536 or not 1 <= args.threads <= 512:
+        ap.error("--port must be in 1..65535 and --threads in 1..512 (ggml's most threads)")
     from .. import rpc
 
     # the server loop runs in C and never returns to Python: let Ctrl-C end the process as it would any C server

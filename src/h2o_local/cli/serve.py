@@ -26,7 +26,7 @@ def main(argv=None) -> int:
         import uvicorn
         from pydantic import ValidationError
 
-        from ..server import ServerSettings, create_app
+        from ..server import ServerSettings, create_app, listener
     except ImportError as e:
         ap.error(f"the server needs its extra: pip install \"h2o_local[server]\" ({e})")
     g = ap.add_argument_group("server")
@@ -52,6 +52,5 @@ def main(argv=None) -> int:
     llm = load_llama(ap, args, n_seq_max=settings.slots, kv_unified=False, export_scores=args.export_scores,
                      pooling_type=POOLING_NAMES.get(args.pooling, -1))
     app = create_app(llm, settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                limit_concurrency=settings.max_connections)
+    uvicorn.Server(listener.config(app, settings.host, settings.port, log_level="info")).run()
     return 0

@@ -7,13 +7,12 @@ or does not fit, 413 for an oversized body, 429 when every slot is busy and the 
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ipaddress
 import os
 import secrets
 import socket
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +22,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
+from .preparing import CLIENT, GrammarChecks, WorkPool
 from .protocol import APIError, error_response
 from . import anthropic_messages, embeddings, ollama, openai_responses
 from .routes import STATIC_DIR, router
@@ -51,7 +51,8 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
         max_prompt_bytes=max_prompt_tokens * _longest_token_bytes(llm),
         max_tokens=settings.max_tokens or llm.n_ctx_train(),
         default_keep=llm.keep if isinstance(llm.keep, int) else 0,
-        prepare=concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="h2o-local-prepare"),
+        prepare=WorkPool("preparing", workers=2, max_held=settings.slots + settings.max_waiting),
+        grammars=GrammarChecks(WorkPool("checking grammars for", workers=1, max_held=settings.slots)),
         embedding=embeddings.EmbeddingWork(settings.max_waiting))
     # what the chat template takes (its tool-call format, system role, argument form, call ids), probed once now
     # rather than inside the first request that needs it
@@ -63,7 +64,8 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     async def lifespan(app: FastAPI):
         yield
         scheduler.close()
-        state.prepare.shutdown(wait=False, cancel_futures=True)
+        state.prepare.close()
+        state.grammars.pool.close()
         state.embedding.close()
 
     app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache",
@@ -71,6 +73,8 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     app.state.server = state
     app.add_middleware(JSONBodies)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ClientAddress)
+    app.add_middleware(RequestLimit, max_requests=settings.max_connections)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     if _is_loopback(settings.host):  # added last: it runs first, before the key check and the body
@@ -141,6 +145,41 @@ class BodyLimit:
         await self.app(scope, counted_receive, send)
 
 
+class RequestLimit:
+    """ASGI middleware: 503 for an HTTP request while `max_requests` others are in progress (received and not yet
+    answered to their end). Connections that sent no request do not count: idle sockets cannot switch the server
+    off (the listener closes them, server/listener.py)."""
+
+    def __init__(self, app, max_requests: int):
+        self.app, self.max_requests, self.in_progress = app, max_requests, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.in_progress >= self.max_requests:
+            response = error_response(503, f"the server is answering {self.in_progress} requests, the most it takes "
+                                           f"at once (--max-connections); try again shortly", kind="server_error",
+                                      code="server_busy", headers={"Retry-After": "1"})
+            return await response(scope, receive, send)
+        self.in_progress += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_progress -= 1
+
+
+class ClientAddress:
+    """ASGI middleware: the request's client address in `preparing.CLIENT`, for the shares of the preparing lines."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            CLIENT.set((scope.get("client") or ("",))[0] or "")
+        await self.app(scope, receive, send)
+
+
 class JSONBodies:
     """ASGI middleware: a POST body sent without a JSON content type (curl -d sends a form's) is read as JSON, as
     llama-server and Ollama read theirs; what is not JSON is then the usual 400. Not for a browser's request (it
@@ -163,24 +202,41 @@ class JSONBodies:
 
 
 class BearerAuth:
-    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <api_key>` or, as Anthropic's clients
-    send it, `x-api-key: <api_key>` (compared in constant time); otherwise 401 with an OpenAI-shaped error, before
-    the body is read. The chat page's static files are public (they hold no data; the page asks for the key and
-    sends it with its API calls)."""
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>` or, as Anthropic's clients send
+    it, `x-api-key: <key>`, with one of the server's keys (several: comma-separated, as llama-server's --api-key;
+    compared in constant time); otherwise 401 with an OpenAI-shaped error, before the body is read. The key a request
+    gave salts its saved conversations (`scope["state"]["api_key_id"]`): clients with different keys never continue
+    each other's. The chat page's static files and /health are public (they hold no data; the page asks for the
+    key and sends it with its API calls; container health probes carry none, as llama-server's)."""
+
+    PUBLIC = ("/health", "/v1/health")
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
+        self.app = app
+        self.keys = [k.strip().encode() for k in api_key.split(",") if k.strip()]
+
+    def key_id(self, headers: Dict[bytes, bytes]) -> Optional[int]:
+        """The index of the key the headers carry (None: none of them)."""
+        given = headers.get(b"authorization", b"")
+        bearer = given[7:] if given[:7].lower() == b"bearer " else None
+        other = headers.get(b"x-api-key")
+        found = None
+        for i, key in enumerate(self.keys):  # every key compared: the time says nothing of which matched
+            if (bearer is not None and secrets.compare_digest(bearer, key)) or \
+                    (other is not None and secrets.compare_digest(other, key)):
+                found = i if found is None else found
+        return found
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or _is_page(scope):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        other = headers.get(b"x-api-key")
-        if not secrets.compare_digest(given, self.expected) and \
-                (other is None or not secrets.compare_digest(other, self.key)):
-            message = "a valid API key is needed: send 'Authorization: Bearer KEY'" if not given and other is None \
-                else "the API key is not valid"
+        found = self.key_id(headers)
+        if found is not None:
+            scope.setdefault("state", {})["api_key_id"] = found
+        elif scope["path"] not in self.PUBLIC:
+            message = "a valid API key is needed: send 'Authorization: Bearer KEY'" \
+                if not headers.get(b"authorization") and headers.get(b"x-api-key") is None else "the API key is not valid"
             response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         await self.app(scope, receive, send)

@@ -11,11 +11,14 @@ from typing import Iterator
 @contextlib.contextmanager
 def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_s: float = 30.0,
                         stop_s: float = 30.0) -> Iterator[int]:
-    """Serve `app` with uvicorn in a daemon thread; yields the port (a free one when `port` is 0) once it listens,
+    """Serve `app` (made by create_app) with uvicorn in a daemon thread, its connections limited as `h2o-local
+    serve`'s (server/listener.py); yields the port (a free one when `port` is 0) once it listens,
     and stops the server on exit (RuntimeError if it has not stopped after stop_s: a request handler hangs). The
     socket is bound here and handed to uvicorn, so that no other process can take a free port between its choice
     and its use (a race that several servers started at once on one machine lost)."""
     import uvicorn
+
+    from . import listener
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -23,7 +26,7 @@ def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        server = uvicorn.Server(listener.config(app, host, port, log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="h2o-local-uvicorn", daemon=True)
         thread.start()
         deadline = time.monotonic() + startup_s

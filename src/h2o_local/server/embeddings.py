@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import embeddings
 from . import requests
@@ -66,7 +66,8 @@ class LlamaServerEmbeddingRequest(BaseModel):
 
     content: Any = None
     input: Any = None
-    embd_normalize: int = 2  # llama-server's: -1 none, 0 max absolute (int16), 1 taxicab, 2 Euclidean, > 2 p-norm
+    # llama-server's: -1 none, 0 max absolute (int16), 1 taxicab, 2 Euclidean, > 2 p-norm (an int, as its)
+    embd_normalize: int = Field(2, ge=-(2**31), le=2**31 - 1)
 
 
 class OllamaEmbedRequest(BaseModel):

@@ -54,6 +54,8 @@ class _OllamaRequest(BaseModel):
     format: Union[str, Dict[str, Any], None] = None  # "json", or a JSON schema
     options: Optional[Dict[str, Any]] = None
     think: Union[bool, str, None] = None
+    # as on the OpenAI routes: saved conversations are continued only by requests with the same salt
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
 
 class OllamaChat(_OllamaRequest):
@@ -208,11 +210,29 @@ def _openai_message(i: int, m: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(m.get(ollama_name), str):
             out[name] = m[ollama_name]
     if m.get("tool_calls"):
-        out["tool_calls"] = [{"type": "function", "id": f"call_{i}_{j}",
-                              "function": {"name": (c.get("function") or {}).get("name"),
-                                           "arguments": json.dumps((c.get("function") or {}).get("arguments", {}))}}
-                             for j, c in enumerate(m["tool_calls"]) if isinstance(c, dict)]
+        out["tool_calls"] = [_openai_call(i, j, c) for j, c in enumerate(_listed(m["tool_calls"], f"messages.{i}.tool_calls"))]
     return out
+
+
+def _listed(value: Any, param: str) -> List[Any]:
+    if not isinstance(value, list):
+        raise APIError(400, f"{param} must be a list", param=param)
+    return value
+
+
+def _openai_call(i: int, j: int, call: Any) -> Dict[str, Any]:
+    """An Ollama tool call ({"function": {"name", "arguments": {...}}}) as OpenAI's (arguments as JSON text)."""
+    param = f"messages.{i}.tool_calls.{j}"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{param}.function must be an object with a name (a string) and arguments (an object)",
+                       param=f"{param}.function")
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, (dict, str)):
+        raise APIError(400, f"{param}.function.arguments must be an object", param=f"{param}.function.arguments")
+    return {"type": "function", "id": f"call_{i}_{j}",
+            "function": {"name": function["name"],
+                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
 
 def _chat_request(body: _OllamaRequest, messages: Optional[List[Dict[str, Any]]],
@@ -250,6 +270,8 @@ def _chat_request(body: _OllamaRequest, messages: Optional[List[Dict[str, Any]]]
         raise APIError(400, f"format must be \"json\" or a JSON schema, got {body.format!r}", param="format")
     if tools:
         out["tools"] = tools
+    if body.cache_salt is not None:
+        out["cache_salt"] = body.cache_salt
     return out
 
 

@@ -161,7 +161,7 @@ async def sampling(state: ServerState, defaults: SamplingParams, body: _Request,
         params = defaults.replace(**changes)
         if not params.grammar:
             return params, None
-        return params, await state.prepared( state.llm.sampler, params, history=tokens)
+        return params, await state.grammars.sampler(state.llm, params, tokens)
     except (TypeError, ValueError) as e:
         named = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
         param = given[0] if given and "grammar" in str(e) else named if named in type(body).model_fields else None

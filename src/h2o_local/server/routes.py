@@ -51,8 +51,16 @@ async def chat_page() -> FileResponse:
 
 @router.get("/health")
 @router.get("/v1/health", include_in_schema=False)  # llama-server's alias
-async def health(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+async def health(request: Request, state: ServerState = Depends(server_state)) -> Dict[str, Any]:
+    """Public (as llama-server's, for container probes): with an API key set, its slot counts only for a request
+    that gave the key."""
+    if state.settings.api_key and not _keyed(request):
+        return {"status": "ok"}
     return {"status": "ok", **state.scheduler.stats()}
+
+
+def _keyed(request: Request) -> bool:
+    return request.scope.get("state", {}).get("api_key_id") is not None
 
 
 @router.get("/metrics")
@@ -504,13 +512,15 @@ def chat_thinking(state: ServerState, body: ChatCompletionRequest,
 async def _prepared_in_time(state: ServerState, render: Callable[..., Any], messages: List[Dict[str, Any]],
                             **options: Any) -> Any:
     """`render(messages, time_limit_s=..., **options)` in the preparing threads: a template can be slow on some
-    messages, so never on the event loop and never for longer than --template-timeout-s (then a 400)."""
+    messages, so never on the event loop and never for longer than --template-timeout-s of its own time (then a
+    400; its wait for a thread is not counted)."""
     limit_s = state.settings.template_timeout_s
+    timed_out = lambda: APIError(400, f"preparing these messages (the chat template rendering them, then their "
+                                      f"tokenization) took more than {limit_s:g} s (--template-timeout-s)",
+                                 param="messages")
     try:
-        return await asyncio.wait_for(state.prepared(render, messages, time_limit_s=limit_s, **options), limit_s + 1)
-    except asyncio.TimeoutError:
-        raise APIError(400, f"preparing these messages (the chat template rendering them, then their tokenization) "
-                            f"took more than {limit_s:g} s (--template-timeout-s)", param="messages") from None
+        return await state.prepare.run(render, messages, own_time_s=limit_s + 1, on_time_out=timed_out,
+                                       time_limit_s=limit_s, **options)
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -524,6 +534,9 @@ async def _submit(state: ServerState, job: Job, request: Request) -> Job:
     if not state.llm.policy.bounded and n >= cells:
         raise APIError(400, f"the prompt ({n} tokens) does not fit in the context ({cells} tokens per slot)",
                        param="messages", code="context_length_exceeded")
+    key = request.scope.get("state", {}).get("api_key_id")
+    if key is not None:  # each API key's conversations are its own (BearerAuth)
+        job.cache_salt = f"key{key}:{job.cache_salt or ''}"
     job.mailbox = Mailbox(asyncio.get_running_loop())
     try:
         state.scheduler.submit(job)

@@ -54,8 +54,11 @@ class ServerSettings(BaseSettings):
                                   "later its request ends with an error")
     stream_send_timeout_s: float = Field(60.0, gt=0, description="a streaming client that reads nothing for this "
                                          "long, seconds, is dropped")
-    max_connections: int = Field(512, ge=1, description="open connections the server takes at once; more get HTTP "
-                                 "503")
+    max_connections: int = Field(512, ge=1, description="requests the server answers at once (more get HTTP 503), "
+                                 "and connections it keeps open waiting for a request (a new one closes the one that "
+                                 "waited longest)")
+    head_timeout_s: float = Field(15.0, gt=0, description="a connection that has not sent a complete request head "
+                                  "this long after it opened or after its last answer, seconds, is closed")
     echo_logprobs_mib: float = Field(256, ge=0, description="most memory the logits of one prompt whose own "
                                      "logprobs are asked for (/v1/completions with echo and logprobs) may take while "
                                      "it is read, MiB: its tokens x the vocabulary x 4 bytes; longer prompts get HTTP "

@@ -1,12 +1,11 @@
 """What the server's routes share: the `Llama`, its scheduler, the settings and the limits derived from them."""
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable
 
 from ..llama import Llama
+from .preparing import GrammarChecks, WorkPool
 from .scheduler import Scheduler
 from .settings import ServerSettings
 
@@ -27,10 +26,12 @@ class ServerState:
     max_tokens: int                                   # an answer's longest length (a bounded cache never fills up)
     default_keep: int                                 # the protected prefix of a completion (tokens)
     # requests are prepared here, off the event loop and with the GIL released where it is C++: chat templates
-    # rendered, prompts tokenized, grammars parsed and checked
-    prepare: concurrent.futures.ThreadPoolExecutor
+    # rendered, prompts tokenized, answers parsed (server/preparing.py)
+    prepare: WorkPool
+    grammars: GrammarChecks                           # grammars parsed and checked, in a pool of their own
     embedding: "EmbeddingWork"                        # the embedding routes' thread
 
-    def prepared(self, fn, *args: Any, **kwargs: Any) -> "asyncio.Future[Any]":
-        """`fn(*args, **kwargs)` in the server's preparing threads, off the event loop (await it)."""
-        return asyncio.get_running_loop().run_in_executor(self.prepare, lambda: fn(*args, **kwargs))
+    def prepared(self, fn, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """`fn(*args, **kwargs)` in the server's preparing threads, off the event loop (await it); 429 when their
+        line is full or this client holds its share of it."""
+        return self.prepare.run(fn, *args, **kwargs)
