@@ -2,6 +2,7 @@
 entries and the exported scores of the local run."""
 import contextlib
 import socket
+import struct
 import subprocess
 import threading
 import sys
@@ -116,6 +117,20 @@ def test_a_port_that_is_not_an_rpc_server_is_a_connection_error_not_an_abort_or_
             Llama(tiny_model, policy="h2o", budget=16, rpc_servers=[endpoint], n_gpu_layers=1)
         assert time.monotonic() - t0 < 30
     assert Llama(tiny_model, policy="h2o", budget=16).generate("still here", max_tokens=2, temperature=0) is not None
+
+
+def test_a_peer_that_answers_the_hello_then_goes_silent_is_a_clear_error_not_a_hang(tiny_model):
+    """llama.cpp's client waits for ever on a server that stops answering after its hello (the load hung)."""
+    from h2o_local import _engine
+    from h2o_local.rpc import CONN_CAPS_SIZE
+
+    major, minor, patch = _engine.RPC_PROTO_VERSION
+    hello = struct.pack("<Q", 4 + CONN_CAPS_SIZE) + bytes([major, minor, patch, 0]) + bytes(CONN_CAPS_SIZE)
+    with fake_server(hello) as endpoint:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=f"RPC server at {endpoint} stopped answering after its hello"):
+            Llama(tiny_model, policy="h2o", budget=16, rpc_servers=[endpoint], n_gpu_layers=1)
+        assert time.monotonic() - t0 < 30
 
 
 def test_the_handshake_accepts_the_real_server(rpc_server):

@@ -143,3 +143,41 @@ def test_a_thinking_models_reasoning_is_shown_apart_or_hidden(tmp_path):
     assert "Thinking" not in hidden.before and "8 tokens" in hidden.readline()
     hidden.sendeof()
     assert finish(hidden) == 0
+
+
+def test_file_reads_a_regular_file_only_and_at_most_its_limit(tmp_path):
+    """/file on /dev/zero read for ever, and on a pipe with no writer waited for one: both are refused at once."""
+    import os
+    import time
+
+    from h2o_local.cli.chat import MAX_FILE_BYTES, _read_text_file
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("plain text\n")
+    assert _read_text_file(str(doc)) == "plain text\n"
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        with pytest.raises((ValueError, OSError)):
+            _read_text_file(path)
+    assert time.monotonic() - start < 5
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a" * (MAX_FILE_BYTES + 1))
+    with pytest.raises(ValueError, match="larger than"):
+        _read_text_file(str(big))
+
+
+def test_save_over_a_symlink_replaces_the_link_and_leaves_its_target(chat_model, tmp_path):
+    from h2o_local import Llama
+    from h2o_local.chat_session import ChatSession
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    link = tmp_path / "chat.session"
+    link.symlink_to(target)
+    session = ChatSession(Llama(chat_model, budget=48, n_threads=1), max_tokens=2, temperature=0)
+    "".join(session.send("hi"))
+    session.save(link)
+    assert target.read_text() == "keep me" and not link.is_symlink()
+    ChatSession(Llama(chat_model, budget=48, n_threads=1)).load(link)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from typing import List
 
@@ -109,10 +110,7 @@ class Chat:
             print("usage: /file PATH", file=sys.stderr)
             return False
         try:
-            if os.path.getsize(path) > MAX_FILE_BYTES:
-                raise ValueError(f"larger than {MAX_FILE_BYTES // 2**20} MiB")
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            text = _read_text_file(path)
             check_text("the file", text)
         except (OSError, ValueError) as e:
             reason = f"not UTF-8 text ({e.reason} at byte {e.start})" if isinstance(e, UnicodeDecodeError) else \
@@ -128,6 +126,19 @@ class Chat:
         content = "\n\n".join(self.attached + [line])
         self.attached = []
         _answer(self.session, content, _AnswerWriter(sys.stdout, self.hide_thinking))
+
+
+def _read_text_file(path: str) -> str:
+    """A regular file's text, at most MAX_FILE_BYTES: a device (/dev/zero), a pipe or a directory is refused before
+    anything is read (opened without blocking: a pipe with no writer would wait for one)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file (a device, a pipe or a directory)")
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES // 2**20} MiB")
+    return data.decode("utf-8")
 
 
 class _Progress:

@@ -30,7 +30,9 @@ class ServerSettings(BaseSettings):
                                       "model's trained context)")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies get HTTP 413")
     api_key: Optional[str] = Field(None, min_length=1, description="every request must send 'Authorization: "
-                                   "Bearer KEY' (else 401); better given as H2O_LOCAL_API_KEY (default: none)")
+                                   "Bearer KEY' (else 401; /health is public); several keys comma-separated, each "
+                                   "client's conversations kept apart by its key; better given as H2O_LOCAL_API_KEY "
+                                   "(default: none)")
     cors_origins: Optional[str] = Field(None, min_length=1, description="browser origins allowed to call the API, "
                                         "comma-separated, or * (default: none, CORS off)")
     allowed_hosts: Optional[str] = Field(None, min_length=1, description="more Host names the server answers, "
