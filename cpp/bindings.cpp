@@ -69,6 +69,7 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     const auto n = (py::ssize_t) st.positions.size();
     py::dict d;
     d["positions"]   = to_numpy(st.positions.data(), {n});
+    d["origins"]     = to_numpy(st.origins.data(), {n});
     d["scores"]      = to_numpy(st.scores.total.data(), {n});
     d["head_scores"] = to_numpy(st.scores.head.data(), {n, (py::ssize_t) e.n_head()});
     d["queries"]     = to_numpy(st.scores.queries.data(), {n});
@@ -88,6 +89,7 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     const HostStore h = without_gil([&] { return e.host(seq, false); });
     const auto n_host = (py::ssize_t) h.size();
     d["host_positions"] = to_numpy(h.positions.data(), {n_host});
+    d["host_origins"]   = to_numpy(h.origins.data(), {n_host});
     d["host_bytes"]     = h.size()*h.entry_bytes;
     d["n_spilled"]      = h.n_spilled;
     d["n_recalled"]     = h.n_recalled;
@@ -488,6 +490,8 @@ PYBIND11_MODULE(_engine, m) {
         .def("restore", &Engine::restore, py::arg("seq_id"), py::arg("snapshot"), py::call_guard<py::gil_scoped_release>())
         .def("reset", &Engine::reset, py::call_guard<py::gil_scoped_release>())
         .def("reset_seq", &Engine::reset_seq, py::arg("seq_id"), py::call_guard<py::gil_scoped_release>())
+        .def("truncate", &Engine::truncate, py::arg("seq_id"), py::arg("n_tokens"),
+             py::call_guard<py::gil_scoped_release>())
         .def("last_logits", [](const Engine & e, llama_seq_id seq) {
             const auto v = without_gil([&] { return e.last_logits(seq); });
             return to_numpy(v.data(), {(py::ssize_t) v.size()});
@@ -554,6 +558,9 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("n_batch", &Engine::n_batch)
         .def_property_readonly("n_ubatch", &Engine::n_ubatch)
         .def_property_readonly("n_threads", &Engine::n_threads)
+        .def_property_readonly("position_rolling", [](const Engine & e) { return e.params().position_rolling; },
+                               "Whether bounded sequences' positions are renumbered (off where this cache cannot shift "
+                               "them, with roll_interval 0).")
         .def_property_readonly("kv_bytes", [](const Engine & e) { return without_gil([&] { return e.kv_bytes(); }); })
         .def("probe_cells", [](const Engine & e, const Policy & p) { return e.probe_cells(p); }, py::arg("policy"),
              "KV cells the policy's probe needs beside a sequence's entries.")

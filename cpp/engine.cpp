@@ -55,8 +55,9 @@ void check_params(const EngineParams & params) {
     if (params.n_batch < 1) {
         throw std::invalid_argument("n_batch must be >= 1");
     }
-    if (params.roll_interval < 1) {
-        throw std::invalid_argument("roll_interval must be >= 1 (tokens), got " + std::to_string(params.roll_interval));
+    if (params.roll_interval < 0) {
+        throw std::invalid_argument("roll_interval must be >= 0 (tokens; 0: roll only near the trained context), got " +
+                                    std::to_string(params.roll_interval));
     }
 }
 
@@ -144,7 +145,10 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
 
     const Model::Offload offload = model_->offload();
     const KvTypeFacts facts = kv_type_facts(*model_, offload);
-    const llama_context_params cp = context_params(params, size, facts);
+    if (rolls_when_needed() && !keys_can_roll(params_, facts)) {
+        params_.position_rolling = false; // these keys cannot be shifted: positions stay as they were fed
+    }
+    const llama_context_params cp = context_params(params_, size, facts);
     check_memory(*model_, offload, params, size, facts);
     clear_llama_error();
     ctx_ = llama_init_from_model(model_->get(), cp);
@@ -155,9 +159,12 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     n_head_ = llama_model_n_head(model_->get());
     origin_ = origin();
 
-    if (params.position_rolling && !llama_memory_can_shift(llama_get_memory(ctx_))) {
-        throw std::invalid_argument("position_rolling=True needs a KV cache whose positions can be shifted; "
-                                    "this model's cannot (M-RoPE, recurrent or sliding-window cache)");
+    if (params_.position_rolling && !llama_memory_can_shift(llama_get_memory(ctx_))) {
+        if (!rolls_when_needed()) {
+            throw std::invalid_argument("position_rolling with a roll_interval needs a KV cache whose positions can be "
+                                        "shifted; this model's cannot (M-RoPE, recurrent or sliding-window cache)");
+        }
+        params_.position_rolling = false;
     }
     if (policy_->needs_scores() || params.export_scores) {
         scores_path_ = llama_attn_scores_enable(ctx_, true, params.scores_sum_rows || sum_rows_on_vulkan(ctx_, offload));
@@ -336,6 +343,13 @@ void Engine::reset_seq(llama_seq_id seq) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     seq_cache(seq).clear();
     seqs_.erase(seq);
+    last_logits_.erase(seq);
+    logits_all_.erase(seq);
+}
+
+void Engine::truncate(llama_seq_id seq, int64_t n) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    seq_cache(seq).truncate(n);
     last_logits_.erase(seq);
     logits_all_.erase(seq);
 }
@@ -664,8 +678,23 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
     }
 }
 
+RollRule Engine::roll_rule(llama_seq_id seq) const {
+    RollRule rule;
+    const Policy & policy = policy_of(seq);
+    rule.on = params_.position_rolling && !policy.per_head();
+    rule.interval = std::max(params_.roll_interval, 1);
+    if (rolls_when_needed()) {
+        // room below the trained context for one more batch and its probe; at least half of it (a batch larger
+        // than that can pass it within one prompt, and rolling at every eviction would cost more than it saves)
+        const int64_t n_train = llama_model_n_ctx_train(model_->get());
+        const int64_t margin = (int64_t) n_batch() + probe_cells(policy);
+        rule.after = (llama_pos) std::max<int64_t>({1, n_train - margin, n_train/2});
+    }
+    return rule;
+}
+
 void Engine::evict(llama_seq_id seq, int32_t incoming) {
-    seqs_.at(seq).evict(policy_of(seq), params_.position_rolling, params_.roll_interval, incoming);
+    seqs_.at(seq).evict(policy_of(seq), roll_rule(seq), incoming);
 }
 
 // llama.cpp attends cells [0, n_kv) with n_kv padded above the highest used cell, so kept entries spread over the

@@ -58,6 +58,8 @@ public:
 
     void reset();                      // every sequence
     void reset_seq(llama_seq_id seq);
+    // forget what seq was fed from its n-th token on (SeqCache::truncate); its last logits go with it
+    void truncate(llama_seq_id seq, int64_t n);
 
     // switch the policy of every sequence for what follows (those with a policy of their own too); the engine keeps
     // exporting scores if the new policy needs them
@@ -170,6 +172,10 @@ private:
     // a probe's decode done (toks.size() queries, their sums in probe_sums_): remove it, and rank by its attention
     void finish_probe(llama_seq_id seq, int32_t n_toks, double seconds);
     void evict(llama_seq_id seq, int32_t incoming = 0); // incoming: SeqCache::evict's
+    // when seq's kept positions are renumbered (EngineParams::position_rolling, roll_interval)
+    RollRule roll_rule(llama_seq_id seq) const;
+    // rolling only near the trained context, where possible (roll_interval 0)
+    bool rolls_when_needed() const { return params_.position_rolling && params_.roll_interval == 0; }
     // before an eviction that will remove entries, the policy's probe ranks them; `prompt` is the prompt being fed
     // (the question probe's source; null in compress())
     void probe_and_evict(llama_seq_id seq, const std::vector<llama_token> * prompt, bool probed = false);

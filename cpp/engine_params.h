@@ -14,8 +14,13 @@ namespace h2o {
 
 struct EngineParams {
     PolicyPtr policy;                // required: make_policy(...), resolved once
-    bool     position_rolling = false;
-    int32_t  roll_interval = 1;      // with rolling: renumber once the kept positions span this many gaps or more
+    // position rolling: a bounded sequence's kept positions renumbered 0..n-1 (llama.cpp's K shift), so that it runs
+    // past the trained context. roll_interval 0: only when its next position, plus what one feed can add, would pass
+    // the trained context (every position below it stays as it was fed), and only where the cache can shift its
+    // positions (else off, as for a per-head policy); N >= 1: once the kept positions span N gaps or more, and an
+    // error where the cache cannot
+    bool     position_rolling = true;
+    int32_t  roll_interval = 0;
     uint32_t n_ctx     = 0;          // KV cells; 0: budget + n_batch per sequence (bounded) or the trained context (full)
     uint32_t n_batch   = 512;        // tokens per llama_decode: a prompt is evicted between batches
     uint32_t n_ubatch  = 0;          // tokens per ubatch (llama.cpp's physical batch: its compute buffers); 0: n_batch

@@ -77,7 +77,7 @@ void Engine::check_parts(llama_seq_id seq, const SeqState & state, const Policy 
 }
 
 void Engine::check_per_head(const Policy & policy) const {
-    if (policy.per_head() && params_.position_rolling) {
+    if (policy.per_head() && params_.position_rolling && !rolls_when_needed()) {
         throw std::invalid_argument("policy '" + policy.name() + "' with per_head keeps different tokens per layer and "
                                     "KV head in a cell: position_rolling cannot shift them (not built); use absolute positions");
     }

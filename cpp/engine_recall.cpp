@@ -86,8 +86,6 @@ void Engine::check_recall(const Policy & policy, int64_t cap) const {
                  "recall ranks what was evicted by the next prompt's question: policy '" + policy.name() + "' needs "
                  "the question probe (probe='question'; the default policy has it)");
     check_policy(!policy.per_head(), "recall keeps whole entries: per-head cells cannot be recalled");
-    check_policy(!params_.position_rolling, "recall puts entries back at their own positions: position rolling "
-                                            "renumbers them, so the two cannot be combined");
     check_policy(llama_kv_entry_size(ctx_) > 0, "this model's KV cache cannot keep evicted entries apart (SWA "
                                                 "layers, or no KV cache): recall is not available");
 }
@@ -104,16 +102,17 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, b
     if (page < 1) {
         return; // no cells beside the kept entries (a unified cache shared by full sequences): nothing comes back
     }
-    // the spilled entries in position order, a page at a time; what loses goes back to the store (after them)
+    // the spilled entries in the conversation's order, a page at a time; what loses goes back to the store (after
+    // them)
     const HostStore & host = sc.host();
-    std::vector<llama_pos> waiting = host.positions;
+    std::vector<llama_pos> waiting = host.origins;
     std::sort(waiting.begin(), waiting.end());
     std::set<llama_pos> readmitted;
     for (size_t a = 0; a < waiting.size(); a += (size_t) page) {
         const std::set<llama_pos> want(waiting.begin() + a, waiting.begin() + std::min(waiting.size(), a + page));
         std::vector<size_t> indices;
-        for (size_t i = 0; i < host.positions.size(); ++i) {
-            if (want.count(host.positions[i]) > 0) {
+        for (size_t i = 0; i < host.origins.size(); ++i) {
+            if (want.count(host.origins[i]) > 0) {
                 indices.push_back(i);
             }
         }
@@ -123,8 +122,8 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, b
         evict(seq, fed ? (int32_t) prompt.size() : 0);
     }
     int64_t kept = 0;
-    for (const llama_pos p : sc.state().positions) {
-        kept += readmitted.count(p);
+    for (const llama_pos o : sc.state().origins) {
+        kept += readmitted.count(o);
     }
     sc.count_recalled(kept);
     compact(seq);
@@ -135,10 +134,12 @@ void Engine::check_host(const SeqSnapshot & snap) const {
     if (h.size() == 0) {
         return;
     }
-    const std::set<llama_pos> kept(snap.state.positions.begin(), snap.state.positions.end());
+    // each entry a place in the conversation of its own, before what was fed last; its key rotated for a position
+    const std::set<llama_pos> kept(snap.state.origins.begin(), snap.state.origins.end());
     std::set<llama_pos> seen;
-    for (const llama_pos p : h.positions) {
-        if (p < 0 || p >= snap.state.next_pos || kept.count(p) > 0 || !seen.insert(p).second) {
+    for (size_t i = 0; i < h.size(); ++i) {
+        const llama_pos o = h.origins[i];
+        if (o < 0 || o >= snap.state.n_seen || kept.count(o) > 0 || !seen.insert(o).second || h.positions[i] < 0) {
             throw std::invalid_argument("the snapshot's host entries do not match its positions");
         }
     }

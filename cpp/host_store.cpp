@@ -20,6 +20,7 @@ int64_t padded_values(size_t raw_bytes) {
 
 void HostStore::keep_only(const std::vector<size_t> & indices) {
     keep_rows(positions, 1, indices);
+    keep_rows(origins, 1, indices);
     keep_rows(tokens, 1, indices);
     scores.keep_only(indices);
     keep_rows(kv, entry_bytes, indices);
@@ -30,6 +31,7 @@ HostStore HostStore::without_kv() const {
     out.entry_bytes = entry_bytes;
     out.q8_0        = q8_0;
     out.positions   = positions;
+    out.origins     = origins;
     out.tokens      = tokens;
     out.scores      = scores;
     out.n_spilled   = n_spilled;
@@ -56,17 +58,19 @@ void HostStore::set_encoding(bool q8, size_t raw_bytes) {
     entry_bytes = q8 ? q8_0_entry_bytes(raw_bytes) : raw_bytes;
 }
 
-void HostStore::spill(const std::vector<llama_pos> & pos, const std::vector<llama_token> & toks,
-                      const SeqScores & entry_scores, const std::vector<uint8_t> & raw, size_t raw_bytes, size_t cap) {
+void HostStore::spill(const std::vector<llama_pos> & pos, const std::vector<llama_pos> & orig,
+                      const std::vector<llama_token> & toks, const SeqScores & entry_scores,
+                      const std::vector<uint8_t> & raw, size_t raw_bytes, size_t cap) {
     append_rows(raw, raw_bytes);
     positions.insert(positions.end(), pos.begin(), pos.end());
+    origins.insert(origins.end(), orig.begin(), orig.end());
     tokens.insert(tokens.end(), toks.begin(), toks.end());
     scores.extend(entry_scores);
     n_spilled += (int64_t) pos.size();
     if (size() > cap) { // the oldest text goes first
         std::vector<size_t> order(size());
         std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return positions[a] > positions[b]; });
+        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return origins[a] > origins[b]; });
         order.resize(cap);
         std::sort(order.begin(), order.end());
         n_dropped += (int64_t) (size() - order.size());
@@ -75,8 +79,8 @@ void HostStore::spill(const std::vector<llama_pos> & pos, const std::vector<llam
 }
 
 HostStore::Entries HostStore::entries(const std::vector<size_t> & indices, size_t raw_bytes) const {
-    return {gather_rows(positions, 1, indices), gather_rows(tokens, 1, indices), scores.gather(indices),
-            raw_rows(indices, raw_bytes)};
+    return {gather_rows(positions, 1, indices), gather_rows(origins, 1, indices), gather_rows(tokens, 1, indices),
+            scores.gather(indices), raw_rows(indices, raw_bytes)};
 }
 
 void HostStore::remove(const std::vector<size_t> & indices) {
@@ -116,7 +120,7 @@ bool HostStore::fits(size_t raw_bytes, int32_t n_head) const {
 
 bool HostStore::consistent() const {
     const size_t n = size();
-    return tokens.size() == n && scores.covers(n) && (n == 0 || (entry_bytes > 0 && kv.size() == n*entry_bytes)) &&
+    return tokens.size() == n && origins.size() == n && scores.covers(n) && (n == 0 || (entry_bytes > 0 && kv.size() == n*entry_bytes)) &&
            n_spilled >= 0 && n_recalled >= 0 && n_dropped >= 0;
 }
 

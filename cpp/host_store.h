@@ -13,11 +13,13 @@ namespace h2o {
 
 // Each entry's K and V of every layer as llama_kv_entries_get wrote them (raw_bytes each), or, with q8_0, those F16
 // values as ggml's q8_0 blocks (32 values and one F16 scale a block, the last block padded with zeros); its
-// position, token and scores.
+// position (the one its keys were rotated for when it left), its origin (its place in the conversation), token and
+// scores.
 struct HostStore {
     size_t entry_bytes = 0;             // bytes of one stored entry
     bool   q8_0 = false;                // stored as q8_0 blocks of F16 rows
-    std::vector<llama_pos>   positions; // in the order they were spilled
+    std::vector<llama_pos>   positions; // in the order they were spilled: where each key was rotated for
+    std::vector<llama_pos>   origins;   // each entry's place in the conversation (SeqState::origins)
     std::vector<llama_token> tokens;
     SeqScores                scores;
     std::vector<uint8_t>     kv;        // [n][entry_bytes]
@@ -38,13 +40,15 @@ struct HostStore {
     // keep the entries as q8_0 blocks or as the cache's rows from now on, converting those held
     void set_encoding(bool q8, size_t raw_bytes);
 
-    // evicted entries in: their positions, tokens, scores and rows (raw_bytes each, as the cache has them); counted
+    // evicted entries in: their positions, origins, tokens, scores and rows (raw_bytes each, as the cache has them); counted
     // as spilled. Then, above `cap` entries, the oldest text goes first (counted as dropped).
-    void spill(const std::vector<llama_pos> & pos, const std::vector<llama_token> & toks, const SeqScores & entry_scores,
-               const std::vector<uint8_t> & raw, size_t raw_bytes, size_t cap);
-    // the entries at `indices`: their positions, tokens, scores and rows as the cache's (raw_bytes each)
+    void spill(const std::vector<llama_pos> & pos, const std::vector<llama_pos> & orig,
+               const std::vector<llama_token> & toks, const SeqScores & entry_scores, const std::vector<uint8_t> & raw,
+               size_t raw_bytes, size_t cap);
+    // the entries at `indices`: their positions, origins, tokens, scores and rows as the cache's (raw_bytes each)
     struct Entries {
         std::vector<llama_pos>   positions;
+        std::vector<llama_pos>   origins;
         std::vector<llama_token> tokens;
         SeqScores                scores;
         std::vector<uint8_t>     raw;

@@ -46,6 +46,18 @@ static void check_rolling_keys(const std::string & name, ggml_type k, const KvTy
     }
 }
 
+bool keys_can_roll(const EngineParams & params, const KvTypeFacts & facts) {
+    if (params.type_k.empty()) {
+        return true;
+    }
+    try {
+        check_rolling_keys(params.type_k, kv_cache_type("type_k", params.type_k), facts);
+        return true;
+    } catch (const std::invalid_argument &) {
+        return false;
+    }
+}
+
 KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts) {
     KvTypes out;
     if (params.kv_f32) {
@@ -59,7 +71,7 @@ KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts) 
                                         std::to_string(ggml_blck_size(out.k)) + " values; this model's key heads "
                                         "hold " + std::to_string(facts.key_head) + " (use f16, f32 or bf16)");
         }
-        if (params.position_rolling) {
+        if (params.position_rolling && params.roll_interval > 0) { // rolling when needed leaves keys that cannot roll
             check_rolling_keys(params.type_k, out.k, facts);
         }
     }

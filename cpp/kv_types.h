@@ -32,6 +32,9 @@ ggml_type kv_cache_type(const char * what, const std::string & name);
 // bytes per element of a KV cache type by ggml name ("f16", "q8_0", ...): the type's block bytes over its values
 double kv_type_bytes(const std::string & name);
 
+// whether llama.cpp can shift keys of params.type_k on this model and device (position rolling)
+bool keys_can_roll(const EngineParams & params, const KvTypeFacts & facts);
+
 // params.kv_f32, type_k, type_v, flash_attn, position_rolling and host_q8_0; throws std::invalid_argument with the reason
 KvTypes choose_kv_types(const EngineParams & params, const KvTypeFacts & facts);
 

@@ -21,6 +21,7 @@ void SeqCache::append(const std::vector<llama_token> & tokens) {
     const int32_t n_new = (int32_t) tokens.size();
     for (int32_t i = 0; i < n_new; ++i) {
         st_.positions.push_back(st_.next_pos + i);
+        st_.origins.push_back((llama_pos) (st_.n_seen + i));
     }
     st_.tokens.insert(st_.tokens.end(), tokens.begin(), tokens.end());
     st_.scores.append(n_new);
@@ -79,7 +80,7 @@ void SeqCache::observe_probe(const Policy & policy, const std::vector<float> & h
         return;
     }
     for (size_t i = 0; i < probe.size(); ++i) {
-        if (st_.positions[i] >= exchange_.reply_from && st_.positions[i] < exchange_.reply_to) {
+        if (st_.origins[i] >= exchange_.reply_from && st_.origins[i] < exchange_.reply_to) {
             probe[i] = -std::max(probe[i], std::numeric_limits<float>::min());
         }
     }
@@ -88,7 +89,7 @@ void SeqCache::observe_probe(const Policy & policy, const std::vector<float> & h
 void SeqCache::note_feed(size_t n, int32_t question) {
     Exchange & ex = exchange_;
     if (n == 1) {
-        ex.generated_from = ex.generated_from < 0 ? st_.next_pos : ex.generated_from;
+        ex.generated_from = ex.generated_from < 0 ? (llama_pos) st_.n_seen : ex.generated_from;
         return;
     }
     llama_pos from = ex.generated_from;
@@ -99,18 +100,24 @@ void SeqCache::note_feed(size_t n, int32_t question) {
         while (i > 0 && st_.scores.probe[i - 1] == 0.0f) {
             --i;
         }
-        from = i > 0 && i < st_.positions.size() ? st_.positions[i] : -1;
+        from = i > 0 && i < st_.origins.size() ? st_.origins[i] : -1;
     }
     if (from >= 0) {
         ex.reply_from = std::max<llama_pos>(0, from - std::max(question, 0));
-        ex.reply_to = st_.next_pos;
+        ex.reply_to = (llama_pos) st_.n_seen;
     }
     ex.generated_from = -1;
 }
 
-void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval, int32_t incoming) {
+void SeqCache::evict(const Policy & policy, const RollRule & roll, int32_t incoming) {
     const size_t n = st_.positions.size();
-    if (!policy.bounded() || n <= (size_t) policy.split().total()) {
+    if (!policy.bounded()) {
+        return;
+    }
+    if (n <= (size_t) policy.split().total()) {
+        if (roll.after > 0 && roll.due(st_)) { // near the trained context, with or without an eviction
+            roll_positions();
+        }
         return;
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -149,7 +156,7 @@ void SeqCache::evict(const Policy & policy, bool rolling, int32_t roll_interval,
     st_.n_evicted += (int64_t) (n - keep.size());
 
     // a K shift rotates every cached key in every layer: deferring it keeps positions below budget + interval
-    if (rolling && st_.next_pos - (llama_pos) st_.positions.size() >= roll_interval) {
+    if (roll.due(st_)) {
         roll_positions();
     }
 }
@@ -179,8 +186,13 @@ void SeqCache::keep_entries(const std::vector<size_t> & keep) {
         i = e;
     }
     st_.positions = gather_rows(st_.positions, 1, keep);
+    st_.origins   = gather_rows(st_.origins, 1, keep);
     st_.tokens    = gather_rows(st_.tokens, 1, keep);
     st_.scores    = st_.scores.gather(keep);
+}
+
+bool SeqCache::rolled() const {
+    return st_.positions != st_.origins || host_.positions != host_.origins;
 }
 
 std::vector<size_t> SeqCache::select(const Policy & policy, const std::vector<llama_pos> & positions,
@@ -281,6 +293,7 @@ void SeqCache::drop_newest(int32_t n) {
     std::vector<size_t> older(kept);
     std::iota(older.begin(), older.end(), 0);
     st_.positions.resize(kept);
+    st_.origins.resize(kept);
     st_.tokens.resize(kept);
     st_.scores    = st_.scores.gather(older);
     for (auto & q : st_.scores.queries) {
@@ -296,6 +309,45 @@ void SeqCache::drop_newest(int32_t n) {
     }
     st_.next_pos -= n;
     st_.n_seen   -= n;
+    forget_keys();
+}
+
+void SeqCache::truncate(int64_t n) {
+    if (n < 0 || n > st_.n_seen) {
+        throw std::invalid_argument("cannot go back to token " + std::to_string(n) + ": the sequence was fed " +
+                                    std::to_string(st_.n_seen));
+    }
+    if (!st_.parts.empty()) {
+        throw std::invalid_argument("a sequence of per-head cells cannot be truncated");
+    }
+    if (n == st_.n_seen) {
+        return;
+    }
+    const bool was_rolled = rolled();
+    size_t kept = st_.origins.size();
+    while (kept > 0 && st_.origins[kept - 1] >= n) { // fed from n on: the newest entries, the highest positions
+        --kept;
+    }
+    if (kept < st_.positions.size()) {
+        llama_memory_seq_rm(mem_, seq_, st_.positions[kept], -1);
+    }
+    std::vector<size_t> older(kept);
+    std::iota(older.begin(), older.end(), 0);
+    st_.positions.resize(kept);
+    st_.origins.resize(kept);
+    st_.tokens.resize(kept);
+    st_.scores = st_.scores.gather(older);
+    std::vector<size_t> stored;
+    for (size_t i = 0; i < host_.size(); ++i) {
+        if (host_.origins[i] < n) {
+            stored.push_back(i);
+        }
+    }
+    host_.keep_only(stored);
+    st_.n_seen = n;
+    // never rolled: the next token takes its own position again; rolled: the one after the newest kept
+    st_.next_pos = !was_rolled ? (llama_pos) n : kept > 0 ? st_.positions.back() + 1 : 0;
+    exchange_ = Exchange();
     forget_keys();
 }
 

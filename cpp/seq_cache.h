@@ -37,6 +37,9 @@ struct HeadParts {
 
 struct SeqState {
     std::vector<llama_pos> positions;   // kept positions, ascending
+    // each kept entry's place in the conversation: the position it was fed at, which a roll does not change (equal
+    // to positions until the sequence rolls); the order recall merges entries back in
+    std::vector<llama_pos> origins;
     std::vector<llama_token> tokens;    // the token of each kept entry (aligned with positions)
     SeqScores scores;                   // aligned with positions
     llama_pos next_pos   = 0;           // position of the next token fed
@@ -65,12 +68,26 @@ struct SeqSnapshot {
 
 
 // Where a sequence stands in its conversation (the reply option): the last exchange, [reply_from, reply_to), the
-// question that ended the previous prompt and the answer generated before the latest; and the first position
-// generated since the latest prompt (-1: none). Not saved with a snapshot (a loaded sequence has none).
+// question that ended the previous prompt and the answer generated before the latest; and the first entry
+// generated since the latest prompt (-1: none). Origins (SeqState::origins), which rolling does not change. Not
+// saved with a snapshot (a loaded sequence has none).
 struct Exchange {
     llama_pos generated_from = -1;
     llama_pos reply_from     = -1;
     llama_pos reply_to       = -1;
+};
+
+// When a sequence's kept positions are renumbered 0..n-1 (a K shift of every kept key): never (off), or once they
+// drifted `interval` or more past the count of kept entries, and then only once its next position reaches `after`
+// (0: at any position). Rolling only near the trained context keeps every position as it was fed below it.
+struct RollRule {
+    bool      on       = false;
+    int32_t   interval = 1;
+    llama_pos after    = 0;
+
+    bool due(const SeqState & st) const {
+        return on && st.next_pos - (llama_pos) st.positions.size() >= interval && st.next_pos >= after;
+    }
 };
 
 class SeqCache {
@@ -106,9 +123,11 @@ public:
     void note_compact(double seconds) { st_.compact_seconds += seconds; }
     const Exchange & exchange() const { return exchange_; }
     void set_exchange(const Exchange & exchange) { exchange_ = exchange; }
-    // remove what the policy does not keep; with rolling, renumber once the positions drifted roll_interval or more.
+    // remove what the policy does not keep; renumber the kept positions when `roll` says so.
     // incoming: the tokens of a prompt fed right after (recall ranks before it): Policy::split_before
-    void evict(const Policy & policy, bool rolling, int32_t roll_interval, int32_t incoming = 0);
+    void evict(const Policy & policy, const RollRule & roll, int32_t incoming = 0);
+    // whether some kept or spilled entry sits at another position than it was fed at (the sequence rolled)
+    bool rolled() const;
     // drop the entries at next_pos and above (a decode that failed half-way)
     void drop_unfinished();
     // back to `before`, a state of this sequence taken before its last chunk, whose cells are then dropped (an
@@ -116,6 +135,11 @@ public:
     void roll_back(const SeqState & before);
     // remove the n newest entries (a probe's): their cells, positions and scores; the position goes back
     void drop_newest(int32_t n);
+    // forget what was fed from the conversation's n-th token on (origins >= n): those entries leave the cache and the
+    // host store, and the next token is the n-th again; what was evicted meanwhile stays evicted (in the store, with
+    // recall). A conversation re-rendered differently near its end goes on from the common part. Throws
+    // std::invalid_argument for n outside [0, n_seen] or under a per-head policy
+    void truncate(int64_t n);
     void clear();
 
     // recall: evicted entries go to a host store of at most cap entries (the lowest positions are dropped beyond
@@ -126,8 +150,10 @@ public:
     const HostStore & host() const { return host_; }
     // put back a store taken with this sequence's state (a snapshot); throws if its entries do not fit this cache
     void set_host(const HostStore & host);
-    // bring the store's entries at `indices` back into the cache at their positions (merged with the kept ones, their
-    // scores as they left); throws std::runtime_error when llama.cpp has no room for them
+    // bring the store's entries at `indices` back into the cache, merged with the kept ones in the conversation's
+    // order (origins), their scores as they left: at their own positions, or, in a sequence that rolled, with every
+    // entry renumbered 0..n-1 in that order (each key shifted from where it was to its new place); throws
+    // std::runtime_error when llama.cpp has no room for them
     void readmit(const std::vector<size_t> & indices);
     void count_recalled(int64_t n) { host_.n_recalled += n; }
 
@@ -152,6 +178,10 @@ private:
     void keep_entries(const std::vector<size_t> & keep);
     void observe_keys(const Policy & policy); // the policy reads the kept entries' keys of every layer
     void roll_positions();
+    // readmit() in a sequence that rolled: kept and returning entries renumbered 0..n-1 in origin order
+    void readmit_renumbered(const HostStore::Entries & taken);
+    // the returning entries' bookkeeping merged with the kept entries' in origin order (positions as they are)
+    std::vector<size_t> merge(const HostStore::Entries & taken);
 
     void forget_keys() { keys_.clear(); key_rows_ = 0; }
     // copy the entries at `indices` (ascending) to the host store, before their cells are removed

@@ -8,8 +8,11 @@ namespace h2o {
 
 namespace {
 
-constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '4'};
-constexpr char kFormatWithoutChecksum = '3'; // still read: format 4 is format 3 with a CRC-32 at the end
+constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '5'};
+// still read: format 3; format 4 is format 3 with the host store and a CRC-32 at the end; format 5 adds the origins
+// of the kept and the stored entries (their places in the conversation, which rolling does not change)
+constexpr char kFormatWithoutChecksum = '3';
+constexpr char kFormatWithoutOrigins = '4';
 
 // CRC-32 (IEEE 802.3, the one zlib and zip use): any damage of up to 32 consecutive bits is always detected
 uint32_t crc32(const uint8_t * data, size_t n) {
@@ -116,13 +119,14 @@ struct ByteReader {
     }
 };
 
-// reads the magic (and checks the checksum of a format that has one, leaving it out of r); returns whether it has one
-bool read_magic(ByteReader & r, const uint8_t * data, size_t size) {
+// reads the magic (and checks the checksum of a format that has one, leaving it out of r); returns its format
+char read_magic(ByteReader & r, const uint8_t * data, size_t size) {
     char magic[sizeof(kSnapshotMagic)] = {};
-    const bool checksummed = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic)) == 0;
-    const bool unchecked = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic) - 1) == 0 &&
-                           data[sizeof(magic) - 1] == kFormatWithoutChecksum;
-    if (checksummed) {
+    const char format = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic) - 1) == 0 ?
+                        (char) data[sizeof(magic) - 1] : '\0';
+    const bool known = format == kFormatWithoutChecksum || format == kFormatWithoutOrigins ||
+                       format == kSnapshotMagic[sizeof(magic) - 1];
+    if (known && format != kFormatWithoutChecksum) {
         uint32_t stored = 0;
         if (size < sizeof(magic) + sizeof(stored)) {
             throw std::invalid_argument("not a session snapshot: the data ends early");
@@ -133,17 +137,15 @@ bool read_magic(ByteReader & r, const uint8_t * data, size_t size) {
             throw std::invalid_argument("the session snapshot is damaged: its checksum does not match its data");
         }
     }
-    if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), !checksummed && !unchecked)) {
-        const char version = magic[sizeof(magic) - 1];
-        if (size >= sizeof(magic) && memcmp(magic, kSnapshotMagic, sizeof(magic) - 1) == 0 && version >= '0' &&
-            version <= '9') {
-            throw std::invalid_argument(std::string("a session snapshot of format ") + version +
-                                        ", this build reads formats " + kFormatWithoutChecksum + " and " +
+    if (size < sizeof(magic) || (r.raw(magic, sizeof(magic)), !known)) {
+        if (format >= '0' && format <= '9') {
+            throw std::invalid_argument(std::string("a session snapshot of format ") + format +
+                                        ", this build reads formats " + kFormatWithoutChecksum + " to " +
                                         kSnapshotMagic[sizeof(magic) - 1] + " (it was saved by another version of h2o_local)");
         }
         throw std::invalid_argument("not a session snapshot (wrong magic)");
     }
-    return checksummed;
+    return format;
 }
 
 // each per-head part holds every cell once, its positions ascending, its scores aligned
@@ -190,13 +192,15 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.array(snap.logits);
     w.array(snap.pending);
     w.host(snap.host);
+    w.array(st.origins);
+    w.array(snap.host.origins);
     w.value<uint32_t>(crc32(w.out.data(), w.out.size()));
     return w.out;
 }
 
 SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     ByteReader r {data, size};
-    const bool checksummed = read_magic(r, data, size);
+    const char format = read_magic(r, data, size);
     SeqSnapshot snap;
     const std::vector<char> origin = r.array<char>();
     snap.origin.assign(origin.begin(), origin.end());
@@ -223,18 +227,28 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     st.n_keep     = r.value<int32_t>();
     snap.logits   = r.array<float>();
     snap.pending  = r.array<llama_token>();
-    if (checksummed) { // format 4: what the sequence spilled (recall)
+    if (format != kFormatWithoutChecksum) { // format 4 on: what the sequence spilled (recall)
         snap.host = r.host();
-        if (!snap.host.consistent()) {
-            throw std::invalid_argument("not a session snapshot: its host entries do not agree");
-        }
+    }
+    if (format != kFormatWithoutChecksum && format != kFormatWithoutOrigins) {
+        st.origins        = r.array<llama_pos>();
+        snap.host.origins = r.array<llama_pos>();
+    } else { // saved before origins: no entry came back after a roll, so the kept ones' order is their positions'
+        st.origins        = st.positions;
+        snap.host.origins = snap.host.positions;
+    }
+    if (!snap.host.consistent()) {
+        throw std::invalid_argument("not a session snapshot: its host entries do not agree");
     }
     const size_t n = st.positions.size();
     check_parts(st);
     const bool ascending = std::adjacent_find(st.positions.begin(), st.positions.end(),
                                               [](llama_pos a, llama_pos b) { return a >= b; }) == st.positions.end();
+    const bool origins_ascending = std::adjacent_find(st.origins.begin(), st.origins.end(),
+                                                      [](llama_pos a, llama_pos b) { return a >= b; }) == st.origins.end();
     if (r.left != 0 || !st.scores.covers(n) || st.tokens.size() != n || !ascending || (n > 0 && (st.positions.front() < 0 ||
-        st.positions.back() >= st.next_pos)) || st.n_keep < 0 || st.n_seen < (int64_t) n || st.n_evicted < 0) {
+        st.positions.back() >= st.next_pos)) || st.n_keep < 0 || st.n_seen < (int64_t) n || st.n_evicted < 0 ||
+        st.origins.size() != n || !origins_ascending || (n > 0 && (st.origins.front() < 0 || st.origins.back() >= st.n_seen))) {
         throw std::invalid_argument("not a session snapshot: its parts do not agree");
     }
     return snap;

@@ -27,8 +27,15 @@ def ctrl_c_raises():
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """A 2-layer random llama (4 heads, 2 KV heads, trained context 128)."""
-    return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf"))
+    """A 2-layer random llama (4 heads, 2 KV heads, trained context 2048: the tests stay below it unless they ask
+    for a model with a smaller one)."""
+    return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf", n_ctx_train=2048))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_128(tmp_path_factory) -> str:
+    """The tiny llama with a trained context of 128 tokens: a test passes it within a second."""
+    return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-128.gguf", n_ctx_train=128))
 
 
 @pytest.fixture(scope="session")

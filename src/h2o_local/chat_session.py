@@ -220,12 +220,27 @@ class ChatSession:
     def _continued(self, tokens: List[int], n_keep: int) -> Optional[Session]:
         """What this turn's prompt continues (`sessions.continues`): the cache as the last turn left it, else the
         last turn's prompt (restored: its answer did not tokenize back to the tokens generated, or a stop string cut
-        it), else nothing."""
-        if self._live is not None and continues(self._live.tokens, self._live.n_keep, tokens, n_keep):
-            return self._live
+        it), else the part of the cache the prompt has in common with it (the rest forgotten, `Llama.truncate`: an
+        answer that starts with spaces or newlines tokenizes together with the template's newline before it, so
+        neither the cache nor the last prompt is a prefix of the history rendered again), else nothing."""
+        live = self._live
+        if live is not None and continues(live.tokens, live.n_keep, tokens, n_keep):
+            return live
         if self._prompt is not None and continues(self._prompt.tokens, self._prompt.n_keep, tokens, n_keep):
             self.llm.load_state(self._prompt.snapshot)
             return self._prompt
+        if live is not None and live.n_keep == n_keep:
+            common = 0
+            for a, b in zip(live.tokens[:live.n_fed], tokens):
+                if a != b:
+                    break
+                common += 1
+            if max(n_keep, 0) < common < len(tokens):
+                try:
+                    self.llm.truncate(common)
+                except ValueError:  # per-head cells
+                    return None
+                return Session(tuple(tokens[:common]), common, n_keep, None, 0)
         return None
 
     def _save_prompt(self, tokens: List[int], n_keep: int) -> None:

@@ -318,6 +318,27 @@ class ChatTemplate:
         return call_format(self)
 
     @functools.cached_property
+    def default_system(self) -> str:
+        """What this template writes before a conversation's first message when it has no system message, where
+        that is a system turn of its own (SmolLM2's "You are a helpful AI assistant named SmolLM...", Qwen2.5's
+        "You are Qwen..."), followed by the first message's opening; "" where it writes none. Probed once: the
+        messages' own turns are what keep="system" protects, and this default is one of them."""
+        if self._jinja is None:
+            return ""
+        user, system = "\ue000user\ue000", "\ue000system\ue000"  # private-use text no template writes itself
+        alone = self._probe([{"role": "user", "content": user}], False)
+        both = self._probe([{"role": "system", "content": system}, {"role": "user", "content": user}], False)
+        if alone is None or both is None or user not in alone or system not in both:
+            return ""
+        before = alone[:alone.find(user)]                 # the default turn (if any) and the user turn's opening
+        opening = both[:both.find(system)]                # a system turn's opening
+        between = both[both.find(system) + len(system):both.find(user)]  # its close, the user turn's opening
+        if not opening or not between or len(before) <= len(opening) + len(between) or \
+                not before.startswith(opening) or not before.endswith(between):
+            return ""
+        return before
+
+    @functools.cached_property
     def takes_object_arguments(self) -> bool:
         """Whether the Jinja template writes a call's arguments from an object (`tojson`, `| items`: most do, as
         Hugging Face's convention has them) rather than as the JSON text OpenAI sends; probed once, as llama.cpp

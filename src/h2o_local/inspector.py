@@ -79,7 +79,7 @@ def inspect_text(model_path: str, text: str, policies: Sequence[Union[str, Polic
             share[held[held < n]] = held_share[held < n]
             kept, scores = share > 0, share.astype(np.float32)
         else:
-            pos = st.positions[st.positions < n]
+            pos = st.origins[st.origins < n]
             kept[pos] = True
             scores[pos] = st.scores[: len(pos)]
             head[pos] = st.head_scores[: len(pos)]
@@ -87,7 +87,7 @@ def inspect_text(model_path: str, text: str, policies: Sequence[Union[str, Polic
         in_host = None
         if recall:
             in_host = np.zeros(n, bool)
-            in_host[st.host_positions[st.host_positions < n]] = True
+            in_host[st.host_origins[st.host_origins < n]] = True
         out.append(Inspection(policy.label, pieces, kept, scores, head, st.n_evicted, n, share, in_host))
     return out
 

@@ -17,7 +17,7 @@ Snapshot = _engine.SeqSnapshot
 class KVState:
     """What the KV cache of one sequence holds (see `Llama.kv_state`)."""
 
-    positions: np.ndarray    # int32 [n]: kept positions, ascending
+    positions: np.ndarray    # int32 [n]: kept positions, ascending (renumbered 0..n-1 when the positions roll)
     scores: np.ndarray       # float32 [n]: accumulated attention of each kept position, summed over heads
     head_scores: np.ndarray  # float32 [n, n_head]: the same per query head
     queries: np.ndarray      # int64 [n]: queries that have attended each kept position (its own included)
@@ -46,6 +46,10 @@ class KVState:
     # K and V bytes there, entries spilled so far, brought back by a later prompt and kept, and dropped for the cap
     host_positions: Optional[np.ndarray] = None
     host_bytes: int = 0
+    # each kept (and each stored) entry's place in the conversation: its token index, the position it was fed at,
+    # which rolling does not change (equal to positions until the sequence rolls)
+    origins: Optional[np.ndarray] = None
+    host_origins: Optional[np.ndarray] = None
     n_spilled: int = 0
     n_recalled: int = 0
     n_dropped: int = 0
@@ -56,10 +60,11 @@ class KVState:
         return int(self.positions.shape[0])
 
     def held(self) -> Tuple[np.ndarray, np.ndarray]:
-        """The positions whose K and V the cache holds, ascending (per-head cells: in at least one layer's KV
-        head), and the share of the layers' KV heads that hold each (1.0 everywhere for whole-token cells)."""
+        """The token indices whose K and V the cache holds, ascending (per-head cells: in at least one layer's KV
+        head), and the share of the layers' KV heads that hold each (1.0 everywhere for whole-token cells). Token
+        indices are the entries' origins: their positions as fed, before any roll."""
         if self.head_positions is None:
-            return self.positions, np.ones(self.n_cells)
+            return (self.positions if self.origins is None else self.origins), np.ones(self.n_cells)
         parts = self.head_positions.reshape(-1, self.head_positions.shape[-1])
         positions, counts = np.unique(parts, return_counts=True)
         return positions, counts / parts.shape[0]

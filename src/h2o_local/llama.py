@@ -45,7 +45,7 @@ ENGINE_DEFAULTS = _engine.EngineParams()
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: more crashed in its thread pool
 
 _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
-    "position_rolling": None, "roll_interval": 1, "n_ctx": 0, "n_batch": 1, "n_ubatch": 0, "n_seq_max": 1,
+    "position_rolling": None, "roll_interval": 0, "n_ctx": 0, "n_batch": 1, "n_ubatch": 0, "n_seq_max": 1,
     "kv_unified": None, "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None,
     "export_scores": None, "verbose": None, "probe_rides": None,
 }
@@ -78,12 +78,16 @@ class Llama:
             carries its budget.
         heavy / recent / sinks: with a policy name (or the default), the split of the budget; h2o defaults to heavy =
             budget // 2, recent = the rest, sinks = 0; sink defaults to 4 sinks.
-        position_rolling: renumber the kept positions 0..n-1 after each eviction, so that generation can run past
-            the model's trained context (needs a model whose cache can shift).
-        roll_interval: with rolling, renumber only once the kept positions have drifted this many tokens past
-            0..n-1 (1: after every eviction). Each renumbering makes llama.cpp rotate every cached key in every
-            layer; a larger interval pays that once per `roll_interval` evicted tokens, and positions stay below
-            budget + roll_interval + n_batch. Which entries are kept is decided the same way either way.
+        position_rolling: a bounded cache renumbers its kept positions 0..n-1 (llama.cpp's K shift), so that a
+            conversation runs past the model's trained context without degrading; recall brings evicted entries
+            back among them in the conversation's order. On by default; False keeps the positions as fed (the
+            output degrades past the trained context, with a warning). The full cache stops at its context.
+        roll_interval: 0 (the default): renumber only when a sequence's next position, plus one batch and its
+            probe, would pass the trained context, so every output below it is exactly what it is without rolling,
+            and only where the model's cache can shift positions (otherwise rolling is off: `Llama.position_rolling`
+            says). N >= 1: renumber whenever the kept positions have drifted N tokens past 0..n-1 (1: after every
+            eviction), an error where the cache cannot shift. Each renumbering rotates every cached key in every
+            layer. Which entries are kept is decided the same way either way.
         n_ctx: KV cells to allocate; 0 = budget + n_batch (bounded) or the trained context (full).
         n_batch: tokens per llama_decode; prompts longer than the free cells are fed in chunks with eviction in
             between, so memory stays at about budget + n_batch cells.
@@ -262,7 +266,7 @@ class Llama:
         self._embeddings = embeddings.Embeddings(
             _weakly(self._open_engine), n_ctx=embeddings.context_size(self._engine.n_batch, self.info.n_ctx_train),
             n_threads=params.n_threads, pooling_type=pooling_type)
-        self.position_rolling = bool(position_rolling)
+        self.position_rolling = bool(self._engine.position_rolling)  # as the engine resolved it
         self.export_scores = bool(export_scores)
         self.roll_interval = int(roll_interval)
         self.n_seq_max = int(n_seq_max)
@@ -569,6 +573,19 @@ class Llama:
             else:
                 self._engine.reset_seq(seq)
 
+    def truncate(self, n_tokens: int, seq_id: int = 0) -> None:
+        """Forget what `seq_id` was fed from its `n_tokens`-th token on (tokens, not positions): those entries leave
+        the cache and the recall store, the token shown and not fed too, and the next token fed is its
+        `n_tokens`-th again; what the cache evicted meanwhile stays evicted (its host copies recallable). As
+        llama-server reuses the common prefix of a cached prompt: a conversation whose re-rendered history differs
+        from what was fed near its end (an answer whose first spaces merge with the template's newline) goes on from
+        the common part instead of reading everything again. ValueError outside [0, tokens fed]."""
+        seq = self._check_seq(seq_id)
+        check_int("n_tokens", n_tokens, 0, maximum=None)
+        with self.lock:
+            self._take_over([seq])  # the token shown and not fed goes too
+            self._engine.truncate(seq, int(n_tokens))
+
     def warm_up(self, anywhere: bool = False) -> bool:
         """Read a made-up prompt the way a prompt is read (a full chunk of n_batch tokens and, in a bounded cache whose
         budget is within three chunks, an eviction with its probe; within the trained context), decode one step, then
@@ -607,7 +624,8 @@ class Llama:
                        probe_seconds=st["probe_seconds"], n_probes=st["n_probes"],
                        decode_seconds=st["decode_seconds"], compact_seconds=st["compact_seconds"],
                        host_positions=st["host_positions"], host_bytes=st["host_bytes"], n_spilled=st["n_spilled"],
-                       n_recalled=st["n_recalled"], n_dropped=st["n_dropped"])
+                       n_recalled=st["n_recalled"], n_dropped=st["n_dropped"], origins=st["origins"],
+                       host_origins=st["host_origins"])
 
     def set_policy(self, policy: Union[str, Policy, None], budget: Optional[int] = None, *, heavy: Optional[int] = None,
                    recent: Optional[int] = None, sinks: Optional[int] = None, seq_id: Optional[int] = None) -> None:
@@ -809,14 +827,14 @@ class Llama:
                              f"system prompt, or use keep=None") from None
 
     def _check_context(self, seq_id: int = 0) -> None:
-        """Warn once when positions pass the trained context without position rolling (the output degrades)."""
-        if self.position_rolling or self._warned_past_context:
+        """Warn once when positions pass the trained context (without position rolling: the output degrades)."""
+        if self._warned_past_context:
             return
         if self._engine.next_pos(seq_id) > self.info.n_ctx_train:
             self._warned_past_context = True
             warnings.warn(f"positions passed the model's trained context ({self.info.n_ctx_train} tokens) without "
-                          "position rolling: the output degrades from here (Llama(..., position_rolling=True) "
-                          "renumbers the kept positions)", RuntimeWarning, stacklevel=3)
+                          "position rolling (off, a per-head policy, or a cache that cannot shift its positions): the "
+                          "output degrades from here", RuntimeWarning, stacklevel=3)
 
     def _check_seq(self, seq_id: int) -> int:
         check_int("seq_id", seq_id)
@@ -1051,7 +1069,8 @@ class Llama:
                     tools: Optional[List[Dict[str, Any]]] = None, *, special_in_content: bool = False,
                     chat_template_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[List[int], Optional[int]]:
         """The prompt tokens of a chat, and its protected prefix with `keep="system"` (the tokens of the leading
-        system messages; None with another `keep`, which then applies as set).
+        system messages, or without one of the system turn the template writes by default, as SmolLM2's and
+        Qwen2.5's do; None with another `keep`, which then applies as set).
 
         The template's markup is tokenized with its special tokens, each message's content as text: a message that
         holds `<|im_end|>` cannot close its turn and open a system one (OpenAI's behaviour). A content that holds
@@ -1071,12 +1090,16 @@ class Llama:
         n_system = 0
         while n_system < len(msgs) and msgs[n_system]["role"] in ("system", "developer"):
             n_system += 1
-        if n_system == 0:
-            return tokens, 0
-        prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False,
-                                                                time_limit_s=time_limit_s, tools=tools,
-                                                                chat_template_kwargs=chat_template_kwargs),
-                                       None if contents is None else contents[:n_system])
+        if n_system == 0:  # the template's own system turn, if it writes one, is the conversation's
+            default = self.chat_template.default_system
+            if not default:
+                return tokens, 0
+            prefix = self._template_tokens(default)
+        else:
+            prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False,
+                                                                    time_limit_s=time_limit_s, tools=tools,
+                                                                    chat_template_kwargs=chat_template_kwargs),
+                                           None if contents is None else contents[:n_system])
         n = 0
         while n < min(len(prefix), len(tokens)) and prefix[n] == tokens[n]:
             n += 1

@@ -59,16 +59,26 @@ class SessionCache:
     def longest_prefix(self, tokens: Sequence[int], n_keep: int, policy: str = "") -> Optional[Session]:
         """The saved session with the same protected prefix and policy whose tokens are the longest proper prefix
         of `tokens`. It stays saved (a conversation may branch from it again) and becomes the most recently used."""
-        best = None
-        for s in self._items.values():
-            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep) and \
-                    (best is None or len(s.tokens) > len(best.tokens)):
-                best = s
+        best = self._longest(tokens, n_keep, policy)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
         self._items.move_to_end((best.n_keep, best.policy, best.tokens))
+        return best
+
+    def held(self, tokens: Sequence[int], n_keep: int, policy: str = "") -> int:
+        """How many of `tokens` the session `longest_prefix` would continue holds (0: none), without using it: what
+        a request need not read. Safe beside the thread that saves and uses sessions."""
+        best = self._longest(tokens, n_keep, policy)
+        return 0 if best is None else best.n_fed
+
+    def _longest(self, tokens: Sequence[int], n_keep: int, policy: str) -> Optional[Session]:
+        best = None
+        for s in list(self._items.values()):  # a copy: another thread may save one meanwhile
+            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep) and \
+                    (best is None or len(s.tokens) > len(best.tokens)):
+                best = s
         return best
 
     def __len__(self) -> int:

@@ -142,7 +142,7 @@ class Slots:
 
     def view(self, slot: int) -> dict:
         """What the slot's cache holds now, for a live view: the kept `positions` (token indices of the prompt and
-        answer: the server does not roll positions), their `scores` (4 significant digits), tokens `seen` (fed) and
+        answer, as fed: a roll renumbers the cells, not these), their `scores` (4 significant digits), tokens `seen` (fed) and
         `evicted` since the slot was last emptied, the entries waiting in host memory (`host`, with recall: every
         evicted position from `host_from` on, as the store drops the oldest first) and those a prompt brought back
         from there (`recalled`). Under a per-head policy the positions are those some layer's KV
@@ -152,7 +152,7 @@ class Slots:
         scores = share if st.head_positions is not None else st.scores
         return {"positions": [int(p) for p in positions], "scores": [float(f"{x:.4g}") for x in scores],
                 "seen": int(st.n_seen), "evicted": int(st.n_evicted), "host": int(len(st.host_positions)),
-                "host_from": int(st.host_positions.min()) if len(st.host_positions) else None,
+                "host_from": int(st.host_origins.min()) if len(st.host_origins) else None,
                 "recalled": int(st.n_recalled)}
 
     def save(self, slot: int) -> Any:

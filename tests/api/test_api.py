@@ -224,7 +224,7 @@ def test_cli_runs_per_head_h2o_and_refuses_what_it_cannot_do(tiny_model, capsys)
                  "--max-tokens", "4"]) == 0
     err = capsys.readouterr().err
     assert "policy=tova budget=16" in err and "per_head" in err and "probe=" not in err and "kept=16" in err
-    for extra, says in ((["--policy", "h2o", "--position-rolling"], "position_rolling"), (["--probe", "question"], "probe")):
+    for extra, says in ((["--policy", "h2o", "--roll-interval", "1"], "position_rolling"), (["--probe", "question"], "probe")):
         with pytest.raises(SystemExit) as e:
             main(["--model", tiny_model, "--no-chat", "--prompt", "Hi", "--budget", "16", "--per-head", *extra])
         assert e.value.code == 2 and says in capsys.readouterr().err

@@ -16,8 +16,8 @@ TEXT = "The quick brown fox jumps over the lazy dog. "
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
-    return Llama(tiny_model, budget=24, n_batch=32, n_threads=1)
+def llm(tiny_model_128):
+    return Llama(tiny_model_128, budget=24, n_batch=32, n_threads=1)
 
 
 def output_matrix(path: str) -> np.ndarray:
@@ -76,7 +76,7 @@ def test_embedding_leaves_the_generation_s_cache_and_its_continuation_as_they_we
     assert a == b
 
 
-def test_an_input_is_read_whole_up_to_n_batch_or_512_tokens_within_the_trained_context(tiny_model, llm):
+def test_an_input_is_read_whole_up_to_n_batch_or_512_tokens_within_the_trained_context(llm):
     assert llm.embedding_max_tokens == 128  # n_batch 32, raised to 512, held to the tiny model's trained 128
     # n_batch, trained context -> tokens
     assert [context_size(*a) for a in ((128, 8192), (1024, 8192), (1024, 0), (4096, 2048))] == [512, 1024, 1024, 2048]

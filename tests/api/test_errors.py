@@ -64,12 +64,12 @@ def test_full_policy_stops_at_the_end_of_the_context(tiny_model):
     assert llm.kv_state().n_cells <= 256
 
 
-def test_a_bounded_cache_without_max_tokens_stops_after_the_trained_context(tiny_model):
+def test_a_bounded_cache_without_max_tokens_stops_after_the_trained_context(tiny_model_128):
     """A bounded cache never fills up: with no max_tokens and a model that never ends, generation stops after the
     model's trained context (128 tokens for the tiny model) instead of running for good."""
     import warnings
 
-    llm = Llama(tiny_model, policy="h2o", budget=16)
+    llm = Llama(tiny_model_128, policy="h2o", budget=16)
     never_end = {t: -100.0 for t in llm.eog_tokens()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # positions pass the trained context on the way
@@ -111,7 +111,7 @@ def test_position_rolling_on_a_model_that_cannot_shift(tmp_path):
     path = write_tiny_qwen2vl(tmp_path / "tiny-qwen2vl.gguf")
     Llama(str(path), policy="h2o", budget=16)  # loads, and evicts without rolling
     with pytest.raises(ValueError, match="position_rolling"):
-        Llama(str(path), policy="h2o", budget=16, position_rolling=True)
+        Llama(str(path), policy="h2o", budget=16, position_rolling=True, roll_interval=1)
 
 
 def test_empty_prompt_and_negative_max_tokens(tiny_model):

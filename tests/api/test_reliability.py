@@ -148,17 +148,18 @@ def test_ctrl_c_stops_a_long_prefill_between_chunks(tiny_model):
     assert isinstance(llm.generate("usable again", max_tokens=3), str)
 
 
-def test_generation_past_the_trained_context_warns_once(tiny_model):
-    llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=32)
+def test_generation_past_the_trained_context_warns_once_without_rolling(tiny_model_128):
+    llm = Llama(tiny_model_128, policy="h2o", budget=16, n_batch=32, position_rolling=False)
     with pytest.warns(RuntimeWarning, match="trained context"):
         llm.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         llm.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
-    rolling = Llama(tiny_model, policy="h2o", budget=16, n_batch=32, position_rolling=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        rolling.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
+    for rolling in ({}, {"roll_interval": 1}):  # rolling when needed (the default), or at every eviction
+        llm = Llama(tiny_model_128, policy="h2o", budget=16, n_batch=32, **rolling)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            llm.generate("x" * 100, max_tokens=60, temperature=0.9, seed=1)
 
 
 @pytest.mark.parametrize("kv_unified", [False, True])

@@ -22,7 +22,7 @@ def run(tiny_model, compact, **kwargs):
     return llm, steps
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"policy": "tova"}, {"position_rolling": True}, {"keep": 5}])
+@pytest.mark.parametrize("kwargs", [{}, {"policy": "tova"}, {"position_rolling": True, "roll_interval": 1}, {"keep": 5}])
 def test_compacting_changes_no_token_no_decision_and_no_score(tiny_model, kwargs):
     llm, moved = run(tiny_model, True, **kwargs)
     _, stayed = run(tiny_model, False, **kwargs)

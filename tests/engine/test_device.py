@@ -211,8 +211,8 @@ def test_rolling_a_quantized_k_cache_on_the_device_is_refused_clearly(one_layer,
     """llama.cpp's shift of quantized keys (dequantize, Hadamard, RoPE, requantize) corrupted host memory on
     lavapipe (aborts, heap corruption, in about half the runs): refused on any device, before anything is made."""
     with pytest.raises(ValueError, match="position_rolling with type_k 'q8_0' is not supported with layers on"):
-        Llama(one_layer, policy="h2o-24", position_rolling=True, type_k="q8_0")
-    llm = Llama(one_layer, policy="h2o-24", position_rolling=True, type_k="q8_0", **CPU)  # the CPU's works
+        Llama(one_layer, policy="h2o-24", position_rolling=True, roll_interval=1, type_k="q8_0")
+    llm = Llama(one_layer, policy="h2o-24", position_rolling=True, roll_interval=1, type_k="q8_0", **CPU)  # the CPU's works
     llm.generate(TEXT, max_tokens=4, temperature=0.0)
     assert llm.kv_state().positions.tolist() == list(range(llm.kv_state().n_cells))
 

@@ -188,7 +188,7 @@ def test_scoring_policies_keep_what_they_keep_without_flash_attention(tiny_hd64,
 def test_every_policy_evicts_rolls_and_snapshots_with_flash_attention_and_quantized_v(tiny_hd64, policy):
     name, _, probe = policy.partition("+")
     kw = dict(policy=name, budget=24, n_batch=32, flash_attn=True, type_k="q8_0", type_v="q8_0",
-              position_rolling=True, n_gpu_layers=0)  # the CPU backend: a device refuses to roll quantized keys
+              position_rolling=True, roll_interval=1, n_gpu_layers=0)  # the CPU backend: a device refuses to roll quantized keys
     if probe:
         from h2o_local.policies import resolve
         kw["policy"] = resolve(name, 24, probe=probe, question=8)

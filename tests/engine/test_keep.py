@@ -44,7 +44,7 @@ def test_keep_survives_the_bounded_prefill_and_generation(tiny_model):
 
 
 def test_keep_with_position_rolling_keeps_the_prefix_at_the_bottom(tiny_model):
-    llm = Llama(tiny_model, policy="h2o", budget=12, keep=4, position_rolling=True, n_batch=256)
+    llm = Llama(tiny_model, policy="h2o", budget=12, keep=4, position_rolling=True, roll_interval=1, n_batch=256)
     llm.generate(TEXT, max_tokens=150, temperature=0, ignore_eos=True)  # past the trained context of 128
     st = llm.kv_state()
     assert st.positions.tolist() == list(range(12)) and st.n_seen > 128

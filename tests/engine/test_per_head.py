@@ -159,7 +159,7 @@ def test_label_round_trips_and_options_are_checked():
 
 def test_rolling_and_whole_token_policies_are_refused_clearly(tiny_model):
     with pytest.raises(ValueError, match="position_rolling"):
-        Llama(tiny_model, policy=H2O(budget=8, per_head=True), position_rolling=True)
+        Llama(tiny_model, policy=H2O(budget=8, per_head=True), position_rolling=True, roll_interval=1)
     llm = Llama(tiny_model, policy=H2O(budget=8, per_head=True))
     llm.eval(llm.tokenize(TEXT)[:30])
     with pytest.raises(ValueError, match="per-head cells"):

@@ -32,7 +32,7 @@ def test_a_quantized_k_cache_takes_the_bytes_its_type_says(tiny_hd64, type_k, ra
 @pytest.mark.parametrize("type_k", ["q8_0", "q4_0"])
 def test_eviction_rolling_and_snapshots_work_on_quantized_keys(tiny_hd64, type_k):
     """On the CPU backend (on a device, rolling a quantized K cache is refused: tests/engine/test_device.py)."""
-    kw = dict(policy="h2o", budget=24, n_batch=32, position_rolling=True, **CPU_BACKEND)
+    kw = dict(policy="h2o", budget=24, n_batch=32, position_rolling=True, roll_interval=1, **CPU_BACKEND)
     llm = Llama(tiny_hd64, type_k=type_k, **kw)
     llm.eval(llm.tokenize(TEXT))
     st = llm.kv_state()
@@ -84,7 +84,7 @@ def test_rolling_quantized_keys_needs_heads_llama_cpp_can_shift(tmp_path):
     llm.eval(llm.tokenize(TEXT))
     assert llm.kv_state().n_cells == 16
     with pytest.raises(ValueError, match="multiple of 64"):
-        Llama(hd32, policy="h2o", budget=16, type_k="q8_0", position_rolling=True)
+        Llama(hd32, policy="h2o", budget=16, type_k="q8_0", position_rolling=True, roll_interval=1)
 
 
 def test_for_kv_limit_counts_quantized_cells(tiny_hd64):
@@ -98,4 +98,4 @@ def test_bf16_keys_work_and_refuse_rolling_instead_of_aborting(tiny_hd64):
     llm = Llama(tiny_hd64, policy="h2o", budget=24, type_k="bf16")
     assert llm.generate(TEXT, max_tokens=8, temperature=0) is not None and llm.kv_state().n_evicted > 0
     with pytest.raises(ValueError, match="type_k 'bf16'.*f16 and f32 only"):
-        Llama(tiny_hd64, policy="h2o", budget=24, type_k="bf16", position_rolling=True)
+        Llama(tiny_hd64, policy="h2o", budget=24, type_k="bf16", position_rolling=True, roll_interval=1)

@@ -189,8 +189,6 @@ def test_what_recall_cannot_do_is_refused_clearly(tiny_model):
         make(tiny_model, recall_type="q8_0", kv_f32=True)
     with pytest.raises(ValueError, match="question probe"):
         Llama(tiny_model, policy="h2o", budget=24, recall=True)
-    with pytest.raises(ValueError, match="position rolling"):
-        Llama(tiny_model, budget=24, position_rolling=True, recall=True)
     with pytest.raises(ValueError, match="question probe|per-head"):
         Llama(tiny_model, policy=resolve("h2o", 24, per_head=True), recall=True)
     llm = make(tiny_model)

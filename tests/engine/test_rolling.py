@@ -4,12 +4,19 @@ import pytest
 
 from h2o_local import Llama
 from engine_view import engine
+from tiny_model import write_tiny_llama
 
 PROMPT = "A long story begins here and goes on and on."
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The tiny llama with a trained context of 128: generation passes it within a second."""
+    return str(write_tiny_llama(tmp_path_factory.mktemp("rolling") / "tiny-128.gguf", n_ctx_train=128))
+
+
 def test_positions_stay_contiguous_from_zero(tiny_model):
-    llm = Llama(tiny_model, policy="h2o", budget=16, position_rolling=True, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=16, position_rolling=True, roll_interval=1, n_batch=32)
     llm.eval(llm.tokenize(PROMPT))
     for i in range(40):
         st = llm.kv_state()
@@ -20,7 +27,7 @@ def test_positions_stay_contiguous_from_zero(tiny_model):
 
 
 def test_generation_runs_well_past_the_trained_context(tiny_model):
-    llm = Llama(tiny_model, policy="h2o", budget=32, position_rolling=True, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=32, position_rolling=True, roll_interval=1, n_batch=32)
     n_train = llm.n_ctx_train()
     assert n_train == 128
     out = llm.generate(PROMPT, max_tokens=5 * n_train, temperature=0.8, seed=1, ignore_eos=True)
@@ -31,7 +38,7 @@ def test_generation_runs_well_past_the_trained_context(tiny_model):
 
 
 def test_without_rolling_positions_keep_growing(tiny_model):
-    llm = Llama(tiny_model, policy="h2o", budget=32, n_batch=32)
+    llm = Llama(tiny_model, policy="h2o", budget=32, n_batch=32, position_rolling=False)
     llm.eval(llm.tokenize(PROMPT))
     for i in range(200):
         llm.eval([3 + (i * 37) % 256])
@@ -47,7 +54,8 @@ def test_rolling_a_contiguous_window_keeps_the_logits(tiny_model):
     device's flash kernel multiplies in F16 whatever the cells hold (lavapipe: logits 0.08 apart with it)."""
     runs = {}
     for rolling in (False, True):
-        llm = Llama(tiny_model, policy="local", budget=12, position_rolling=rolling, n_batch=64, kv_f32=True,
+        llm = Llama(tiny_model, policy="local", budget=12, position_rolling=rolling, roll_interval=1, n_batch=64,
+                    kv_f32=True,
                     flash_attn=False)
         llm.eval(llm.tokenize(PROMPT * 2))
         logits = []
@@ -92,9 +100,9 @@ def test_a_roll_interval_longer_than_the_run_never_rolls(tiny_model):
     assert runs[True][1] == runs[False][1] and max(runs[True][1]) > 40
 
 
-def test_a_roll_interval_below_one_is_refused(tiny_model):
+def test_a_negative_roll_interval_is_refused(tiny_model):
     with pytest.raises(ValueError, match="roll_interval"):
-        Llama(tiny_model, policy="h2o", budget=16, position_rolling=True, roll_interval=0)
+        Llama(tiny_model, policy="h2o", budget=16, position_rolling=True, roll_interval=-1)
 
 
 @pytest.mark.parametrize("kv_f32", [False, True])
@@ -102,8 +110,8 @@ def test_a_snapshot_taken_while_a_shift_is_pending_continues_exactly(tiny_model,
     """Rolling renumbers positions at once but llama.cpp rotates the keys at the next decode: a snapshot taken
     in between must hold keys rotated for the positions it records (it used to keep the old rotation: the
     restored copy then disagreed by several logits)."""
-    a = Llama(tiny_model, policy="h2o", budget=24, position_rolling=True, n_batch=32, kv_f32=kv_f32)
-    b = Llama(tiny_model, policy="h2o", budget=24, position_rolling=True, n_batch=32, kv_f32=kv_f32)
+    a = Llama(tiny_model, policy="h2o", budget=24, position_rolling=True, roll_interval=1, n_batch=32, kv_f32=kv_f32)
+    b = Llama(tiny_model, policy="h2o", budget=24, position_rolling=True, roll_interval=1, n_batch=32, kv_f32=kv_f32)
     a.eval(a.tokenize(PROMPT * 8))  # evicts and rolls after the last chunk: the shift is pending
     b.load_state(a.save_state())
     for t in a.tokenize(" and then", add_bos=False):

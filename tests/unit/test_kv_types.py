@@ -63,24 +63,24 @@ def test_a_head_must_hold_whole_quantization_blocks():
 
 
 def test_rolling_quantized_keys_needs_the_rotated_shift_on_the_cpu():
-    assert types(type_k="q8_0", position_rolling=True) == ("q8_0", "f16")
+    assert types(type_k="q8_0", position_rolling=True, roll_interval=1) == ("q8_0", "f16")
     with pytest.raises(ValueError, match="multiple of 64 values"):
-        types(key_head=96, type_k="q8_0", position_rolling=True)
+        types(key_head=96, type_k="q8_0", position_rolling=True, roll_interval=1)
     with pytest.raises(ValueError, match="LLAMA_ATTN_ROT_DISABLE"):
-        types(type_k="q8_0", position_rolling=True, rotation_disabled=True)
+        types(type_k="q8_0", position_rolling=True, roll_interval=1, rotation_disabled=True)
 
 
 @pytest.mark.parametrize("device", ["Vulkan0", "CUDA0", "Metal"])
 def test_rolling_quantized_keys_on_a_device_is_refused(device):
     """Seen to corrupt memory on Vulkan (docs/gpu.md); F16 keys roll on a device."""
     with pytest.raises(ValueError, match=f"not supported with layers on {device}"):
-        types(type_k="q4_0", position_rolling=True, offloaded_to=device)
-    assert types(position_rolling=True, offloaded_to=device) == ("f16", "f16")
+        types(type_k="q4_0", position_rolling=True, roll_interval=1, offloaded_to=device)
+    assert types(position_rolling=True, roll_interval=1, offloaded_to=device) == ("f16", "f16")
 
 
 def test_rolling_bf16_keys_is_refused_instead_of_aborting_in_ggml_rope():
     with pytest.raises(ValueError, match="f16 and f32 only"):
-        types(type_k="bf16", position_rolling=True)
+        types(type_k="bf16", position_rolling=True, roll_interval=1)
     assert types(type_k="bf16") == ("bf16", "f16")
 
 

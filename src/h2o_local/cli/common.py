@@ -44,9 +44,12 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--keep", default=keep_default, type=_keep_value,
                    help="protected prefix inside the budget: N tokens, 'system' (the system prompt) or 'none'"
                         + (f" (default: {keep_default})" if keep_default else ""))
-    g.add_argument("--position-rolling", action="store_true", help="renumber kept positions (run past the trained context)")
+    g.add_argument("--position-rolling", action=argparse.BooleanOptionalAction, default=ENGINE_DEFAULTS.position_rolling,
+                   help="renumber a bounded cache's kept positions so that a conversation runs past the trained "
+                        "context (default: on, only when needed; --no-position-rolling keeps them as fed)")
     g.add_argument("--roll-interval", type=int, default=ENGINE_DEFAULTS.roll_interval,
-                   help="with rolling, renumber positions once per this many evicted tokens (default: every eviction)")
+                   help="with rolling, renumber positions once they drifted this many tokens (default: 0, only near "
+                        "the trained context)")
     g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
     g.add_argument("-t", "--threads", type=int, help=f"CPU threads (default: the physical cores, {physical_cores()} here)")
     g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers,

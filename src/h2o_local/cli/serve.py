@@ -52,5 +52,5 @@ def main(argv=None) -> int:
     llm = load_llama(ap, args, n_seq_max=settings.slots, kv_unified=False, export_scores=args.export_scores,
                      pooling_type=POOLING_NAMES.get(args.pooling, -1))
     app = create_app(llm, settings)
-    uvicorn.Server(listener.config(app, settings.host, settings.port, log_level="info")).run()
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", **listener.options(app))
     return 0

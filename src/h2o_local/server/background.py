@@ -26,7 +26,7 @@ def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(listener.config(app, host, port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **listener.options(app)))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="h2o-local-uvicorn", daemon=True)
         thread.start()
         deadline = time.monotonic() + startup_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import resource
-from typing import Any
+from typing import Any, Dict
 
 from .settings import ServerSettings
 
@@ -71,15 +71,12 @@ def protocol_class(head_timeout_s: float, max_idle: int) -> type:
     return HeadDeadline
 
 
-def config(app: Any, host: str, port: int, **options: Any):
-    """The uvicorn.Config that serves `app` (made by create_app) on host:port with its settings' connection
-    limits; `options`: more of uvicorn.Config's."""
-    import uvicorn
-
+def options(app: Any) -> Dict[str, Any]:
+    """uvicorn's options (uvicorn.run's and uvicorn.Config's keywords) that serve `app` (made by create_app) with
+    its settings' connection limits."""
     settings: ServerSettings = app.state.server.settings
     raise_open_files_limit()
-    return uvicorn.Config(app, host=host, port=port, limit_concurrency=None,
-                          http=protocol_class(settings.head_timeout_s, settings.max_connections), **options)
+    return {"limit_concurrency": None, "http": protocol_class(settings.head_timeout_s, settings.max_connections)}
 
 
 def raise_open_files_limit() -> None:

@@ -38,9 +38,6 @@ def conversation_policy(state: ServerState, body: _Request) -> Tuple[Optional[Po
     if asked.view and not body.stream:
         raise APIError(400, "kv_cache.view needs stream: true (the view comes with every streamed chunk)",
                        param="kv_cache.view")
-    if asked.view and llm.position_rolling:
-        raise APIError(400, "kv_cache.view shows kept entries as token indices; this server rolls positions "
-                            "(--position-rolling)", param="kv_cache.view")
     if asked.policy is None and asked.budget is None:
         return None, asked.view
     if not llm.policy.bounded:
@@ -90,8 +87,16 @@ def text_bytes(content: Any) -> int:
     return 0
 
 
-def check_prompt_bytes(state: ServerState, n_bytes: int, param: str) -> None:
-    """Text that cannot fit in max_prompt_tokens is refused before anything tokenizes it."""
+def check_prompt_bytes(state: ServerState, n_bytes: int, param: str, history: bool = False) -> None:
+    """Text that cannot fit in max_prompt_tokens is refused before anything tokenizes it; a resent conversation
+    (`history`) on a bounded cache, which is read whatever its length, within max_history_bytes."""
+    if history and state.llm.policy.bounded:
+        limit = state.settings.max_history_bytes
+        if n_bytes > limit:
+            raise APIError(400, f"the conversation's text has {n_bytes} bytes; this server reads at most {limit} "
+                                f"bytes of a conversation (--max-history-bytes)", param=param,
+                           code="context_length_exceeded")
+        return
     if n_bytes > state.max_prompt_bytes:
         raise APIError(400, f"the prompt's text has {n_bytes} bytes, more than {state.max_prompt_tokens} tokens "
                             f"of this model can hold; this server takes at most {state.max_prompt_tokens} tokens",

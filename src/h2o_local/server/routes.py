@@ -403,7 +403,7 @@ async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Req
                                    n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
                                    recall=recall,
                                    time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
-                                   logprobs=k), request)
+                                   logprobs=k), request, history=resent_history(body.messages))
     return job, plan, k, thinking
 
 
@@ -453,8 +453,15 @@ def _chat_messages(state: ServerState,
         messages = body.messages
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
-    requests.check_prompt_bytes(state, sum(requests.text_bytes(m.get("content")) for m in messages), "messages")
+    requests.check_prompt_bytes(state, sum(requests.text_bytes(m.get("content")) for m in messages), "messages",
+                                history=resent_history(messages))
     return plan, messages
+
+
+def resent_history(messages: List[Dict[str, Any]]) -> bool:
+    """Whether a chat request resends a conversation: it holds an answer (OpenAI's, Ollama's and Anthropic's
+    clients send the whole history each turn)."""
+    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 
 
 MAX_BODY_DEPTH = 256  # levels of objects and arrays a body read by json_body may nest (a tool's schema: a few dozen)
@@ -525,18 +532,14 @@ async def _prepared_in_time(state: ServerState, render: Callable[..., Any], mess
         raise APIError(400, str(e), param="messages") from None
 
 
-async def _submit(state: ServerState, job: Job, request: Request) -> Job:
-    n = len(job.prompt_tokens)
-    if n > state.max_prompt_tokens:
-        raise APIError(400, f"the prompt has {n} tokens; this server takes at most {state.max_prompt_tokens}",
-                       param="messages", code="context_length_exceeded")
-    cells = state.scheduler.slots.cells_per_slot
-    if not state.llm.policy.bounded and n >= cells:
-        raise APIError(400, f"the prompt ({n} tokens) does not fit in the context ({cells} tokens per slot)",
-                       param="messages", code="context_length_exceeded")
+async def _submit(state: ServerState, job: Job, request: Request, history: bool = False) -> Job:
+    """The job submitted once its prompt is read (or it failed). `history`: the prompt is a conversation a client
+    resent (it holds an answer), which a bounded cache reads however long it is (its text within
+    --max-history-bytes, checked before it was tokenized)."""
     key = request.scope.get("state", {}).get("api_key_id")
     if key is not None:  # each API key's conversations are its own (BearerAuth)
         job.cache_salt = f"key{key}:{job.cache_salt or ''}"
+    check_prompt_length(state, job, history)
     job.mailbox = Mailbox(asyncio.get_running_loop())
     try:
         state.scheduler.submit(job)
@@ -554,6 +557,31 @@ async def _submit(state: ServerState, job: Job, request: Request) -> Job:
     finally:
         watcher.cancel()
     return job
+
+
+def check_prompt_length(state: ServerState, job: Job, history: bool) -> None:
+    """A full cache takes a prompt that fits its slot and --max-prompt-tokens. A bounded one reads what no saved
+    conversation holds: at most --max-prompt-tokens of it, or any length where the prompt is a resent conversation
+    (the bounded prefill reads it in the same memory; its bytes were checked)."""
+    n = len(job.prompt_tokens)
+    limit = state.max_prompt_tokens
+    policy = job.policy or state.llm.policy
+    if not policy.bounded:
+        cells = state.scheduler.slots.cells_per_slot
+        if n > limit:
+            raise APIError(400, f"the prompt has {n} tokens; this server takes at most {limit}", param="messages",
+                           code="context_length_exceeded")
+        if n >= cells:
+            raise APIError(400, f"the prompt ({n} tokens) does not fit in the context ({cells} tokens per slot)",
+                           param="messages", code="context_length_exceeded")
+        return
+    if n <= limit or history:
+        return
+    to_read = n - state.scheduler.held_tokens(job)
+    if to_read > limit:
+        raise APIError(400, f"the prompt has {n} tokens, {to_read} of them new to this server; it reads at most "
+                            f"{limit} new tokens of a request (--max-prompt-tokens)", param="messages",
+                       code="context_length_exceeded")
 
 
 async def job_steps(state: ServerState, job: Job) -> AsyncIterator[Step]:

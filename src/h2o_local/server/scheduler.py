@@ -216,6 +216,13 @@ class Scheduler:
         with self._cv:
             return any(j is job for j in self._active.values())
 
+    def held_tokens(self, job: Job) -> int:
+        """How many of the job's prompt tokens a saved session holds now (what it need not read, if that session is
+        still saved when the job starts)."""
+        if not self.sessions.limit_bytes or job.echo_logprobs:
+            return 0
+        return self.sessions.held(job.prompt_tokens, job.n_keep, _label(job))
+
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stop:

@@ -23,8 +23,13 @@ class ServerSettings(BaseSettings):
     session_mib: float = Field(256, ge=0, description="memory for saved conversations that later requests "
                                                       "continue, MiB (0: off)")
     model_id: Optional[str] = Field(None, description="the model name /v1/models shows (default: the file name)")
-    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="longer prompts get HTTP 400 (default: the "
-                                                                     "model's trained context)")
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="the most tokens of a request that are new to "
+                                             "the server (not held by a saved conversation); more get HTTP 400 "
+                                             "(default: the model's trained context)")
+    max_history_bytes: int = Field(2**20, ge=1024, description="the most text a resent conversation (one that holds "
+                                   "an answer) may carry, bytes: a bounded cache reads it in its own memory whatever "
+                                   "its length in tokens, only the part no saved conversation holds, and only that "
+                                   "counts against --max-prompt-tokens; the full cache keeps --max-prompt-tokens")
     max_tokens: Optional[int] = Field(None, ge=1, description="an answer's longest length in tokens, for a request "
                                       "that asks for more or for no limit (finish_reason 'length'; default: the "
                                       "model's trained context)")
