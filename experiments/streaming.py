@@ -33,12 +33,14 @@ def stream_tokens(llm: Llama, path: str, n: int) -> List[int]:
     return tokens[: n + 1]
 
 
-def nll_run(model: str, tokens: List[int], policy: str, budget, rolling: bool, chunk: int, threads) -> np.ndarray:
-    """NLL (nats) of tokens[1:], NaN where the setting could not go on."""
+def nll_run(model: str, tokens: List[int], setting, chunk: int, threads) -> np.ndarray:
+    """NLL (nats) of tokens[1:], NaN where the setting could not go on. Each chunk is a prompt: with +recall, what
+    the cache evicted comes back for it as for a chat's turn."""
+    policy = setting.policy
     if policy == "full":
         llm = Llama(model, n_ctx=ModelInfo.load(model).n_ctx_train, n_batch=chunk, n_threads=threads)
     else:
-        llm = Llama(model, policy=policy, budget=budget, position_rolling=rolling, n_batch=chunk, n_threads=threads)
+        llm = Llama(model, **{"n_batch": chunk, **setting.llama_kwargs()}, n_threads=threads)
     nll = np.full(len(tokens) - 1, np.nan)
     prev = None  # logits after the last token of the previous chunk
     t0 = time.time()
@@ -70,17 +72,20 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--ppl-span", type=int, default=1024, help="tokens per perplexity column in the table")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--settings", nargs="+", help="setting labels to run instead of full and, per budget, local, "
+                    "sink, h2o and h2o+roll (+roll0: rolling only near the trained context, the library's default)")
     ap.add_argument("--output", type=Path, required=True)
     args = ap.parse_args(argv)
 
     model = model_path(args.model)
     tokens = stream_tokens(Llama(model, n_ctx=256), args.input_path, args.tokens)
-    runs = [parse_setting("full")] + [parse_setting(f"{p}-{b}{extra}") for b in args.budgets
-                                      for p, extra in (("local", ""), ("sink", ""), ("h2o", ""), ("h2o", "+roll"))]
+    runs = [parse_setting(s) for s in args.settings] if args.settings else \
+        [parse_setting("full")] + [parse_setting(f"{p}-{b}{extra}") for b in args.budgets
+                                   for p, extra in (("local", ""), ("sink", ""), ("h2o", ""), ("h2o", "+roll"))]
     results: Dict[str, List[float]] = {}
     for s in runs:
         print(f"{s.label}:", file=sys.stderr)
-        results[s.label] = nll_run(model, tokens, s.policy, s.budget, s.rolling, args.chunk, args.threads).tolist()
+        results[s.label] = nll_run(model, tokens, s, args.chunk, args.threads).tolist()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     n_train = ModelInfo.load(model).n_ctx_train
     windows = list(range(0, args.tokens, args.ppl_span))
