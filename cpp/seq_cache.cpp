@@ -287,15 +287,23 @@ void SeqCache::set_keep(const Policy & policy, int32_t n) {
     st_.n_keep = n;
 }
 
-void SeqCache::drop_newest(int32_t n) {
-    const size_t kept = st_.positions.size() - (size_t) n;
-    llama_memory_seq_rm(mem_, seq_, st_.positions[kept], -1);
+std::vector<size_t> SeqCache::keep_oldest(size_t kept) {
+    if (kept < st_.positions.size()) {
+        llama_memory_seq_rm(mem_, seq_, st_.positions[kept], -1);
+    }
     std::vector<size_t> older(kept);
     std::iota(older.begin(), older.end(), 0);
     st_.positions.resize(kept);
     st_.origins.resize(kept);
     st_.tokens.resize(kept);
-    st_.scores    = st_.scores.gather(older);
+    st_.scores = st_.scores.gather(older);
+    forget_keys();
+    return older;
+}
+
+void SeqCache::drop_newest(int32_t n) {
+    const std::vector<size_t> older = keep_oldest(st_.positions.size() - (size_t) n);
+    const size_t kept = older.size();
     for (auto & q : st_.scores.queries) {
         q -= n; // the removed tokens' queries are not counted
     }
@@ -309,7 +317,6 @@ void SeqCache::drop_newest(int32_t n) {
     }
     st_.next_pos -= n;
     st_.n_seen   -= n;
-    forget_keys();
 }
 
 void SeqCache::truncate(int64_t n) {
@@ -328,15 +335,7 @@ void SeqCache::truncate(int64_t n) {
     while (kept > 0 && st_.origins[kept - 1] >= n) { // fed from n on: the newest entries, the highest positions
         --kept;
     }
-    if (kept < st_.positions.size()) {
-        llama_memory_seq_rm(mem_, seq_, st_.positions[kept], -1);
-    }
-    std::vector<size_t> older(kept);
-    std::iota(older.begin(), older.end(), 0);
-    st_.positions.resize(kept);
-    st_.origins.resize(kept);
-    st_.tokens.resize(kept);
-    st_.scores = st_.scores.gather(older);
+    keep_oldest(kept);
     std::vector<size_t> stored;
     for (size_t i = 0; i < host_.size(); ++i) {
         if (host_.origins[i] < n) {
@@ -348,7 +347,6 @@ void SeqCache::truncate(int64_t n) {
     // never rolled: the next token takes its own position again; rolled: the one after the newest kept
     st_.next_pos = !was_rolled ? (llama_pos) n : kept > 0 ? st_.positions.back() + 1 : 0;
     exchange_ = Exchange();
-    forget_keys();
 }
 
 void SeqCache::drop_unfinished() {

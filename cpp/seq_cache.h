@@ -184,6 +184,8 @@ private:
     std::vector<size_t> merge(const HostStore::Entries & taken);
 
     void forget_keys() { keys_.clear(); key_rows_ = 0; }
+    // keep the `kept` oldest entries (the others' cells removed); their indices
+    std::vector<size_t> keep_oldest(size_t kept);
     // copy the entries at `indices` (ascending) to the host store, before their cells are removed
     void spill(const std::vector<size_t> & indices);
 
