@@ -134,12 +134,22 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--surfaces", nargs="+", choices=SURFACES, default=list(SURFACES))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--report", action="store_true", help="only write OUT.md from the turns OUT.jsonl holds (a run "
+                    "stopped early: each surface's turns so far)")
     args = ap.parse_args(argv)
 
-    from h2o_local import Llama
+    from h2o_local import Llama, ModelInfo
     from h2o_local.models import default_model_path
 
     model = args.model or default_model_path()
+    if args.report:
+        rows: Dict[str, List[Dict[str, Any]]] = {}
+        for line in open(args.out.with_suffix(".jsonl")):
+            row = json.loads(line)
+            rows.setdefault(row["surface"], []).append(row)
+        n_train = ModelInfo.load(model).n_ctx_train
+        write_report([summary(s, r, n_train) for s, r in rows.items()], args, model)
+        return 0
     articles = [json.loads(line)["article"] for line in open(args.articles)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summaries = []
@@ -149,18 +159,23 @@ def main(argv=None) -> int:
                                  verbose=False)
             summaries.append(run_surface(surface, make, articles, args, log))
             args.out.with_suffix(".summary.json").write_text(json.dumps(summaries, indent=1))
+    write_report(summaries, args, model)
+    return 0
+
+
+def write_report(summaries: List[Dict[str, Any]], args, model: str) -> None:
     keys = ["surface", "turns", "errors", "x_trained", "max_position", "s_turn_10_30", "s_turn_last_20", "fed_10_30",
             "fed_last_20", "rss_mib_turn_10", "rss_mib_end", "kv_mib", "host_mib_end", "system_kept", "fact_found"]
     lines = [f"Model {Path(model).name} (trained context {summaries[0]['n_ctx_train']}), budget {args.budget}, "
-             f"recall and rolling as the surfaces run them; {args.turns} turns of about {args.words} words, "
-             f"{args.max_tokens}-token answers; medians over turns 10-30 and the last 20.", "",
+             f"recall and rolling as the surfaces run them; turns of about {args.words} words (the last asks what the "
+             f"first said), {args.max_tokens}-token answers; medians over turns 10-30 and the last 20 before the "
+             f"question.", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(s[k]) for k in keys) + " |" for s in summaries]
     lines += ["", "Answers to the last question (" + QUESTION + "): " +
-              "; ".join(f"{s['surface']}: {s['answer']!r}" for s in summaries)]
+              "; ".join(f"{s['surface']}: {s['answer']!r}" for s in summaries if s["answer"] is not None)]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ MALFORMED: List[tuple] = [
     ("stop: 220,000 strings", CHAT, chat("hi", stop=["x"] * 220_000), (400, 413)),
     ("stop: a string of 10,000 characters", CHAT, chat("hi", stop="y" * 10_000), 400),
     ("logit_bias: a value of 1,000", CHAT, chat("hi", logit_bias={"5": 1000}), 400),
-    ("logit_bias: a key that is no token id", CHAT, chat("hi", logit_bias={"five": 1}), 400),
+    ("logit_bias: a key that is neither a token id nor text", CHAT, chat("hi", logit_bias=[[1.5, 1]]), 400),
     ("logit_bias: a token id past the vocabulary", CHAT, chat("hi", logit_bias={"999999999": 1}), 400),
     ("logit_bias: 100,000 entries", CHAT, chat("hi", logit_bias={str(i): 1 for i in range(100_000)}), (400, 413)),
     ("unsupported: suffix", COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400),

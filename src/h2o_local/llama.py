@@ -1096,14 +1096,27 @@ class Llama:
                 return tokens, 0
             prefix = self._template_tokens(default)
         else:
-            prefix = self._template_tokens(self.apply_chat_template(msgs[:n_system], add_generation_prompt=False,
-                                                                    time_limit_s=time_limit_s, tools=tools,
-                                                                    chat_template_kwargs=chat_template_kwargs),
+            prefix = self._template_tokens(self._system_text(msgs[:n_system], time_limit_s, tools, chat_template_kwargs),
                                            None if contents is None else contents[:n_system])
         n = 0
         while n < min(len(prefix), len(tokens)) and prefix[n] == tokens[n]:
             n += 1
         return tokens, n
+
+    def _system_text(self, system: List[Message], time_limit_s: Optional[float], tools: Optional[List[Dict[str, Any]]],
+                     variables: Optional[Dict[str, Any]]) -> str:
+        """The text the template writes for a conversation's leading system messages: rendered alone, or where the
+        template refuses that (Llama 3.x puts tools in the first user message and raises without one) the text
+        before a placeholder user message's content."""
+        try:
+            return self.apply_chat_template(system, add_generation_prompt=False, time_limit_s=time_limit_s,
+                                            tools=tools, chat_template_kwargs=variables)
+        except ValueError:
+            placeholder = "\ue000"  # private-use text no template writes itself
+            text = self.apply_chat_template(system + [{"role": "user", "content": placeholder}],
+                                            add_generation_prompt=False, time_limit_s=time_limit_s, tools=tools,
+                                            chat_template_kwargs=variables)
+            return text[:text.find(placeholder)] if placeholder in text else ""
 
     def _check_markup_strings(self, messages: Sequence[Message], tools: Optional[List[Dict[str, Any]]],
                               variables: Optional[Dict[str, Any]]) -> None:

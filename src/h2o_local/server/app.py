@@ -81,8 +81,10 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
         app.add_middleware(HostCheck, listen_host=settings.host, allowed_hosts=settings.allowed_hosts)
     if settings.cors_origins:  # outside the key check: a browser's preflight carries no key
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+        # any request header, as llama-server: browser SDKs send their own (OpenAI's x-stainless-*, Anthropic's
+        # x-api-key and anthropic-version); the origins are what is checked
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["*"])
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
@@ -113,7 +115,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 
 async def _api_error(request: Request, exc: APIError):
     headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return error_response(exc.status, exc.message, exc.kind, exc.param, exc.code, headers)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 class BodyLimit:

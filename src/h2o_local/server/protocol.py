@@ -67,7 +67,9 @@ class _Request(BaseModel):
     repeat_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=10.0)
     repeat_last_n: Optional[int] = Field(default=None, ge=0, le=4096)
-    logit_bias: Optional[Dict[str, float]] = None
+    # OpenAI's {"<token id>": bias}, and llama-server's forms: [[id, bias]], [["text", bias]], {"text": bias}; a
+    # text's bias goes to each of its tokens, a bias of false bans them (normalized to [(id or text, bias)])
+    logit_bias: Union[Dict[str, Union[StrictBool, float]], List[List[Any]], None] = None
     ignore_eos: bool = False  # llama-server's: never end at an end-of-generation token (needs max_tokens)
     # structured output: OpenAI's response_format, llama-server's grammar (GBNF) and json_schema
     response_format: Optional[Dict[str, Any]] = None
@@ -89,15 +91,28 @@ class _Request(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bounded_bias(cls, bias):
-        if bias is not None:
-            if len(bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
-            for key, value in bias.items():
-                if not (key.isascii() and key.isdigit() and len(key) <= 9):
-                    raise ValueError(f"logit_bias keys are token ids, got {key!r}")
-                if not -100.0 <= value <= 100.0:
-                    raise ValueError(f"logit_bias values are in [-100, 100], got {value!r} for token {key}")
-        return bias
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
+        pairs = list(bias.items()) if isinstance(bias, dict) else bias
+        out = []
+        for pair in pairs:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"logit_bias entries are [token id or text, bias], got {pair!r}")
+            key, value = pair
+            if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9:
+                key = int(key)
+            if isinstance(key, bool) or not isinstance(key, (int, str)) or isinstance(key, int) and key < 0:
+                raise ValueError(f"logit_bias keys are token ids or text, got {key!r}")
+            if isinstance(key, str) and not 0 < len(key) <= MAX_STOP_CHARS:
+                raise ValueError(f"a logit_bias text has 1 to {MAX_STOP_CHARS} characters")
+            if value is False:
+                value = float("-inf")  # llama-server's: never this token
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values are in [-100, 100] (or false: never), got {value!r} for {key!r}")
+            out.append((key, float(value)))
+        return out
 
     @field_validator("stop")
     @classmethod
@@ -212,14 +227,20 @@ class DetokenizeRequest(BaseModel):
 
 
 class APIError(Exception):
+    """An HTTP error in OpenAI's shape; `extra`: more fields of the error object (llama-server's n_prompt_tokens and
+    n_ctx beside a context overflow)."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
-                 code: Optional[str] = None):
+                 code: Optional[str] = None, extra: Optional[Dict[str, Any]] = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.extra = extra or {}
 
     def body(self) -> Dict[str, Any]:
         """OpenAI's error object: as a response's body, or as a started stream's last event."""
-        return error_body(self.message, self.kind, self.param, self.code)
+        out = error_body(self.message, self.kind, self.param, self.code)
+        out["error"].update(self.extra)
+        return out
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,

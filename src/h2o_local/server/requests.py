@@ -148,13 +148,7 @@ async def sampling(state: ServerState, defaults: SamplingParams, body: _Request,
     except ValueError as e:
         raise APIError(400, str(e), param=given[0], code=limit_code(e)) from None
     if body.logit_bias:
-        n_vocab = state.llm.n_vocab()
-        bias = {int(k): v for k, v in body.logit_bias.items()}
-        outside = [k for k in bias if k >= n_vocab]
-        if outside:
-            raise APIError(400, f"logit_bias names token {outside[0]}, outside this model's {n_vocab} tokens",
-                           param="logit_bias")
-        changes["logit_bias"] = bias
+        changes["logit_bias"] = token_bias(state, body.logit_bias)
     if body.ignore_eos:
         changes["ignore_eos"] = True
     if body.stop is not None:
@@ -171,6 +165,19 @@ async def sampling(state: ServerState, defaults: SamplingParams, body: _Request,
         named = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
         param = given[0] if given and "grammar" in str(e) else named if named in type(body).model_fields else None
         raise APIError(400, str(e), param=param, code=limit_code(e)) from None
+
+
+def token_bias(state: ServerState, pairs: List[Tuple[Any, float]]) -> Dict[int, float]:
+    """A request's logit_bias (`_Request`'s pairs) by token id: a text's bias on each of its tokens."""
+    n_vocab = state.llm.n_vocab()
+    bias: Dict[int, float] = {}
+    for key, value in pairs:
+        for token in [key] if isinstance(key, int) else state.llm.tokenize(key, add_bos=False, special=False):
+            if token >= n_vocab:
+                raise APIError(400, f"logit_bias names token {token}, outside this model's {n_vocab} tokens",
+                               param="logit_bias")
+            bias[token] = value
+    return bias
 
 
 def time_limit(state: ServerState, body: _Request) -> float:

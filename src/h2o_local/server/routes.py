@@ -265,7 +265,12 @@ async def _llama_server_answer(state: ServerState, body: Union[LlamaServerComple
                                request: Request, prompt: Union[str, List[int]], started: float):
     """A /completion or /infill prompt run (n_predict: -1 until the end) and answered in llama-server's shape."""
     limit = body.max_tokens if body.n_predict is None else None if body.n_predict < 0 else body.n_predict
-    job = await prompt_job(state, body, request, prompt, defaults=LLAMA_SERVER, max_tokens=limit)
+    try:
+        job = await prompt_job(state, body, request, prompt, defaults=LLAMA_SERVER, max_tokens=limit)
+    except APIError as e:
+        if e.code == "context_length_exceeded":  # llama-server's type, which its clients branch on
+            e.kind = "exceed_context_size_error"
+        raise
     read = time.perf_counter()
     if body.stream:
         return event_stream(state, _llama_server_stream(state, job, started, read))
@@ -570,10 +575,11 @@ def check_prompt_length(state: ServerState, job: Job, history: bool) -> None:
         cells = state.scheduler.slots.cells_per_slot
         if n > limit:
             raise APIError(400, f"the prompt has {n} tokens; this server takes at most {limit}", param="messages",
-                           code="context_length_exceeded")
+                           code="context_length_exceeded", extra={"n_prompt_tokens": n, "n_ctx": limit})
         if n >= cells:
             raise APIError(400, f"the prompt ({n} tokens) does not fit in the context ({cells} tokens per slot)",
-                           param="messages", code="context_length_exceeded")
+                           param="messages", code="context_length_exceeded",
+                           extra={"n_prompt_tokens": n, "n_ctx": cells - 1})
         return
     if n <= limit or history:
         return
@@ -581,7 +587,7 @@ def check_prompt_length(state: ServerState, job: Job, history: bool) -> None:
     if to_read > limit:
         raise APIError(400, f"the prompt has {n} tokens, {to_read} of them new to this server; it reads at most "
                             f"{limit} new tokens of a request (--max-prompt-tokens)", param="messages",
-                       code="context_length_exceeded")
+                       code="context_length_exceeded", extra={"n_prompt_tokens": to_read, "n_ctx": limit})
 
 
 async def job_steps(state: ServerState, job: Job) -> AsyncIterator[Step]:
