@@ -1067,7 +1067,8 @@ class Llama:
 
     def chat_tokens(self, messages: Sequence[Message], time_limit_s: Optional[float] = None,
                     tools: Optional[List[Dict[str, Any]]] = None, *, special_in_content: bool = False,
-                    chat_template_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[List[int], Optional[int]]:
+                    chat_template_kwargs: Optional[Dict[str, Any]] = None,
+                    continue_final: bool = False) -> Tuple[List[int], Optional[int]]:
         """The prompt tokens of a chat, and its protected prefix with `keep="system"` (the tokens of the leading
         system messages, or without one of the system turn the template writes by default, as SmolLM2's and
         Qwen2.5's do; None with another `keep`, which then applies as set).
@@ -1078,13 +1079,25 @@ class Llama:
         parses the contents' special tokens too (llama-server's and Ollama's behaviour), for a client that writes
         turns into messages on purpose. Every other string a template writes (tool names, descriptions and schemas,
         a call's name and arguments, a message's `name`, the template's variables) cannot be told from its markup
-        once written, so one that spells a special token raises ValueError unless `special_in_content=True`."""
+        once written, so one that spells a special token raises ValueError unless `special_in_content=True`.
+        `continue_final`: a final assistant message is continued (an assistant prefill: JSON started, "go on"), not
+        closed with a new turn opened after it (transformers' `continue_final_message`, llama-server's and
+        Anthropic's prefill); ValueError where the template does not write it as given."""
         msgs = normalize_messages(messages)
         contents = None if special_in_content else [m["content"] for m in msgs]
         if not special_in_content:
             self._check_markup_strings(msgs, tools, chat_template_kwargs)
-        tokens = self._template_tokens(self.apply_chat_template(msgs, time_limit_s=time_limit_s, tools=tools,
-                                                                chat_template_kwargs=chat_template_kwargs), contents)
+        continues_final = continue_final and msgs and msgs[-1]["role"] == "assistant"
+        text = self.apply_chat_template(msgs, add_generation_prompt=not continues_final, time_limit_s=time_limit_s,
+                                        tools=tools, chat_template_kwargs=chat_template_kwargs)
+        if continues_final:
+            final = msgs[-1]["content"]
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ValueError("the final assistant message cannot be continued: the chat template does not write "
+                                 "it as given (or it is empty)")
+            text = text[:at + len(final)]
+        tokens = self._template_tokens(text, contents)
         if self.keep != "system":
             return tokens, None
         n_system = 0

@@ -85,3 +85,25 @@ def test_a_context_overflow_on_llama_servers_routes_has_its_shape(server):
     assert error["type"] == "exceed_context_size_error" and error["n_prompt_tokens"] == 100 and error["n_ctx"] == 64
     status, out = post(port, "/v1/completions", {"prompt": list(range(10, 110)), "max_tokens": 1})
     assert status == 400 and out["error"]["code"] == "context_length_exceeded" and out["error"]["n_prompt_tokens"] == 100
+
+
+def test_a_final_assistant_message_is_continued_when_asked(server, chat_model):
+    """An assistant prefill (JSON started, "go on"): continue_final_message / add_generation_prompt: false (vLLM's,
+    transformers' and llama-server's fields) and Anthropic's API continue it instead of opening a new turn."""
+    port, client = server
+    llm = Llama(chat_model, budget=48)
+    messages = [{"role": "user", "content": "Give JSON."}, {"role": "assistant", "content": '{"name": "'}]
+    closed, _ = llm.chat_tokens(messages)
+    prefill, _ = llm.chat_tokens(messages, continue_final=True)
+    assert llm.detokenize(prefill).decode().endswith('<|im_start|>assistant\n{"name": "')
+    assert len(prefill) < len(closed)
+    for fields in ({"continue_final_message": True}, {"add_generation_prompt": False}):
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body=fields)
+        assert out.usage.prompt_tokens == len(prefill), fields
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert out.usage.prompt_tokens == len(closed)  # OpenAI's: a new answer after it
+    import anthropic
+
+    answer = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0).messages.create(
+        model="tiny", messages=messages, max_tokens=1)
+    assert answer.usage.input_tokens == len(prefill)

@@ -109,6 +109,8 @@ def _chat_request(state: ServerState, body: MessagesRequest) -> ChatCompletionRe
     out: Dict[str, Any] = {k: v for k, v in (body.model_extra or {}).items() if k not in _IGNORED}
     system = _text(body.system, "system") if body.system is not None else ""
     out["messages"] = ([{"role": "system", "content": system}] if system else []) + _messages(body.messages)
+    # a final assistant message is a prefill: Anthropic's API continues it
+    out["continue_final_message"] = bool(out["messages"]) and out["messages"][-1].get("role") == "assistant"
     out["max_tokens"] = body.max_tokens
     out["stream"] = False
     if body.stop_sequences:

@@ -173,6 +173,10 @@ class ChatCompletionRequest(_Request):
     # llama-server's: "auto" (the default here, as there) gives a thinking model's reasoning as
     # message.reasoning_content, apart from its content; "none" leaves the answer as written
     reasoning_format: Optional[str] = None
+    # vLLM's and transformers': a final assistant message is continued (a prefill) with continue_final_message
+    # true or add_generation_prompt false, instead of a new answer after it
+    continue_final_message: StrictBool = False
+    add_generation_prompt: StrictBool = True
 
 
 class InfillChunk(BaseModel):

@@ -508,9 +508,10 @@ async def chat_prompt(state: ServerState,
     """A chat request's messages checked and made into its prompt (in the preparing threads): its tools' plan, the
     prompt's tokens and its protected prefix (`Llama.chat_tokens`)."""
     plan, messages = _chat_messages(state, body)
+    prefill = body.continue_final_message or not body.add_generation_prompt  # a final assistant message goes on
     tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.tools,
                                              special_in_content=body.special_in_content,
-                                             chat_template_kwargs=body.chat_template_kwargs)
+                                             chat_template_kwargs=body.chat_template_kwargs, continue_final=prefill)
     return plan, tokens, n_keep
 
 
