@@ -49,21 +49,24 @@ def run_surface(surface: str, make_llm: Callable[[], Any], articles: List[str], 
         port = server.__enter__()
     try:
         system_tokens = llm.chat_tokens([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}])[1]
+        system_tokens = min(system_tokens, args.budget // 2)  # keep="system" protects at most half the budget
         for turn in range(args.turns + 1):
             last = turn == args.turns
             content = QUESTION if last else (FACT + " " if turn == 0 else "") + turn_text(articles, turn, args.words)
             history.append({"role": "user", "content": content})
             t0 = time.perf_counter()
-            error, answer, fed = None, "", None
+            error, answer, fed, n_prompt = None, "", None, None
             try:
-                answer, fed = ask(surface, chat if surface == "chatsession" else port, history, args)
+                answer, fed, n_prompt = ask(surface, chat if surface == "chatsession" else port, history, args)
             except Exception as e:  # noqa: BLE001 - counted and written, the soak goes on
                 error = f"{type(e).__name__}: {e}"[:300]
             seconds = time.perf_counter() - t0
             history.append({"role": "assistant", "content": answer})
-            st = llm.kv_state(0)
+            st = llm.kv_state(0)  # a server's slot: what its last request left (empty once its session is saved)
+            sessions = 0 if server is None else app.state.server.scheduler.sessions.nbytes
             row = {"surface": surface, "turn": turn, "seconds": round(seconds, 3), "fed": fed, "error": error,
-                   "history_tokens": int(st.n_seen), "x_trained": round(st.n_seen / n_train, 2),
+                   "history_tokens": n_prompt, "x_trained": round((n_prompt or 0) / n_train, 2),
+                   "sessions_mib": round(sessions / 2**20, 1),
                    "max_position": int(st.positions.max()) if st.n_cells else 0, "kv_cells": int(st.n_cells),
                    "kv_bytes": int(st.kv_bytes), "host_bytes": int(st.host_bytes),
                    "system_kept": bool(system_tokens and st.origins[:system_tokens].tolist() == list(range(system_tokens))),
@@ -83,26 +86,30 @@ def run_surface(surface: str, make_llm: Callable[[], Any], articles: List[str], 
 
 
 def ask(surface: str, target: Any, history: List[Dict[str, str]], args) -> tuple:
-    """The answer's text and the tokens this turn read (None where the surface does not say)."""
+    """The answer's text, the tokens this turn read (None where the surface does not say) and the prompt's tokens
+    (the whole conversation)."""
     if surface == "chatsession":
         answer = "".join(target.send(history[-1]["content"]))
-        return answer, target.last.prompt_tokens
+        return answer, target.last.prompt_tokens, target.last.prompt_tokens + target.last.reused_tokens
     base = f"http://127.0.0.1:{target}"
     if surface == "openai":
         import openai
         out = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600).chat.completions.create(
             model="m", messages=history, max_tokens=args.max_tokens, temperature=0)
         used = out.usage
-        return out.choices[0].message.content or "", used.prompt_tokens - used.prompt_tokens_details.cached_tokens
+        return (out.choices[0].message.content or "", used.prompt_tokens - used.prompt_tokens_details.cached_tokens,
+                used.prompt_tokens)
     if surface == "ollama":
         import ollama
         out = ollama.Client(host=base, timeout=600).chat(model="m", messages=history,
                                                          options={"temperature": 0, "num_predict": args.max_tokens})
-        return out.message.content, None
+        return out.message.content, None, out.prompt_eval_count
     import anthropic
     out = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=600).messages.create(
         model="m", system=history[0]["content"], messages=history[1:], max_tokens=args.max_tokens)
-    return "".join(b.text for b in out.content if b.type == "text"), None
+    used = out.usage  # Anthropic's input_tokens leave out what the cache held
+    return ("".join(b.text for b in out.content if b.type == "text"), used.input_tokens,
+            used.input_tokens + (used.cache_read_input_tokens or 0))
 
 
 def summary(surface: str, rows: List[Dict[str, Any]], n_train: int) -> Dict[str, Any]:
@@ -112,10 +119,11 @@ def summary(surface: str, rows: List[Dict[str, Any]], n_train: int) -> Dict[str,
 
     early, late = rows[10:30], rows[-21:-1]
     return {"surface": surface, "turns": len(rows), "errors": sum(r["error"] is not None for r in rows),
-            "x_trained": rows[-1]["x_trained"], "max_position": max(r["max_position"] for r in rows),
+            "x_trained": max(r["x_trained"] for r in rows), "max_position": max(r["max_position"] for r in rows),
             "s_turn_10_30": median("seconds", early), "s_turn_last_20": median("seconds", late),
             "fed_10_30": median("fed", early), "fed_last_20": median("fed", late),
             "rss_mib_turn_10": rows[min(10, len(rows) - 1)]["rss_mib"], "rss_mib_end": rows[-1]["rss_mib"],
+            "sessions_mib_end": rows[-1].get("sessions_mib", 0),
             "host_mib_end": round(rows[-1]["host_bytes"] / 2**20, 1), "kv_mib": round(rows[-1]["kv_bytes"] / 2**20, 1),
             "system_kept": all(r["system_kept"] for r in rows if r["kv_cells"]),  # (a slot between requests: empty)
             "fact_found": rows[-1].get("fact_found"),
@@ -165,7 +173,8 @@ def main(argv=None) -> int:
 
 def write_report(summaries: List[Dict[str, Any]], args, model: str) -> None:
     keys = ["surface", "turns", "errors", "x_trained", "max_position", "s_turn_10_30", "s_turn_last_20", "fed_10_30",
-            "fed_last_20", "rss_mib_turn_10", "rss_mib_end", "kv_mib", "host_mib_end", "system_kept", "fact_found"]
+            "fed_last_20", "rss_mib_turn_10", "rss_mib_end", "kv_mib", "host_mib_end", "sessions_mib_end", "system_kept",
+            "fact_found"]
     lines = [f"Model {Path(model).name} (trained context {summaries[0]['n_ctx_train']}), budget {args.budget}, "
              f"recall and rolling as the surfaces run them; turns of about {args.words} words (the last asks what the "
              f"first said), {args.max_tokens}-token answers; medians over turns 10-30 and the last 20 before the "

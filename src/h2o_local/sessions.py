@@ -15,7 +15,11 @@ from typing import Any, Optional, Sequence, Tuple
 
 def continues(held: Sequence[int], held_keep: int, tokens: Sequence[int], n_keep: int) -> bool:
     """True when a cache holding `held` (protected prefix `held_keep`) continues the prompt `tokens` (`n_keep`)."""
-    return held_keep == n_keep and len(tokens) > len(held) and tuple(tokens[:len(held)]) == tuple(held)
+    n = len(held)
+    # the last held token first: most saved sessions of a long conversation part from it early, and the whole
+    # comparison is as long as the conversation
+    return held_keep == n_keep and len(tokens) > n and (n == 0 or tokens[n - 1] == held[-1]) and \
+        tuple(tokens[:n]) == tuple(held)
 
 
 @dataclass
@@ -74,12 +78,11 @@ class SessionCache:
         return 0 if best is None else best.n_fed
 
     def _longest(self, tokens: Sequence[int], n_keep: int, policy: str) -> Optional[Session]:
-        best = None
-        for s in list(self._items.values()):  # a copy: another thread may save one meanwhile
-            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep) and \
-                    (best is None or len(s.tokens) > len(best.tokens)):
-                best = s
-        return best
+        # longest first: a long conversation's earlier turns are saved too, and each is compared whole
+        for s in sorted(list(self._items.values()), key=lambda s: len(s.tokens), reverse=True):  # a copy: another
+            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep):          # thread may save one
+                return s
+        return None
 
     def __len__(self) -> int:
         return len(self._items)
