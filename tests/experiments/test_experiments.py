@@ -59,24 +59,26 @@ def test_device_copies_times_each_setting_against_its_own_uncompacted_run(tiny_m
 
 def test_streaming_nll_equals_a_direct_computation(tiny_model, tmp_path):
     """With a budget that never evicts, the chunked NLL equals -log softmax of one full pass."""
+    from experiments.common import parse_setting
     from experiments.streaming import nll_run
 
     llm = Llama(tiny_model, n_ctx=512)
     tokens = llm.tokenize("Streaming text for a perplexity check, fed in small chunks. " * 3, add_bos=False)[:150]
-    nll = nll_run(tiny_model, tokens, "h2o", 400, False, 16, None)
+    nll = nll_run(tiny_model, tokens, parse_setting("h2o-400"), 16, None)
     rows = llm.eval(tokens[:-1], logits_all=True).astype(np.float64)
     lse = np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1)) + rows.max(1)
     direct = lse - rows[np.arange(len(tokens) - 1), tokens[1:]]
     np.testing.assert_allclose(nll, direct, rtol=1e-4, atol=1e-4)
 
 
-def test_streaming_full_stops_at_its_context(tiny_model):
+def test_streaming_full_stops_at_its_context(tiny_model_128):
+    from experiments.common import parse_setting
     from experiments.streaming import nll_run
 
     tokens = list(range(3, 259)) * 2  # 512 tokens, trained context 128
-    nll = nll_run(tiny_model, tokens, "full", None, False, 32, None)
+    nll = nll_run(tiny_model_128, tokens, parse_setting("full"), 32, None)
     assert not np.isnan(nll[:120]).any() and np.isnan(nll[300:]).all()
-    local = nll_run(tiny_model, tokens, "local", 64, False, 32, None)
+    local = nll_run(tiny_model_128, tokens, parse_setting("local-64"), 32, None)
     assert not np.isnan(local).any()
 
 
