@@ -386,6 +386,11 @@ PYBIND11_MODULE(_engine, m) {
     m.attr("PROBE_TEXTS") = py::dict("catalyst"_a = probe_text(ProbeSource::catalyst),
                                      "repeat"_a = probe_text(ProbeSource::repeat));
     m.attr("DEFAULT_QUESTION_TOKENS") = kDefaultQuestionTokens;
+#ifdef H2O_LLAMA_CPP_COMMIT
+    m.attr("LLAMA_CPP_COMMIT") = H2O_LLAMA_CPP_COMMIT;
+#else
+    m.attr("LLAMA_CPP_COMMIT") = "";
+#endif
 
 #ifdef GGML_USE_RPC
     m.attr("RPC_PROTO_VERSION") = py::make_tuple(RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION, RPC_PROTO_PATCH_VERSION);

@@ -150,22 +150,22 @@ def test_file_reads_a_regular_file_only_and_at_most_its_limit(tmp_path):
     import os
     import time
 
-    from h2o_local.cli.chat import MAX_FILE_BYTES, _read_text_file
+    from h2o_local.cli.common import MAX_FILE_BYTES, read_text_file
 
     doc = tmp_path / "doc.txt"
     doc.write_text("plain text\n")
-    assert _read_text_file(str(doc)) == "plain text\n"
+    assert read_text_file(str(doc)) == "plain text\n"
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     start = time.monotonic()
     for path in ("/dev/zero", str(fifo), str(tmp_path)):
         with pytest.raises((ValueError, OSError)):
-            _read_text_file(path)
+            read_text_file(path)
     assert time.monotonic() - start < 5
     big = tmp_path / "big.txt"
     big.write_bytes(b"a" * (MAX_FILE_BYTES + 1))
     with pytest.raises(ValueError, match="larger than"):
-        _read_text_file(str(big))
+        read_text_file(str(big))
 
 
 def test_save_over_a_symlink_replaces_the_link_and_leaves_its_target(chat_model, tmp_path):

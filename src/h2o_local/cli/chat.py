@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import stat
 import sys
 from typing import List
 
 from ..chat_session import ChatSession
 from ..text import check_text
 from ..sampling import CHAT_SURFACE
-from .common import add_model_args, add_penalty_args, add_sampler_args, load_llama, penalty_kwargs, sampler_kwargs
+from .common import (Parser, PromptProgress, add_llama_cpp_compat_args, add_model_args, add_penalty_args,
+                     add_sampler_args, load_llama, penalty_kwargs, read_text_file, sampler_kwargs)
 
 HELP = """commands:
   /file PATH    attach a text file: it goes into the conversation with your next message
@@ -27,25 +27,33 @@ HELP = """commands:
   /quit         leave (also Ctrl-D, or Ctrl-C twice)"""
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="h2o-local chat", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--system", help="system prompt (default: the chat template's, if any)")
-    ap.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most (default: 512)")
+def parser() -> Parser:
+    ap = Parser("h2o-local chat", __doc__)
+    ap.add_argument("-sys", "--system-prompt", "--system", dest="system",
+                    help="system prompt (default: the chat template's, if any)")
+    ap.add_argument("-p", "--prompt", help="a first message, answered before you type")
+    ap.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=512,
+                    help="tokens per answer at most (default: %(default)s)")
     # Ollama's defaults, chosen by measurement: the fewest looping answers (results/quality/chat-sampling-smollm2.md)
     ap.add_argument("--temperature", "--temp", type=float, default=CHAT_SURFACE.temperature,
                     help=f"0 = greedy (default: {CHAT_SURFACE.temperature:g})")
     ap.add_argument("--ignore-eos", action="store_true", help="never end an answer early (tests, benchmarks)")
-    ap.add_argument("--hide-thinking", action="store_true",
+    ap.add_argument("--hide-thinking", "--hidethinking", action="store_true",
                     help="a thinking model's reasoning is not shown, only its answer (as Ollama's --hidethinking)")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                     help="ask the template to think or not (its enable_thinking: Qwen3 thinks unless told not to, "
                          "Gemma 4 only when told to; as Ollama's --think); default: the template's own")
-    ap.add_argument("--file", action="append", default=[], metavar="PATH",
+    ap.add_argument("-f", "--file", action="append", default=[], metavar="PATH",
                     help="a text file attached to the first message (repeat for several; /file in the chat)")
     add_sampler_args(ap, CHAT_SURFACE)
     add_penalty_args(ap, repeat_penalty=CHAT_SURFACE.repeat_penalty)
     add_model_args(ap, budget=512, keep_default="system", recall_default=True)
+    add_llama_cpp_compat_args(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     llm = load_llama(ap, args)
     try:
@@ -65,6 +73,9 @@ def main(argv=None) -> int:
     for path in args.file:
         if not chat.attach(path):
             return 2
+    if args.prompt:
+        print(f">>> {args.prompt}")
+        chat.answer(args.prompt)
     interrupted = False
     while True:
         try:
@@ -93,10 +104,6 @@ def main(argv=None) -> int:
         chat.answer(line)
 
 
-# a document larger than this is refused: it would be fed whole, and the cache keeps only its budget of it anyway
-MAX_FILE_BYTES = 16 * 2**20
-
-
 class Chat:
     """The terminal's side of a conversation: documents attached for the next message."""
 
@@ -110,7 +117,7 @@ class Chat:
             print("usage: /file PATH", file=sys.stderr)
             return False
         try:
-            text = _read_text_file(path)
+            text = read_text_file(path)
             check_text("the file", text)
         except (OSError, ValueError) as e:
             reason = f"not UTF-8 text ({e.reason} at byte {e.start})" if isinstance(e, UnicodeDecodeError) else \
@@ -126,39 +133,6 @@ class Chat:
         content = "\n\n".join(self.attached + [line])
         self.attached = []
         _answer(self.session, content, _AnswerWriter(sys.stdout, self.hide_thinking))
-
-
-def _read_text_file(path: str) -> str:
-    """A regular file's text, at most MAX_FILE_BYTES: a device (/dev/zero), a pipe or a directory is refused before
-    anything is read (opened without blocking: a pipe with no writer would wait for one)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file (a device, a pipe or a directory)")
-        data = f.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(f"larger than {MAX_FILE_BYTES // 2**20} MiB")
-    return data.decode("utf-8")
-
-
-class _Progress:
-    """A line on stderr while a long prompt is read, cleared when the answer starts."""
-
-    def __init__(self) -> None:
-        self.shown = False
-
-    def __call__(self, fed: int, total: int) -> None:
-        width = 30
-        done = width * fed // max(total, 1)
-        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] reading the prompt: {fed}/{total} tokens")
-        sys.stderr.flush()
-        self.shown = True
-
-    def clear(self) -> None:
-        if self.shown:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-            self.shown = False
 
 
 class _AnswerWriter:
@@ -193,7 +167,7 @@ class _AnswerWriter:
 
 def _answer(session: ChatSession, line: str, out: _AnswerWriter) -> None:
     pieces = iter(())
-    progress = _Progress()
+    progress = PromptProgress()
     try:
         pieces = session.send_split(line, progress=progress)
         for thought, text in pieces:

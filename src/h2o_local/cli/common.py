@@ -3,13 +3,64 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Any, Dict
+import os
+import stat
+import sys
+from typing import Any, Dict, NoReturn, Optional, Sequence
 
+from .. import __version__, _engine
+from ..backends import devices
 from ..llama import ENGINE_DEFAULTS, Llama
 from ..cpu import physical_cores
 from ..models import default_model_path
 from ..policies import OPTION_NAMES, OPTIONS, PROBE_FIELDS, PROBES, REGISTRY, parse, resolve
 from ..sampling import SamplingParams
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse as llama.cpp's tools parse: a flag is spelled whole (`-n` is not a prefix of `-ngl`, `-f` of `-fa`),
+    an error is one line that points to --help, and --version says what this build is."""
+
+    def __init__(self, prog: str, description: Optional[str]) -> None:
+        super().__init__(prog=prog, description=description, allow_abbrev=False,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.add_argument("--version", action="version", version=version_text(prog))
+
+    def _get_option_tuples(self, option_string: str) -> list:
+        return []  # no abbreviations and no glued short values ("-sys" is not "-s ys"): only whole flags match
+
+    def flags(self) -> list:
+        """Every option string this parser takes ("-n", "--max-tokens", ...)."""
+        return [s for action in self._actions for s in action.option_strings]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version_text(prog: str) -> str:
+    """`h2o-local 0.1.0 (llama.cpp 0c1e570, devices: CPU)`, as llama.cpp's --version names its build."""
+    commit = _engine.LLAMA_CPP_COMMIT[:7] or "unknown"
+    return f"{prog} {__version__} (llama.cpp {commit}, devices: {', '.join(d.name for d in devices())})"
+
+
+class _Refused(argparse.Action):
+    """A llama.cpp flag this tool does not offer: an error that says why and what to give instead."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, reason: str = "", **kwargs: Any) -> None:
+        self.reason = reason
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        parser.error(f"{option_string}: {self.reason}")
+
+
+def add_llama_cpp_compat_args(ap: argparse.ArgumentParser) -> None:
+    """llama.cpp's flags with no meaning here, refused with the reason, or accepted where the behaviour is already
+    theirs (--jinja: templates are always Jinja here)."""
+    ap.add_argument("-hf", "-hfr", "--hf-repo", "-mu", "--model-url", action=_Refused,
+                    reason="this tool downloads no models: give a local GGUF file with -m FILE (without -m: "
+                           "SmolLM2-135M-Instruct, installed with pip)")
+    ap.add_argument("--jinja", action="store_true", help=argparse.SUPPRESS)
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None,
@@ -50,6 +101,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--roll-interval", type=int, default=ENGINE_DEFAULTS.roll_interval,
                    help="with rolling, renumber positions once they drifted this many tokens (default: 0, only near "
                         "the trained context)")
+    g.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, metavar="N",
+                   help="the full cache's context in tokens, with --budget 0 (default: the model's trained context); "
+                        "a bounded cache needs none: it holds --budget entries and a conversation runs past any length")
     g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
     g.add_argument("-t", "--threads", type=int, help=f"CPU threads (default: the physical cores, {physical_cores()} here)")
     g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers,
@@ -175,6 +229,11 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
             ap.error(f"--policy {label} carries its budget and fields: give {', '.join(beside)} inside the label "
                      f"or a policy name instead")
     budget = (args.default_budget if args.budget is None else args.budget) or None
+    if args.n_ctx is not None and (budget is not None or label is not None):
+        bound = f"--budget {budget}" if label is None else f"the budget of {label}"
+        ap.error(f"-c/--ctx-size sizes the full cache; the cache is bounded by {bound} (KV entries kept, in "
+                 f"tokens) and a conversation runs past any length: give --budget N, or --budget 0 -c {args.n_ctx} "
+                 f"for llama.cpp's full cache of {args.n_ctx} tokens")
     template = args.chat_template
     try:
         if template and template.startswith("@"):
@@ -188,6 +247,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                                                            **{k: getattr(args, k) for k in _POLICY_OPTIONS})
         llm = Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
                     position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
+                    **({} if args.n_ctx is None else {"n_ctx": args.n_ctx}),
                     n_ubatch=args.n_ubatch, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
                     rpc_servers=args.rpc, seed=args.seed,
                     chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
@@ -202,3 +262,58 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         ap.error(str(e))
         raise  # not reached: error() exits
+
+
+# a text file (a prompt, a document for the chat) larger than this is refused: it would be fed whole, and a bounded
+# cache keeps only its budget of it anyway
+MAX_FILE_BYTES = 16 * 2**20
+
+
+def read_text_file(path: str) -> str:
+    """A regular file's text, at most MAX_FILE_BYTES: a device (/dev/zero), a pipe or a directory is refused before
+    anything is read (opened without blocking: a pipe with no writer would wait for one)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file (a device, a pipe or a directory)")
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES // 2**20} MiB")
+    return data.decode("utf-8")
+
+
+def read_prompt_file(ap: argparse.ArgumentParser, path: str) -> str:
+    """-f PATH's text, or the command's one-line error (exit 2)."""
+    try:
+        return read_text_file(path)
+    except UnicodeDecodeError as e:
+        ap.error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})")
+    except OSError as e:
+        ap.error(f"{path}: {e.strerror or e}")
+    except ValueError as e:
+        ap.error(f"{path}: {e}")
+
+
+class PromptProgress:
+    """A bar on stderr while a long prompt is read (on a terminal only; quiet when piped), cleared when the answer
+    starts: `progress(fed, total)` for `Llama.generate_events` and `ChatSession.send`."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.on = self.stream.isatty()
+        self.shown = False
+
+    def __call__(self, fed: int, total: int) -> None:
+        if not self.on:
+            return
+        width = 30
+        done = width * fed // max(total, 1)
+        self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] reading the prompt: {fed}/{total} tokens")
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False

@@ -11,37 +11,60 @@ import time
 from ..backends import where_layers_run
 from ..policies import OPTIONS
 from ..sampling import GENERATE
-from .common import add_model_args, add_penalty_args, add_sampler_args, load_llama, penalty_kwargs, sampler_kwargs
+from .common import (Parser, PromptProgress, add_llama_cpp_compat_args, add_model_args, add_penalty_args,
+                     add_sampler_args, load_llama, penalty_kwargs, read_prompt_file, sampler_kwargs)
+
+DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="h2o-local", description=__doc__ + "\nOther commands: chat, serve, inspect "
-                                 "(h2o-local COMMAND --help).", formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a message in a bottle.")
+def parser() -> Parser:
+    ap = Parser("h2o-local", __doc__ + "\nOther commands: chat, serve, inspect, rpc-server (h2o-local COMMAND --help).")
+    text = ap.add_mutually_exclusive_group()
+    text.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a short story's opening)")
+    text.add_argument("-f", "--file", metavar="PATH", help="a text file to read the prompt from")
+    ap.add_argument("-sys", "--system-prompt", "--system", dest="system", help="a system message (with --chat)")
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                     help="wrap the prompt with the model's chat template (default: on)")
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=256,
+                    help="tokens to generate at most (default: %(default)s)")
     ap.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
     add_sampler_args(ap, GENERATE)
     add_penalty_args(ap)
     add_model_args(ap, budget=64)
+    add_llama_cpp_compat_args(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    prompt = read_prompt_file(ap, args.file) if args.file else args.prompt
+    if args.system is not None and not args.chat:
+        ap.error("--system-prompt needs the chat template (drop --no-chat)")
 
     llm = load_llama(ap, args)
+    progress = PromptProgress()
     try:
         if args.chat:
-            tokens, n_keep = llm.chat_tokens([{"role": "user", "content": args.prompt}])
+            system = [] if args.system is None else [{"role": "system", "content": args.system}]
+            tokens, n_keep = llm.chat_tokens(system + [{"role": "user", "content": prompt}])
         else:
-            tokens, n_keep = llm.tokenize(args.prompt, add_bos=llm.info.add_bos), None
+            tokens, n_keep = llm.tokenize(prompt, add_bos=llm.info.add_bos), None
         events = llm.generate_events(tokens, max_tokens=args.max_tokens, temperature=args.temperature, keep=n_keep,
-                                     **penalty_kwargs(args), **sampler_kwargs(args))
+                                     progress=progress, **penalty_kwargs(args), **sampler_kwargs(args))
     except (ValueError, TypeError) as e:
         ap.error(str(e))
 
     t0 = time.perf_counter()
-    for e in events:
-        sys.stdout.write(e.text)
-        sys.stdout.flush()
+    try:
+        for e in events:
+            progress.clear()
+            sys.stdout.write(e.text)
+            sys.stdout.flush()
+    except (ValueError, RuntimeError) as e:
+        progress.clear()
+        print(f"\n{ap.prog}: error: {e}", file=sys.stderr)
+        return 1
     dt = time.perf_counter() - t0
     st = llm.kv_state()
     print(f"\n\n[h2o_local] policy={llm.policy.name} budget={llm.budget} (sinks={llm.sinks} heavy={llm.heavy} "

@@ -4,23 +4,22 @@
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
 
 from ..inspector import inspect_text, to_html, to_png
 from ..models import default_model_path
+from .common import Parser, add_llama_cpp_compat_args
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="h2o-local inspect", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> Parser:
+    ap = Parser("h2o-local inspect", __doc__)
     ap.add_argument("text", help="the prompt, or a text file to read it from")
-    ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--policies", nargs="+", default=["h2o-64", "sink-64"],
                     help="policy labels NAME-BUDGET[+sS] (default: h2o-64 sink-64)")
-    ap.add_argument("--max-tokens", type=int, default=0, help="greedy tokens generated after the text (default: 0)")
+    ap.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=0, help="greedy tokens generated after the text (default: 0)")
     ap.add_argument("--chat", action="store_true", help="wrap the text in the chat template as a user message")
     ap.add_argument("--recall", action="store_true", help="evicted entries wait in host memory (shown underlined); "
                     "needs a policy with the question probe, such as the default's label")
@@ -28,7 +27,13 @@ def main(argv=None) -> int:
                     "brings back what it asks about")
     ap.add_argument("--html", default="kept.html", help="HTML page to write (default: kept.html)")
     ap.add_argument("--png", default="kept.png", help="PNG heat map to write (default: kept.png; needs matplotlib)")
-    ap.add_argument("--threads", type=int)
+    ap.add_argument("-t", "--threads", type=int, help="CPU threads (default: the physical cores)")
+    add_llama_cpp_compat_args(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     text = args.text
     try:

@@ -7,18 +7,24 @@ using it then stops too at its next step (llama.cpp's RPC client aborts when its
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 
+from .common import Parser
+
+
+def parser() -> Parser:
+    """llama.cpp's rpc-server flags (-H, -p, -t)."""
+    ap = Parser("h2o-local rpc-server", __doc__)
+    ap.add_argument("-H", "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    ap.add_argument("-p", "--port", type=int, default=50052, help="(default: %(default)s)")
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for the layers served here")
+    return ap
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="h2o-local rpc-server", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    ap.add_argument("--port", type=int, default=50052)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for the layers served here")
+    ap = parser()
     args = ap.parse_args(argv)
     if not 0 < args.port < 65536 or not 1 <= args.threads <= 512:
         ap.error("--port must be in 1..65535 and --threads in 1..512 (ggml's most threads)")

@@ -8,25 +8,20 @@ server option can also be set as H2O_LOCAL_<OPTION> in the environment (H2O_LOCA
 """
 from __future__ import annotations
 
-import argparse
 import typing
 
 from ..embeddings import POOLING_NAMES
-from .common import add_model_args, load_llama
+from .common import Parser, add_llama_cpp_compat_args, add_model_args, load_llama
 
 
 # llama-server's spellings of the same settings
-LLAMA_SERVER_FLAGS = {"slots": ("-np", "--parallel")}
+LLAMA_SERVER_FLAGS = {"slots": ("-np", "--parallel"), "model_id": ("-a", "--alias"), "max_tokens": ("-n", "--n-predict")}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="h2o-local serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> Parser:
+    ap = Parser("h2o-local serve", __doc__)
     try:
-        import uvicorn
-        from pydantic import ValidationError
-
-        from ..server import ServerSettings, create_app, listener
+        from ..server import ServerSettings
     except ImportError as e:
         ap.error(f"the server needs its extra: pip install \"h2o_local[server]\" ({e})")
     g = ap.add_argument_group("server")
@@ -42,6 +37,19 @@ def main(argv=None) -> int:
     ap.add_argument("--pooling", choices=list(POOLING_NAMES), help="how the embedding routes pool a text's last "
                     "hidden states (llama.cpp's --pooling; default: the model's own, mean where it names none; none: "
                     "a vector per token, answered by /embeddings only)")
+    ap.add_argument("--metrics", action="store_true", help="llama-server's flag, accepted: /metrics is always served "
+                    "here (behind the API key when one is set)")
+    add_llama_cpp_compat_args(ap)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    import uvicorn
+    from pydantic import ValidationError
+
+    from ..server import ServerSettings, create_app, listener
+
     args = ap.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields and v is not None}
     try:
