@@ -383,10 +383,15 @@ int32_t half_recent(int32_t rest) {
     return rest - rest/2;
 }
 
+void check_has_budget(const PolicyConfig & cfg) {
+    check_policy(cfg.budget >= 1, "policy '" + cfg.name + "' needs a budget >= 1 (KV entries kept per sequence), " +
+                 (cfg.budget < 0 ? std::string("none given (the full cache is policy 'full', or no policy)")
+                                 : "got " + std::to_string(cfg.budget)));
+}
+
 BudgetSplit ranked_split(const PolicyConfig & cfg, int32_t (*default_recent)(int32_t rest)) {
-    const std::string & name = cfg.name;
     const int32_t budget = cfg.budget;
-    check_policy(budget >= 1, "policy '" + name + "' needs a budget >= 1 (KV entries kept per sequence), got " + std::to_string(budget));
+    check_has_budget(cfg);
     check_policy(cfg.heavy  < 0 || cfg.heavy  <= budget, "heavy=" + std::to_string(cfg.heavy) + " is larger than budget=" + std::to_string(budget));
     check_policy(cfg.recent < 0 || cfg.recent <= budget, "recent=" + std::to_string(cfg.recent) + " is larger than budget=" + std::to_string(budget));
 

@@ -26,8 +26,7 @@ private:
 };
 
 void check_budget(const PolicyConfig & cfg) {
-    check_policy(cfg.budget >= 1, "policy '" + cfg.name + "' needs a budget >= 1 (KV entries kept per sequence), got " +
-                                  std::to_string(cfg.budget));
+    check_has_budget(cfg);
     check_policy(cfg.heavy <= 0, "policy '" + cfg.name + "' keeps no heavy hitters: heavy must be 0");
     check_policy(cfg.recent < 0 || cfg.recent <= cfg.budget,
                  "recent=" + std::to_string(cfg.recent) + " is larger than budget=" + std::to_string(cfg.budget));

@@ -59,6 +59,14 @@ class KVState:
         """Entries held now."""
         return int(self.positions.shape[0])
 
+    def __repr__(self) -> str:
+        """Counts and sizes, not the arrays (they are the fields: `st.positions`, `st.scores`, ...)."""
+        host = "" if self.host_positions is None else \
+            f", host={len(self.host_positions)} entries ({self.host_bytes / 2**20:.1f} MiB), recalled={self.n_recalled}"
+        return (f"KVState(kept={self.n_cells} entries, seen={self.n_seen}, evicted={self.n_evicted}, "
+                f"peak={self.peak_cells}, keep={self.n_keep}, kv={self.kv_bytes / 2**20:.1f} MiB in {self.kv_cells} "
+                f"cells{host})")
+
     def held(self) -> Tuple[np.ndarray, np.ndarray]:
         """The token indices whose K and V the cache holds, ascending (per-head cells: in at least one layer's KV
         head), and the share of the layers' KV heads that hold each (1.0 everywhere for whole-token cells). Token

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List,
 import numpy as np
 
 from . import _engine, embeddings, generation, llama_cpp_python, rpc
+from .backends import devices, gpu_offload_supported, where_layers_run
 from . import sampling as sampling_
 from .chat_template import ChatTemplate, Message, content_pieces, markup_strings, normalize_messages
 from .text import TextAssembler, check_text
@@ -42,6 +43,8 @@ ENGINE_DEFAULTS = _engine.EngineParams()
 # Llama keywords that are EngineParams fields of the same name and meaning, with an int's minimum (None: any; a bool
 # is checked as one): checked and copied in one loop. Adding one: the C++ field and its binding, an entry here, the
 # keyword (its default read from ENGINE_DEFAULTS) and README's row (tests/unit/test_docs.py checks it).
+# the warnings said once per process (Llama._warn_surprises)
+_WARNED: set = set()
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: more crashed in its thread pool
 
 _ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
@@ -291,6 +294,29 @@ class Llama:
             self.set_recall(recall)
         if chat_format is not None:  # a name, not source: one that is no template is refused now, not at the first chat
             self.apply_chat_template([{"role": "user", "content": "x"}])
+        self._warn_surprises(n_ctx_given=n_ctx, n_gpu_layers=n_gpu_layers, rpc_servers=rpc_servers)
+
+    def _warn_surprises(self, n_ctx_given: int, n_gpu_layers: int, rpc_servers: Optional[Sequence[str]]) -> None:
+        """What a setting does that its user may not expect, said once (as llama.cpp's log says it): a cache larger
+        than the model's trained context, GPU layers asked of a build without a GPU."""
+        n_train = self.info.n_ctx_train
+        mib = self._engine.kv_bytes / 2**20
+        if self.budget is not None and self.budget > n_train > 0:
+            warnings.warn(f"budget={self.budget} is larger than the model's trained context ({n_train} tokens): a "
+                          f"conversation's kept positions span more than the model was trained on, so its output "
+                          f"degrades past {n_train} tokens; the cache allocates {mib:.0f} MiB", RuntimeWarning,
+                          stacklevel=3)
+        elif self.budget is None and n_ctx_given and n_ctx_given > n_train * self.n_seq_max > 0:
+            warnings.warn(f"n_ctx={n_ctx_given} is larger than the model's trained context ({n_train} tokens per "
+                          f"sequence): the output degrades past it; the cache allocates {mib:.0f} MiB",
+                          RuntimeWarning, stacklevel=3)
+        if n_gpu_layers > 0 and not rpc_servers and not gpu_offload_supported() and \
+                "n_gpu_layers" not in _WARNED:
+            _WARNED.add("n_gpu_layers")
+            warnings.warn(f"n_gpu_layers={n_gpu_layers}: this build has no GPU backend (devices: "
+                          f"{', '.join(d.name for d in devices())}), so every layer runs on the CPU; build "
+                          f"one with CMAKE_ARGS=\"-DGGML_CUDA=on\" (or VULKAN, METAL) pip install .",
+                          RuntimeWarning, stacklevel=3)
 
     @classmethod
     def for_kv_limit(
@@ -797,6 +823,14 @@ class Llama:
 
     def __enter__(self) -> "Llama":
         return self
+
+    def __repr__(self) -> str:
+        """The model, the policy's label, the budget in tokens, where the layers run; "closed" once closed."""
+        budget = "full cache" if self.policy.budget is None or not self.policy.bounded else f"budget={self.policy.budget}"
+        state = "closed" if isinstance(self._engine, _Closed) else \
+            f"on {where_layers_run(self.layer_devices)}, recall={'on' if self.recall else 'off'}"
+        return (f"Llama({os.path.basename(self.model_path)!r}, policy={self.policy.label}, {budget}, "
+                f"n_seq_max={self.n_seq_max}, {state})")
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

@@ -34,6 +34,14 @@ class ModelInfo:
     fim: Tuple[int, ...]   # fill-in-the-middle tokens: prefix, suffix, middle, repository, file separator (-1: none)
     chat_template: Optional[str]  # the GGUF's Jinja chat template; None when it has none
 
+    def __repr__(self) -> str:
+        """The facts one reads, not the template's body (`info.chat_template` holds it)."""
+        template = "none" if self.chat_template is None else f"{len(self.chat_template)} characters"
+        return (f"ModelInfo({os.path.basename(self.path)!r}, arch={self.arch}, params={self.n_params / 1e6:.0f}M, "
+                f"file={self.model_bytes / 2**20:.0f} MiB, n_ctx_train={self.n_ctx_train}, n_vocab={self.n_vocab}, "
+                f"layers={self.n_layer}, heads={self.n_head}/{self.n_head_kv} kv, "
+                f"kv_bytes_per_cell={self.kv_bytes_per_cell}, chat_template={template})")
+
     @classmethod
     def load(cls, model_path: Union[str, os.PathLike]) -> "ModelInfo":
         path = os.fspath(model_path)

@@ -392,7 +392,7 @@ def resolve(policy: Union[str, Policy, None] = None, budget: Optional[int] = Non
         return parse(policy)
     if policy is not None and policy not in REGISTRY:
         raise ValueError(f"unknown policy {policy!r} (expected one of: {', '.join(sorted(REGISTRY))})")
-    if policy in (None, "h2o") and asks_nothing:
+    if policy is None and asks_nothing:
         return Full()
     for key, value in given.items():
         check_field(key, value)

@@ -389,3 +389,21 @@ def test_an_empty_text_completion_reads_the_bos_token_alone_as_llama_cpp_python_
     with pytest.raises(ValueError, match="prompt token id 100000 is outside this model's"):
         llm([5, 100000], max_tokens=2)
     assert llm("x", max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_reprs_are_one_line_people_read(tiny_model):
+    from h2o_local import ModelInfo
+
+    info = ModelInfo.load(tiny_model)
+    llm = Llama(tiny_model, budget=16, n_threads=1, recall=True)
+    llm("The sea is", max_tokens=24, temperature=0)
+    shown = {"info": repr(info), "llm": repr(llm), "kv": repr(llm.kv_state())}
+    assert all("\n" not in text and len(text) < 300 for text in shown.values()), shown
+    assert f"n_ctx_train={info.n_ctx_train}" in shown["info"] and "tiny-llama.gguf" in shown["info"]
+    assert (info.chat_template or "{%") not in shown["info"]  # the template's length, not its body
+    assert f"policy={llm.policy.label}, budget=16" in shown["llm"] and ", on " in shown["llm"]
+    st = llm.kv_state()
+    assert f"kept={st.n_cells} entries" in shown["kv"] and f"evicted={st.n_evicted}" in shown["kv"] and "MiB" in shown["kv"]
+    assert "array" not in shown["kv"] and f"host={len(st.host_positions)} entries" in shown["kv"]
+    llm.close()
+    assert repr(llm).endswith("closed)")

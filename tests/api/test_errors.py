@@ -1,5 +1,7 @@
 """Bad input gets a clear Python exception and leaves the object usable; never a crash."""
 
+import warnings
+
 import pytest
 
 from h2o_local import Llama, policies
@@ -254,3 +256,38 @@ def test_a_recurrent_model_refuses_a_budget_and_reads_with_the_full_cache(tmp_pa
         llm.set_policy("local", 64)
     assert llm.kv_state().n_seen == 200 and llm.kv_state().n_evicted == 0
     assert len(llm.generate([], max_tokens=4, temperature=0, reset=False, ignore_eos=True)) > 0
+
+
+def test_a_bounded_policy_named_without_a_budget_is_refused_not_made_the_full_cache(tiny_model):
+    for name in ("h2o", "tova", "sink"):
+        with pytest.raises(ValueError, match=f"policy '{name}' needs a budget >= 1 .*none given"):
+            Llama(tiny_model, policy=name, n_threads=1)
+    assert Llama(tiny_model, n_threads=1).budget is None  # no policy at all: the full cache, as llama-cpp-python
+
+
+def test_a_cache_larger_than_the_trained_context_warns_with_what_it_allocates(tiny_model_128):
+    with pytest.warns(RuntimeWarning, match=r"budget=200 is larger than the model's trained context \(128 tokens\)"
+                                             r".* allocates \d+ MiB"):
+        Llama(tiny_model_128, budget=200, n_threads=1)
+    with pytest.warns(RuntimeWarning, match=r"n_ctx=512 is larger than the model's trained context"):
+        Llama(tiny_model_128, n_ctx=512, n_threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Llama(tiny_model_128, budget=100, n_threads=1)  # within it: nothing to say
+        Llama(tiny_model_128, n_ctx=128, n_threads=1)
+
+
+def test_gpu_layers_asked_of_a_build_without_a_gpu_warn_once(tiny_model, monkeypatch):
+    from h2o_local import gpu_offload_supported
+
+    monkeypatch.setattr("h2o_local.llama._WARNED", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Llama(tiny_model, n_gpu_layers=-1, n_threads=1)  # the default, "all": nothing to say on any build
+        Llama(tiny_model, n_gpu_layers=8, n_threads=1)
+        Llama(tiny_model, n_gpu_layers=8, n_threads=1)
+    said = [str(w.message) for w in seen if "no GPU backend" in str(w.message)]
+    if gpu_offload_supported():
+        assert said == []
+    else:
+        assert len(said) == 1 and "n_gpu_layers=8: this build has no GPU backend" in said[0]

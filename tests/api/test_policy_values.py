@@ -28,7 +28,10 @@ def test_values_show_their_resolved_split(value, split, bounded, needs_scores):
 def test_long_form_equals_short_form(tiny_model):
     assert H2O(heavy=64, recent=64) == H2O(budget=128) == policies.resolve("h2o", 128)
     assert policies.resolve("sink", 64) == Sink(64)
-    assert policies.resolve("h2o") == Full()  # Llama(path) keeps everything
+    assert policies.resolve(None) == Full()  # Llama(path) keeps everything
+    for name in ("h2o", "tova", "sink"):  # a bounded policy without a budget would bound nothing: said, not done
+        with pytest.raises(ValueError, match=f"policy '{name}' needs a budget"):
+            policies.resolve(name)
     short = Llama(tiny_model, policy="sink", budget=12, n_batch=16)
     long = Llama(tiny_model, policy=Sink(budget=12), n_batch=16)
     assert short.policy == long.policy and (short.sinks, short.heavy, short.recent) == (4, 0, 8)

@@ -48,10 +48,12 @@ def test_a_conversation_keeps_its_cache_and_shows_a_status_line(chat_model, tmp_
     child.sendline("/stats")
     child.expect(r"n_keep: (\d+)")
     assert int(child.match.group(1)) > 0  # the system prompt is protected (--keep system)
+    child.expect(r"kv: [\d.]+ MiB")  # sizes people read, not raw bytes
     child.expect_exact(PROMPT)
     saved = tmp_path / "chat.session"
     child.sendline(f"/save {saved}")
-    child.expect(r"\(saved \d+ bytes")
+    child.expect(r"\(saved 5 messages, 48 KV entries, (\d+) entries waiting in host memory for recall to .*: "
+                 r"[\d.]+ MiB\)")
     child.expect_exact(PROMPT)
     child.sendline("/reset")
     child.expect_exact("(conversation forgotten)")

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import List, Optional
 
 COMMANDS = ("generate", "chat", "serve", "inspect", "rpc-server")
@@ -27,8 +28,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .rpc_server import main as run
     else:
         from .generate import main as run
+    warnings.showwarning = _one_line_warning
     try:
         return run(argv)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library warning as llama.cpp's tools print theirs: one line, no source location."""
+    print(f"h2o-local: warning: {message}", file=sys.stderr if file is None else file)

@@ -205,12 +205,17 @@ def _command(session: ChatSession, text: str) -> str:
             print("(conversation forgotten)", file=sys.stderr)
         elif name == "/stats":
             for key, value in session.stats().items():
-                print(f"  {key}: {value}", file=sys.stderr)
+                shown = f"{value / 2**20:.1f} MiB" if key.endswith("_bytes") else value
+                print(f"  {key.removesuffix('_bytes')}: {shown}", file=sys.stderr)
         elif name in ("/save", "/load"):
             if not arg:
                 print(f"usage: {name} FILE", file=sys.stderr)
             elif name == "/save":
-                print(f"(saved {session.save(arg)} bytes to {arg})", file=sys.stderr)
+                n = session.save(arg)
+                s = session.stats()
+                held = f", {s['host_entries']} entries waiting in host memory for recall" if "host_entries" in s else ""
+                print(f"(saved {len(session.messages)} messages, {s['kv_entries']} KV entries{held} to {arg}: "
+                      f"{n / 2**20:.1f} MiB)", file=sys.stderr)
             else:
                 session.load(arg)
                 print(f"(loaded {arg}: {len(session.messages)} messages, {session.stats()['kv_entries']} KV entries)",
