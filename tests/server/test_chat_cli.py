@@ -1,5 +1,6 @@
 """`h2o-local chat`, driven through a real terminal (pexpect): streaming, status line, commands, Ctrl-C, Ctrl-D."""
 import sys
+import time
 
 import pytest
 
@@ -183,3 +184,34 @@ def test_save_over_a_symlink_replaces_the_link_and_leaves_its_target(chat_model,
     session.save(link)
     assert target.read_text() == "keep me" and not link.is_symlink()
     ChatSession(Llama(chat_model, budget=48, n_threads=1)).load(link)
+
+
+def test_text_typed_while_an_answer_streams_is_not_echoed_into_it(chat_model):
+    child = spawn(chat_model, "--max-tokens", "400", "--ignore-eos")
+    child.sendline("talk for a while")
+    child.expect(r"\S{20}")      # the answer is streaming
+    child.send("typed-ahead")    # a terminal echoes this by default
+    child.expect(r"\[kv \d+/48 .*\]")
+    assert "typed-ahead" not in child.before
+    child.expect_exact(PROMPT)
+    child.sendintr()             # leave: Ctrl-C twice at the prompt
+    child.expect_exact("Ctrl-C again")
+    child.sendintr()
+    assert finish(child) == 0
+
+
+def test_ctrl_c_while_a_long_prompt_is_read_stops_within_a_chunk(chat_model, tmp_path):
+    doc = tmp_path / "long.txt"
+    doc.write_text("The lighthouse keeper counts the ships. " * 2500, encoding="utf-8")  # ~100k byte tokens
+    child = spawn(chat_model, "--file", str(doc), "--max-tokens", "8", "-b", "16")
+    child.sendline("What does the keeper count?")
+    child.expect(r"reading the prompt: \d+/\d+ tokens")
+    t0 = time.monotonic()
+    child.sendintr()
+    child.expect(r"\[kv .* · stopped\]")
+    assert time.monotonic() - t0 < 2.0
+    child.expect_exact(PROMPT)
+    child.sendline("/stats")     # the session is still usable
+    child.expect(r"kv_entries: \d+")
+    child.sendeof()
+    assert finish(child) == 0

@@ -134,12 +134,11 @@ def test_a_server_with_pooling_none_answers_llama_server_s_route_with_a_row_per_
 
 
 def test_serve_s_pooling_option_reaches_the_embedding_routes(chat_model, monkeypatch):
-    import uvicorn
-
     from h2o_local.cli import main
+    from h2o_local.server import listener
 
     served = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    monkeypatch.setattr(listener, "serve", lambda app, **kw: served.append(app))
     assert main(["serve", "--model", chat_model, "--pooling", "last", "--threads", "1", "--slots", "1"]) == 0
     state = served[0].state.server
     assert state.llm.pooling_type() == 3

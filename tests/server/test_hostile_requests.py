@@ -140,7 +140,9 @@ def test_the_chat_cli_saves_and_loads_a_long_conversation(wide_chat_model, tmp_p
     child.expect_exact(prompt)
     saved = tmp_path / "cli.session"
     child.sendline(f"/save {saved}")
-    child.expect(r"\(saved \d+ bytes")
+    child.expect(r"\(saved \d+ messages, 32 KV entries, (\d+) entries waiting in host memory for recall to .*: "
+                 r"([\d.]+) MiB\)")
+    assert int(child.match.group(1)) == host and float(child.match.group(2)) > 3  # the recall store is in the file
     child.expect_exact(prompt)
     child.sendline("/reset")
     child.expect_exact(prompt)

@@ -107,3 +107,83 @@ def test_a_final_assistant_message_is_continued_when_asked(server, chat_model):
     answer = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0).messages.create(
         model="tiny", messages=messages, max_tokens=1)
     assert answer.usage.input_tokens == len(prefill)
+
+
+def stream(port, path, body):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    lines = c.getresponse().read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_completion_answers_with_llama_servers_fields_whole_and_streamed(server, chat_model):
+    """Issue 74's seventh: tokens (with return_tokens, and in every stream chunk), has_new_line,
+    generation_settings, prompt, id_slot, index, and the timings' cache_n and per-token figures."""
+    port, _ = server
+    llm = Llama(chat_model, budget=48)
+    ask = {"prompt": "Once upon", "n_predict": 6, "temperature": 0, "ignore_eos": True}
+    status, out = post(port, "/completion", ask)
+    assert status == 200 and out["tokens"] == [] and out["index"] == 0 and out["id_slot"] == 0
+    assert out["prompt"] == llm.detokenize(llm.tokenize("Once upon"), special=True).decode()
+    assert out["has_new_line"] == ("\n" in out["content"])
+    settings = out["generation_settings"]
+    assert (settings["n_predict"], settings["temperature"], settings["ignore_eos"], settings["stream"]) == (6, 0, True, False)
+    timings = out["timings"]
+    assert timings["cache_n"] == out["tokens_cached"] and timings["predicted_n"] == 6
+    assert timings["predicted_per_token_ms"] * 6 == pytest.approx(timings["predicted_ms"])
+    assert timings["prompt_per_second"] > 0 and timings["prompt_per_token_ms"] > 0
+    status, with_ids = post(port, "/completion", {**ask, "return_tokens": True})
+    assert len(with_ids["tokens"]) == 6
+    assert llm.detokenize(with_ids["tokens"]).decode("utf-8", errors="replace") == out["content"]
+    events = stream(port, "/completion", ask)
+    pieces = [e for e in events if not e["stop"]]
+    assert [t for e in pieces for t in e["tokens"]] == with_ids["tokens"]
+    assert all(e["index"] == 0 and e["id_slot"] == 0 and e["tokens_evaluated"] == out["tokens_evaluated"] for e in pieces)
+    assert events[-1]["stop"] and events[-1]["generation_settings"]["stream"] is True
+
+
+def test_n_probs_gives_each_tokens_most_likely_alternatives_as_llama_server_does(server, chat_model):
+    port, client = server
+    ask = {"prompt": "Once upon", "n_predict": 4, "temperature": 0, "ignore_eos": True, "n_probs": 3}
+    status, out = post(port, "/completion", ask)
+    assert status == 200
+    probs = out["completion_probabilities"]
+    assert len(probs) == 4 and "".join(p["token"] for p in probs) == out["content"]
+    for p in probs:
+        top = p["top_logprobs"]
+        assert len(top) == 3 and top[0]["id"] == p["id"] and top[0]["logprob"] == p["logprob"]  # greedy: the likeliest
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert bytes(p["bytes"]).decode("utf-8", errors="replace") == p["token"]
+    same = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    assert [p["logprob"] for p in probs] == pytest.approx(same.choices[0].logprobs.token_logprobs, abs=1e-5)
+    streamed = [p for e in stream(port, "/completion", ask) for p in e.get("completion_probabilities", [])]
+    assert [p["id"] for p in streamed] == [p["id"] for p in probs]
+    status, err = post(port, "/completion", {**ask, "post_sampling_probs": True})
+    assert status == 400 and err["error"]["param"] == "post_sampling_probs"
+
+
+def test_the_servers_seed_is_the_seed_of_requests_that_send_none(chat_model):
+    ask = {"prompt": "Once upon", "n_predict": 8, "temperature": 1.0, "ignore_eos": True}
+    with serving(chat_model, slots=1, budget=48, app_kwargs={"seed": 5}) as (port, _):
+        seeded = [post(port, "/completion", ask)[1]["content"] for _ in range(2)]
+        given = post(port, "/completion", {**ask, "seed": 5})[1]
+    assert seeded[0] == seeded[1] == given["content"] and given["generation_settings"]["seed"] == 5
+
+
+def test_metrics_carry_llama_servers_names(server):
+    port, _ = server
+    status, out = post(port, "/completion", {"prompt": "Once upon", "n_predict": 3, "ignore_eos": True})
+    assert status == 200
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("llamacpp:")}
+    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+                 "tokens_predicted_seconds_total", "n_decode_total", "n_busy_slots_per_decode",
+                 "prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing", "requests_deferred"):
+        assert f"llamacpp:{name}" in values, name
+    assert values["llamacpp:tokens_predicted_total"] >= 3 and values["llamacpp:prompt_tokens_total"] > 0
+    assert values["llamacpp:n_decode_total"] >= 2 and values["llamacpp:requests_processing"] == 0
+    assert 0 < values["llamacpp:n_busy_slots_per_decode"] <= 1  # one slot here

@@ -189,7 +189,7 @@ def test_llama_server_s_completion_answers_as_the_openai_route_does_whole_or_str
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
     assert "".join(e["content"] for e in events) == out["content"] and events[-1]["tokens_predicted"] == 8
-    for body, param in (({"prompt": "x", "n_predict": "many"}, "n_predict"), ({"prompt": "x", "n_probs": 3}, "n_probs"),
+    for body, param in (({"prompt": "x", "n_predict": "many"}, "n_predict"), ({"prompt": "x", "n_probs": 21}, "n_probs"),
                         ({"prompt": [10**6]}, "prompt"), ({"n_predict": 2}, "prompt")):
         status, err = post(port, "/completion", body)
         assert status == 400 and err["error"]["param"] == param, (body, err)

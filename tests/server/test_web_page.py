@@ -198,3 +198,24 @@ def test_a_thinking_models_reasoning_is_shown_above_its_answer(tmp_path, browser
         thinking = answer.find_elements(By.CSS_SELECTOR, ".thinking")
         assert thinking and thinking[0].text.strip() and thinking[0].value_of_css_property("font-style") == "italic"
         browser.save_screenshot(str(tmp_path / "thinking.png"))
+
+
+@needs_browser
+def test_the_answer_s_length_and_temperature_are_set_on_the_page(browser, server):
+    from selenium.webdriver.common.by import By
+
+    port, _ = server
+    browser.get(f"http://127.0.0.1:{port}/")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
+    length = browser.find_element(By.ID, "max-tokens")
+    assert length.get_attribute("value") == "512"  # a chat-sized default, not the trained context
+    length.clear()
+    length.send_keys("3")
+    browser.find_element(By.ID, "temperature").send_keys("0")
+    answers = []
+    for _ in range(2):  # greedy: the same question in a new conversation gives the same answer
+        answer = ask(browser, "Say something long.")
+        assert answer.get_attribute("data-finish") == "length"
+        answers.append(answer.text.split("\n")[0])
+        browser.find_element(By.ID, "new").click()
+    assert answers[0] == answers[1]

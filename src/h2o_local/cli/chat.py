@@ -7,6 +7,7 @@ Ctrl-C at the prompt twice, Ctrl-D or /quit leaves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import List
@@ -132,7 +133,35 @@ class Chat:
     def answer(self, line: str) -> None:
         content = "\n\n".join(self.attached + [line])
         self.attached = []
-        _answer(self.session, content, _AnswerWriter(sys.stdout, self.hide_thinking))
+        with _typing_unechoed():
+            _answer(self.session, content, _AnswerWriter(sys.stdout, self.hide_thinking))
+
+
+@contextlib.contextmanager
+def _typing_unechoed():
+    """While an answer streams, what the user types is not echoed into it (the terminal's echo is off); it stays
+    typed ahead for the next prompt, as in a shell."""
+    before = None
+    try:
+        import termios
+    except ImportError:  # not a POSIX terminal (Windows)
+        termios = None
+    if termios is not None:
+        try:
+            fd = sys.stdin.fileno()
+            before = termios.tcgetattr(fd) if os.isatty(fd) else None
+        except (OSError, ValueError, termios.error):  # stdin closed or replaced
+            before = None
+    if before is None:
+        yield
+        return
+    quiet = list(before)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, before)
 
 
 class _AnswerWriter:

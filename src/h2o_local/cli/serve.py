@@ -8,19 +8,27 @@ server option can also be set as H2O_LOCAL_<OPTION> in the environment (H2O_LOCA
 """
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import typing
+
+from ..backends import where_layers_run
 
 from ..embeddings import POOLING_NAMES
 from .common import Parser, add_llama_cpp_compat_args, add_model_args, load_llama
 
 
 # llama-server's spellings of the same settings
-LLAMA_SERVER_FLAGS = {"slots": ("-np", "--parallel"), "model_id": ("-a", "--alias"), "max_tokens": ("-n", "--n-predict")}
+LLAMA_SERVER_FLAGS = {"slots": ("-np", "--parallel"), "model_id": ("-a", "--alias"), "max_tokens": ("-n", "--n-predict"),
+                      "seed": ("-s",)}
 
 
 def parser() -> Parser:
     ap = Parser("h2o-local serve", __doc__)
     try:
+        import uvicorn  # noqa: F401
+
         from ..server import ServerSettings
     except ImportError as e:
         ap.error(f"the server needs its extra: pip install \"h2o_local[server]\" ({e})")
@@ -30,7 +38,7 @@ def parser() -> Parser:
         shown = "" if "default" in field.description else f" (default: {field.default})"
         flags = ["--" + name.replace("_", "-"), *LLAMA_SERVER_FLAGS.get(name, ())]
         g.add_argument(*flags, dest=name, type=kind, default=None, help=field.description + shown)
-    add_model_args(ap, budget=512, keep_default="system", recall_default=True)
+    add_model_args(ap, budget=512, keep_default="system", recall_default=True, seed_flag=False)  # --seed: settings
     ap.add_argument("--export-scores", action="store_true", help="export attention scores even when the policy does "
                     "not rank by them: conversations may then choose a scoring policy (kv_cache.policy), and the web "
                     "page shades what a policy that keeps no scores kept (a few percent of speed)")
@@ -45,7 +53,6 @@ def parser() -> Parser:
 
 def main(argv=None) -> int:
     ap = parser()
-    import uvicorn
     from pydantic import ValidationError
 
     from ..server import ServerSettings, create_app, listener
@@ -60,5 +67,29 @@ def main(argv=None) -> int:
     llm = load_llama(ap, args, n_seq_max=settings.slots, kv_unified=False, export_scores=args.export_scores,
                      pooling_type=POOLING_NAMES.get(args.pooling, -1))
     app = create_app(llm, settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", **listener.options(app))
+    _log_requests()
+    print(banner(llm, settings), file=sys.stderr, flush=True)
+    listener.serve(app, host=settings.host, port=settings.port, log_level="info")
     return 0
+
+
+def banner(llm, settings) -> str:
+    """What is served, where, and with what cache: the first lines a server prints (as llama-server's)."""
+    budget = "the full cache" if llm.budget is None else f"budget {llm.budget} tokens per conversation"
+    recall = ", recall on" if llm.recall else ""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    where = f"http://{host}:{settings.port}/" if settings.port else f"http://{host}:<a free port, named below>/"
+    return (f"h2o-local serve: {os.path.basename(llm.model_path)} on {where_layers_run(llm.layer_devices)}, "
+            f"policy {llm.policy.label}, {budget}{recall}, {settings.slots} slots, "
+            f"KV {llm.kv_state().kv_bytes / 2**20:.1f} MiB\n"
+            f"h2o-local serve: the chat page at {where}, APIs under {where}v1 (OpenAI, Anthropic), {where}api "
+            f"(Ollama), {where}completion (llama-server)")
+
+
+def _log_requests() -> None:
+    """The server's own lines (one per finished request, warnings) beside uvicorn's, in its format."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("h2o_local")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)

@@ -16,8 +16,6 @@ def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_
     and stops the server on exit (RuntimeError if it has not stopped after stop_s: a request handler hangs). The
     socket is bound here and handed to uvicorn, so that no other process can take a free port between its choice
     and its use (a race that several servers started at once on one machine lost)."""
-    import uvicorn
-
     from . import listener
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -26,7 +24,7 @@ def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **listener.options(app)))
+        server = listener.server(app, host=host, port=port, log_level="warning")
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="h2o-local-uvicorn", daemon=True)
         thread.start()
         deadline = time.monotonic() + startup_s
@@ -37,7 +35,7 @@ def serve_in_background(app, *, host: str = "127.0.0.1", port: int = 0, startup_
         try:
             yield port
         finally:
-            server.should_exit = True
+            server.stop_soon()
             thread.join(timeout=stop_s)
             if thread.is_alive():  # uvicorn waits for every request handler: one is stuck
                 server.force_exit = True

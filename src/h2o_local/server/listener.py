@@ -76,7 +76,34 @@ def options(app: Any) -> Dict[str, Any]:
     its settings' connection limits."""
     settings: ServerSettings = app.state.server.settings
     raise_open_files_limit()
-    return {"limit_concurrency": None, "http": protocol_class(settings.head_timeout_s, settings.max_connections)}
+    # after Ctrl-C or SIGTERM the requests end at their next step (server()); a handler still running after 2 s is
+    # cancelled
+    return {"limit_concurrency": None, "http": protocol_class(settings.head_timeout_s, settings.max_connections),
+            "timeout_graceful_shutdown": 2}
+
+
+def server(app: Any, **config: Any) -> Any:
+    """A uvicorn server for `app` (made by create_app) with `options(app)`, that on Ctrl-C or SIGTERM first tells
+    the scheduler to end every request at its next step or prompt chunk (HTTP 503), so that it stops within about
+    a chunk's time whatever it is reading (uvicorn alone waits for every request to finish)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.server.scheduler.stop_soon()
+            super().handle_exit(sig, frame)
+
+        def stop_soon(self) -> None:
+            """handle_exit's effect from another thread (serve_in_background's exit)."""
+            app.state.server.scheduler.stop_soon()
+            self.should_exit = True
+
+    return Server(uvicorn.Config(app, **options(app), **config))
+
+
+def serve(app: Any, **config: Any) -> None:
+    """Serve `app` until Ctrl-C or SIGTERM (`h2o-local serve`)."""
+    server(app, **config).run()
 
 
 def raise_open_files_limit() -> None:

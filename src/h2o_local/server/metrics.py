@@ -2,15 +2,16 @@
 slots and the waiting line, KV entries kept and evicted per request, time to first token, the session cache."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class ServerMetrics:
     """Counters the scheduler updates as requests end, and gauges read from `stats()` at each scrape."""
 
-    def __init__(self, stats: Callable[[], Dict[str, Any]], flash_attn: bool = False):
+    def __init__(self, stats: Callable[[], Dict[str, Any]], flash_attn: bool = False, totals: Any = None):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("h2o_local_requests", "Requests by outcome (ok, cancelled, error, rejected: 429)",
@@ -31,3 +32,34 @@ class ServerMetrics:
             Gauge(f"h2o_local_{key}", text, registry=r).set_function(lambda key=key: stats()[key])
         Gauge("h2o_local_flash_attn", "1 where the context runs llama.cpp's flash attention", registry=r).set(
             int(flash_attn))
+        if totals is not None:
+            r.register(LlamaServerNames(stats, totals))
+
+
+class LlamaServerNames:
+    """llama-server's own /metrics names (`llamacpp:*`, as its --metrics gives them), beside ours: dashboards and
+    autoscalers built for llama-server read them unchanged. Its KV-cache gauges are left out: a bounded cache's
+    usage is `h2o_local_kv_kept_entries`."""
+
+    def __init__(self, stats: Callable[[], Dict[str, Any]], totals: Any):
+        self.stats, self.totals = stats, totals
+
+    def collect(self) -> Iterator[Any]:
+        t, s = self.totals, self.stats()
+        counters = (("prompt_tokens", "Number of prompt tokens processed.", t.prompt_tokens),
+                    ("prompt_seconds", "Prompt process time", t.prompt_seconds),
+                    ("tokens_predicted", "Number of generation tokens processed.", t.predicted_tokens),
+                    ("tokens_predicted_seconds", "Predict process time", t.predicted_seconds),
+                    ("n_decode", "Total number of llama_decode() calls", t.n_decode))
+        for name, text, value in counters:
+            yield CounterMetricFamily(f"llamacpp:{name}", text, value=value)
+        gauges = (("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+                   t.busy_slots / max(t.n_decode, 1)),
+                  ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                   t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
+                  ("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                   t.predicted_tokens / t.predicted_seconds if t.predicted_seconds else 0.0),
+                  ("requests_processing", "Number of requests processing.", s["slots_processing"]),
+                  ("requests_deferred", "Number of requests deferred.", s["requests_waiting"]))
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(f"llamacpp:{name}", text, value=value)

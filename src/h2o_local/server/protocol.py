@@ -19,7 +19,9 @@ UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "best_o
                # llama-server's samplers this server does not have (its tfs_z is ignored, as llama-server ignores it:
                # llama.cpp removed tail-free sampling)
                "xtc_probability": (None, 0, 0.0), "dry_multiplier": (None, 0, 0.0),
-               "top_n_sigma": (None, -1, -1.0, 0, 0.0), "n_probs": (None, 0)}
+               "top_n_sigma": (None, -1, -1.0, 0, 0.0), "n_probs": (None, 0),
+               # llama-server's probabilities after its sampling chain (n_probs gives the model's own)
+               "post_sampling_probs": (None, False)}
 
 
 # stop strings are searched in the text after every token: bounded, as OpenAI bounds them (it takes 4; clients that
@@ -186,22 +188,29 @@ class InfillChunk(BaseModel):
     text: str = ""
 
 
-class LlamaServerCompletionRequest(_Request):
-    """llama-server's own /completion: a prompt (text, special tokens parsed, or token ids) and n_predict (-1:
-    until the end, within the server's max_tokens); the sampling fields as the OpenAI routes take them."""
-    prompt: Union[str, List[StrictInt]]
+class _LlamaServerAnswer(_Request):
+    """What llama-server's /completion and /infill take beyond the sampling fields: n_predict (-1: until the end,
+    within the server's max_tokens), each generated token's id in `tokens` (return_tokens), the n most likely
+    tokens' log-probabilities (n_probs, as `completion_probabilities`) and id_slot (accepted: a conversation's saved
+    cache is found by its tokens here, in whatever slot)."""
     n_predict: Optional[StrictInt] = None
+    return_tokens: StrictBool = False
+    n_probs: StrictInt = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    id_slot: StrictInt = -1
 
 
-class InfillRequest(_Request):
+class LlamaServerCompletionRequest(_LlamaServerAnswer):
+    """llama-server's own /completion: a prompt (text, special tokens parsed, or token ids)."""
+    prompt: Union[str, List[StrictInt]]
+
+
+class InfillRequest(_LlamaServerAnswer):
     """llama-server's /infill (code editors' completion: llama.vscode, llama.vim): the code before the cursor and
-    after it, `input_extra` files of the project as context, `prompt` (text after the prefix), n_predict as
-    /completion's."""
+    after it, `input_extra` files of the project as context, `prompt` (text after the prefix)."""
     input_prefix: str = ""
     input_suffix: str = ""
     input_extra: List[InfillChunk] = Field(default_factory=list, max_length=256)
     prompt: str = ""
-    n_predict: Optional[StrictInt] = None
 
 
 class TokenizeRequest(BaseModel):

@@ -121,6 +121,8 @@ async def sampling(state: ServerState, defaults: SamplingParams, body: _Request,
                                                               "mirostat_mode", "mirostat_tau", "mirostat_eta", "seed",
                                                               "presence_penalty", "frequency_penalty", "repeat_penalty")
                                if getattr(body, k) is not None}
+    if body.seed is None and state.settings.seed is not None:  # the server's --seed
+        changes["seed"] = state.settings.seed
     if body.mirostat is not None:
         if body.mirostat_mode is not None and body.mirostat_mode != body.mirostat:
             raise APIError(400, "mirostat and mirostat_mode differ: give one", param="mirostat_mode")

@@ -29,7 +29,7 @@ from . import requests
 from .protocol import (ROLES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        ExtrasTokenizeRequest, InfillRequest, LlamaServerCompletionRequest, TokenizeRequest,
                        _Request)
-from .scheduler import Busy, Cancelled, Job, Mailbox, Step
+from .scheduler import Busy, Cancelled, Job, Mailbox, ShuttingDown, Step
 from .state import ServerState
 
 View = Optional[Dict[str, Any]]
@@ -203,7 +203,8 @@ async def _samples(state: ServerState, body: Any, request: Request, asks: List[A
         raise APIError(400, f"{len(asks)} prompts x n={body.n} make {len(asks) * body.n} answers; this server takes "
                             f"at most {most} at once (its slots and waiting line)", param="n" if len(asks) == 1
                        else "prompt")
-    seeded = [a if a.seed is None or k == 0 else a.model_copy(update={"seed": a.seed + k})
+    seed = body.seed if body.seed is not None else state.settings.seed  # the request's, or the server's --seed
+    seeded = [a if seed is None or k == 0 else a.model_copy(update={"seed": seed + k})
               for a in asks for k in range(body.n)]
     outs = await asyncio.gather(*(answer(a) for a in seeded), return_exceptions=True)
     for out in outs:
@@ -266,40 +267,86 @@ async def _llama_server_answer(state: ServerState, body: Union[LlamaServerComple
     """A /completion or /infill prompt run (n_predict: -1 until the end) and answered in llama-server's shape."""
     limit = body.max_tokens if body.n_predict is None else None if body.n_predict < 0 else body.n_predict
     try:
-        job = await prompt_job(state, body, request, prompt, defaults=LLAMA_SERVER, max_tokens=limit)
+        job = await prompt_job(state, body, request, prompt, defaults=LLAMA_SERVER, max_tokens=limit,
+                               logprobs=body.n_probs or None)
     except APIError as e:
         if e.code == "context_length_exceeded":  # llama-server's type, which its clients branch on
             e.kind = "exceed_context_size_error"
         raise
     read = time.perf_counter()
     if body.stream:
-        return event_stream(state, _llama_server_stream(state, job, started, read))
-    pieces, finish, _ = await collect_answer(state, job, request)
-    return _llama_server_result(state, job, "".join(pieces), finish, started, read)
+        return event_stream(state, _llama_server_stream(state, job, body, started, read))
+    tokens: List[int] = []
+    pieces, finish, entries = await collect_answer(state, job, request, tokens)
+    out = _llama_server_result(state, job, body, "".join(pieces), finish, started, read)
+    out["tokens"] = tokens if body.return_tokens else []
+    if body.n_probs:
+        out["completion_probabilities"] = [_token_probabilities(state, e) for e in entries]
+    return out
 
 
-def _llama_server_result(state: ServerState, job: Job, content: str, finish: Optional[str], started: float,
-                         read: float) -> Dict[str, Any]:
+def _llama_server_result(state: ServerState, job: Job, body: Any, content: str, finish: Optional[str],
+                         started: float, read: float) -> Dict[str, Any]:
+    """llama-server's final /completion object (its to_json_non_oaicompat_final): the text, why it stopped, the
+    counts, the settings it ran with and its timings (ms)."""
     end = time.perf_counter()
     n_prompt, n_gen = len(job.prompt_tokens), job.n_generated
+    n_read = n_prompt - job.reused_tokens
+    prompt_ms, predicted_ms = (read - started) * 1e3, (end - read) * 1e3
     stop_type = "word" if job.stopping_word else {"stop": "eos", "length": "limit"}.get(finish or "", "none")
-    return {"content": content, "stop": True, "model": state.model_id, "tokens_predicted": n_gen,
-            "tokens_evaluated": n_prompt, "tokens_cached": job.reused_tokens, "truncated": False,
+    return {"index": 0, "content": content, "tokens": [], "id_slot": job.slot, "stop": True, "model": state.model_id,
+            "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "tokens_cached": job.reused_tokens,
+            "generation_settings": _generation_settings(job, body),
+            "prompt": state.llm.detokenize(job.prompt_tokens, special=True).decode("utf-8", errors="replace"),
+            "has_new_line": "\n" in content, "truncated": False,
             "stop_type": stop_type, "stopping_word": job.stopping_word, "stopped_eos": stop_type == "eos",
             "stopped_word": stop_type == "word", "stopped_limit": stop_type == "limit",
-            "timings": {"prompt_n": n_prompt - job.reused_tokens, "prompt_ms": (read - started) * 1e3,
-                        "predicted_n": n_gen, "predicted_ms": (end - read) * 1e3,
-                        "predicted_per_second": n_gen / max(end - read, 1e-9)}}
+            "timings": {"cache_n": job.reused_tokens, "prompt_n": n_read, "prompt_ms": prompt_ms,
+                        "prompt_per_token_ms": prompt_ms / max(n_read, 1),
+                        "prompt_per_second": n_read / max(prompt_ms / 1e3, 1e-9),
+                        "predicted_n": n_gen, "predicted_ms": predicted_ms,
+                        "predicted_per_token_ms": predicted_ms / max(n_gen, 1),
+                        "predicted_per_second": n_gen / max(predicted_ms / 1e3, 1e-9)}}
 
 
-async def _llama_server_stream(state: ServerState, job: Job, started: float, read: float):
+def _generation_settings(job: Job, body: Any) -> Dict[str, Any]:
+    """The sampling a request ran with, in llama-server's names (its generation_settings)."""
+    p = job.params
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, "seed": p.seed, "temperature": p.temperature,
+            "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "typical_p": p.typical_p,
+            "repeat_last_n": p.penalty_last_n, "repeat_penalty": p.repeat_penalty,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "mirostat": p.mirostat_mode, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
+            "stop": stop, "n_keep": job.n_keep, "ignore_eos": p.ignore_eos, "stream": bool(body.stream),
+            "n_probs": body.n_probs, "grammar": p.grammar or "", "kv_cache": {"policy": (job.policy.label if job.policy
+                                                                                   else None)}}
+
+
+def _token_probabilities(state: ServerState, entry: TokenLogprob) -> Dict[str, Any]:
+    """One generated token's n_probs entry as llama-server writes it: the token and its log-probability under the
+    model (before the sampling settings), with the n most likely tokens'."""
+    def one(token: int, logprob: float) -> Dict[str, Any]:
+        piece = state.llm.token_to_piece(token, special=True)
+        return {"id": token, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece),
+                "logprob": logprob}
+
+    return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+
+
+async def _llama_server_stream(state: ServerState, job: Job, body: Any, started: float, read: float):
     try:
         async for step in job_steps(state, job):
             e = step.event
-            if e.text:
-                yield json.dumps({"content": e.text, "stop": False})
+            if e.text or step.tokens:
+                chunk = {"index": 0, "content": e.text, "tokens": list(step.tokens), "stop": False,
+                         "id_slot": job.slot, "tokens_predicted": job.n_generated,
+                         "tokens_evaluated": len(job.prompt_tokens)}
+                if body.n_probs:
+                    chunk["completion_probabilities"] = [_token_probabilities(state, x) for x in step.logprobs]
+                yield json.dumps(chunk)
             if e.token is None:
-                yield json.dumps(_llama_server_result(state, job, "", e.finish_reason, started, read))
+                yield json.dumps(_llama_server_result(state, job, body, "", e.finish_reason, started, read))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
         yield json.dumps(as_api_error(e).body())
 
@@ -414,7 +461,7 @@ async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Req
 
 async def prompt_job(state: ServerState, body: _Request, request: Request, prompt: Union[str, List[int]], *,
                      prefix: Sequence[int] = (), defaults: SamplingParams = CHAT_SURFACE,
-                     max_tokens: Optional[int] = None) -> Job:
+                     max_tokens: Optional[int] = None, logprobs: Optional[int] = None) -> Job:
     """A prompt read as it is (text, special tokens parsed, or token ids), after the token ids `prefix`, sampled
     from `defaults` and `body`'s fields (Ollama's raw generate, llama-server's /completion)."""
     body.refuse_unsupported()
@@ -434,7 +481,7 @@ async def prompt_job(state: ServerState, body: _Request, request: Request, promp
     params, sampler = await requests.sampling(state, defaults, body, max_tokens, tokens)
     return await _submit(state, Job(tokens, params, sampler=sampler, n_keep=state.default_keep, policy=policy,
                                     view=view, recall=recall, time_limit_s=requests.time_limit(state, body),
-                                    cache_salt=body.cache_salt), request)
+                                    cache_salt=body.cache_salt, logprobs=logprobs), request)
 
 
 def _chat_messages(state: ServerState,
@@ -551,11 +598,15 @@ async def _submit(state: ServerState, job: Job, request: Request, history: bool 
         state.scheduler.submit(job)
     except Busy as e:
         raise APIError(429, str(e), kind="rate_limit_error", code="slots_busy") from None
+    except ShuttingDown as e:
+        raise APIError(503, str(e), "server_error", code="shutting_down") from None
     watcher = asyncio.ensure_future(_disconnected(state, request, job))  # a client may leave while it waits
     try:
         job.started = await job.mailbox.started()  # the prompt is in (or it failed): only now does the response start
     except Cancelled:
         raise APIError(499, "the client closed the request", code="client_closed") from None
+    except ShuttingDown as e:
+        raise APIError(503, str(e), "server_error", code="shutting_down") from None
     except ValueError as e:
         raise APIError(400, str(e)) from None
     except Exception as e:  # noqa: BLE001 - said as the request's error

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import dataclasses
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ from ..policies import Policy
 from ..responses import TokenLogprob, token_logprob
 from ..sampling import SamplingParams
 from ..sessions import SessionCache
+
+# one line per finished request, as llama-server prints its slots' timings
+log = logging.getLogger("h2o_local.server")
 
 
 class Busy(Exception):
@@ -142,6 +146,27 @@ def _merged(first: Step, then: Step) -> Step:
     return Step(event, {**then.view, "piece": "".join(pieces), "pieces": pieces}, logprobs, tokens)
 
 
+@dataclass
+class Totals:
+    """Sums since the server started, for llama-server's /metrics names (server/metrics.py): prompt tokens read (not
+    those a saved session held) and the seconds to their first token, tokens generated and the seconds after their
+    first, decode steps and the slots live in them."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    n_decode: int = 0
+    busy_slots: int = 0
+
+
+class ShuttingDown(Exception):
+    """The server stops (Ctrl-C, SIGTERM): a request waiting, reading its prompt or answering ends with a 503."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+
+
 class Cancelled(Exception):
     """The job's last event after `Scheduler.cancel`: its request handler ends (its client went away)."""
 
@@ -173,6 +198,9 @@ class Job:
     cancelled: bool = False
     reused_tokens: int = 0              # prompt tokens found in a saved session
     submitted: float = field(default_factory=time.perf_counter)
+    slot: int = -1                      # the slot it runs in, once admitted
+    prompt_started_at: float = 0.0      # perf_counter() when its prompt began to be read
+    first_token_at: float = 0.0         # perf_counter() at its first generated token (0: none yet)
     n_generated: int = 0
     kv_cache: Optional[Dict[str, Any]] = None  # what the cache did, set before the end event is delivered
     stopping_word: str = ""             # the stop string that ended it ("" if none), set with kv_cache
@@ -204,9 +232,11 @@ class Scheduler:
         self.slots = llm.slots()
         self._cv = threading.Condition()
         self._stop = False
+        self.stopping = False  # stop_soon(): every request ends at its next step or prompt chunk
         self.served = 0
         self.peak_batch = 0   # most requests decoded in one step
-        self.metrics = ServerMetrics(self.stats, flash_attn=llm.flash_attn)
+        self.totals = Totals()
+        self.metrics = ServerMetrics(self.stats, flash_attn=llm.flash_attn, totals=self.totals)
         self._thread = threading.Thread(target=self._run, name="h2o-local-scheduler", daemon=True)
         self._thread.start()
 
@@ -223,10 +253,15 @@ class Scheduler:
             return 0
         return self.sessions.held(job.prompt_tokens, job.n_keep, _label(job))
 
+    def stop_soon(self) -> None:
+        """End every request at its next step or prompt chunk, with ShuttingDown, and take no new one: what a
+        signal handler calls (one assignment, no lock), so that the server stops within a chunk's time."""
+        self.stopping = True
+
     def submit(self, job: Job) -> None:
         with self._cv:
-            if self._stop:
-                raise RuntimeError("the server is shutting down")
+            if self._stop or self.stopping:
+                raise ShuttingDown()
             if len(self._active) >= self.n_slots and len(self._waiting) >= self.max_waiting:
                 self.metrics.requests.labels("rejected").inc()
                 raise Busy(f"all {self.n_slots} slots are busy and {len(self._waiting)} requests wait")
@@ -261,8 +296,12 @@ class Scheduler:
                     self._cv.wait()
                 if self._stop:
                     for job in list(self._waiting) + list(self._active.values()):
-                        job.fail(RuntimeError("the server is shutting down"))
+                        job.fail(ShuttingDown())
                     return
+                if self.stopping:
+                    for job in self._waiting:
+                        job.fail(ShuttingDown())
+                    self._waiting.clear()
                 admitted = []
                 while self._waiting and len(self._active) < self.n_slots:
                     job = self._waiting.popleft()
@@ -273,6 +312,10 @@ class Scheduler:
                     self._active[slot] = job
                     admitted.append((slot, job))
                 cancelled = [s for s, j in self._active.items() if j.cancelled]
+            if self.stopping and not admitted:
+                with self.slots.owned():
+                    self._fail_active(ShuttingDown())
+                continue
             with self.slots.owned():  # nothing else may use the Llama during a step
                 try:
                     self._step(cancelled, admitted)
@@ -296,14 +339,19 @@ class Scheduler:
 
     def _decode_step(self, idle_wait_s: float = 0.05) -> None:
         self.peak_batch = max(self.peak_batch, self.slots.n_live)
+        self.totals.n_decode += 1
+        self.totals.busy_slots += self.slots.n_live
         self._deliver(self.slots.step(idle_wait_s))
 
     def _between_prompt_chunks(self, job: Job) -> Dict[int, List[int]]:
         """Called between the chunks of a long prompt: the running requests draw their next tokens, which are
         decoded with the prompt's next chunk (one batch, as llama-server's continuous batching), so that a long
-        prompt stalls no stream by more than a step; a prompt whose client left stops here."""
+        prompt stalls no stream by more than a step; a prompt whose client left, or read while the server stops,
+        stops here."""
         if job.cancelled:
             raise Cancelled()
+        if self.stopping or self._stop:
+            raise ShuttingDown()
         with self._cv:
             gone = [s for s, j in self._active.items() if j.cancelled and s in self._started]
         try:
@@ -328,6 +376,7 @@ class Scheduler:
 
     def _start(self, slot: int, job: Job) -> None:
         """Fill the slot with the job's prompt (continuing a saved session when one matches) and join the steps."""
+        job.slot, job.prompt_started_at = slot, time.perf_counter()
         try:
             if job.cancelled:
                 raise Cancelled()
@@ -345,7 +394,7 @@ class Scheduler:
             self._release(slot, save=False)
             raise e.error
         except Exception as e:
-            self.metrics.requests.labels("cancelled" if isinstance(e, Cancelled) else "error").inc()
+            self.metrics.requests.labels("cancelled" if isinstance(e, (Cancelled, ShuttingDown)) else "error").inc()
             job.fail(e)
             self._release(slot, save=False)
             return
@@ -394,13 +443,15 @@ class Scheduler:
             if e.token is not None:
                 job.n_generated += 1
                 if job.n_generated == 1:
-                    self.metrics.ttft.observe(time.perf_counter() - job.submitted)
+                    job.first_token_at = time.perf_counter()
+                    self.metrics.ttft.observe(job.first_token_at - job.submitted)
             else:
                 job.kv_cache = self.slots.cache_summary(e.index)
                 job.stopping_word = e.stop_word or ""
                 if job.kv_cache["protected"] < job.n_keep:  # a system prompt longer than the budget lets protect
                     job.kv_cache["protected_asked"] = job.n_keep
                 self._count_finished(job)
+                log.info("slot %d: %s", e.index, request_line(job, time.perf_counter()))
             logprobs = ()
             if e.logits is not None:  # only the compact logprobs wait in the mailbox
                 logprobs = (token_logprob(e.logits, e.token, job.logprobs or 0),)
@@ -411,6 +462,12 @@ class Scheduler:
                 self._release(e.index, save=True)
 
     def _count_finished(self, job: Job) -> None:
+        now, t = time.perf_counter(), self.totals
+        t.prompt_tokens += len(job.prompt_tokens) - job.reused_tokens
+        t.predicted_tokens += job.n_generated
+        if job.first_token_at:
+            t.prompt_seconds += job.first_token_at - job.prompt_started_at
+            t.predicted_seconds += now - job.first_token_at
         m = self.metrics
         m.requests.labels("ok").inc()
         m.prompt_tokens.inc(len(job.prompt_tokens))
@@ -438,6 +495,26 @@ class Scheduler:
         n_cells = min(n_fed, self.llm.policy_of(slot).budget or n_fed)
         if 0 < n_cells * self.llm.kv_bytes_per_cell <= self.sessions.limit_bytes:
             self.sessions.put(tokens, n_fed, job.n_keep, self.slots.save(slot), _label(job))
+
+
+def request_line(job: Job, now: float) -> str:
+    """A finished request in one line: prompt tokens fed and reused, time to the first token, answer tokens and their
+    speed, and what the cache kept, evicted and recalled."""
+    n_prompt = len(job.prompt_tokens)
+    text = f"prompt {n_prompt} tokens ({n_prompt - job.reused_tokens} fed, {job.reused_tokens} reused)"
+    if job.first_token_at:
+        speed = (job.n_generated - 1) / (now - job.first_token_at) if job.n_generated > 1 and now > job.first_token_at \
+            else 0.0
+        text += f", first token {job.first_token_at - job.submitted:.2f} s, {job.n_generated} tokens at {speed:.1f} tok/s"
+    else:
+        text += f", no tokens generated, {now - job.submitted:.2f} s"
+    kv = job.kv_cache or {}
+    if kv:
+        budget = "" if kv.get("budget") is None else f"/{kv['budget']}"
+        text += f", kv {kv['kept']}{budget} kept, {kv['evicted']} evicted"
+        if "host" in kv:
+            text += f", {kv['host']} in host memory, {kv['recalled']} recalled"
+    return text
 
 
 def _label(job: Job) -> str:

@@ -23,6 +23,9 @@ class ServerSettings(BaseSettings):
     session_mib: float = Field(256, ge=0, description="memory for saved conversations that later requests "
                                                       "continue, MiB (0: off)")
     model_id: Optional[str] = Field(None, description="the model name /v1/models shows (default: the file name)")
+    seed: Optional[int] = Field(None, description="the seed of every request that sends none, as llama-server's "
+                                "--seed: a request then answers the same each time (default: none, each request "
+                                "draws its own)")
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="the most tokens of a request that are new to "
                                              "the server (not held by a saved conversation); more get HTTP 400 "
                                              "(default: the model's trained context)")

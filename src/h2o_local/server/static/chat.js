@@ -8,6 +8,7 @@ const ui = {
   model: $("model"), policy: $("policy"), budget: $("budget"), newChat: $("new"), keyBox: $("key-box"),
   key: $("key"), keySave: $("key-save"), error: $("error"), messages: $("messages"), form: $("composer"),
   input: $("input"), send: $("send"), stop: $("stop"), stats: $("cache-stats"), tokens: $("cache-tokens"),
+  maxTokens: $("max-tokens"), temperature: $("temperature"),
 };
 
 const chat = {
@@ -83,6 +84,14 @@ function setBusy(busy) {
   ui.stop.disabled = !busy;
   ui.newChat.disabled = busy;
   document.body.dataset.state = busy ? "answering" : "idle";
+}
+
+// the answer's length and temperature as the header sets them (an empty field: the server's default)
+function sampling() {
+  const out = {};
+  if (ui.maxTokens.value) out.max_tokens = Number(ui.maxTokens.value);
+  if (ui.temperature.value !== "") out.temperature = Number(ui.temperature.value);
+  return out;
 }
 
 function conversationCache() {
@@ -208,7 +217,7 @@ async function send(text) {
     const response = await fetch("v1/chat/completions", {
       method: "POST", headers: headers(), signal: chat.controller.signal,
       body: JSON.stringify({ model: chat.modelId, messages: chat.messages.concat([userMessage]), stream: true,
-                             kv_cache: conversationCache() }),
+                             kv_cache: conversationCache(), ...sampling() }),
     });
     if (!response.ok) {
       if (!(await needsKey(response))) showError(await errorText(response));
