@@ -208,7 +208,8 @@ class Completions:
                     raise ValueError("give one of response_format, a forced tool call or grammar, not several")
                 params = {**params, "grammar": extra}
         p = sampling_.merge(sampling_.CHAT, sampling, params)
-        tokens, n_keep = llm.chat_tokens(messages, tools=plan.tools, special_in_content=special_in_content,
+        tokens, n_keep = llm.chat_tokens(plan.messages(messages), tools=plan.template_tools,
+                                         special_in_content=special_in_content,
                                          chat_template_kwargs=chat_template_kwargs)
         thinking = reasoning.thinking(reasoning_format, llm.chat_template.source, prompt_end(llm, tokens))
         p = p.replace(preserved_tokens=p.preserved_tokens + answer_markup(llm, plan, thinking))

@@ -10,6 +10,7 @@ writing the grammar that forces one.
     to=functions.NAME<|channel|>commentary json<|message|>{...}        HarmonyCalls (gpt-oss)
     <|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>           GemmaCalls  (Gemma 4)
     <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}  KimiCalls   (Kimi K2)
+    {"tool_call": {"name": ..., "arguments": {...}}} or {"response": ...}  GenericJson (any other template)
 
 A template's format is found by rendering a probe call with it and reading it back (`tools.call_format`), never by
 the template's name. In the two XML formats a value is written as it is when its parameter is a string, else as
@@ -638,6 +639,85 @@ def _gemma_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return "None" if value is None else str(value)
+
+
+class GenericJson(CallFormat):
+    """llama-server's generic fallback, for a template with no call format of its own (SmolLM2's, Phi's): the tools
+    are described in the system message (`describe`), and a grammar makes every answer one JSON object, either
+    {"tool_call": {"name": ..., "arguments": {...}}} (or "tool_calls": [...]) or {"response": "text"}."""
+
+    name = "generic"
+    marker = ""  # never probed: chosen where no other format reads a template's calls
+    INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` "
+                   "reply to the user's request")
+
+    @property
+    def tags(self) -> Tuple[str, ...]:
+        return ()
+
+    def find(self, text: str, tools: Sequence[Mapping[str, Any]]) -> List[Found]:
+        value = self._answer(text)
+        calls = value.get("tool_calls", [value["tool_call"]] if "tool_call" in value else [])
+        names = {t["function"]["name"] for t in tools}
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and c.get("name") in names for c in calls):
+            return []
+        return [(0, len(text), c["name"], c.get("arguments", {})) for c in calls]
+
+    def response(self, text: str) -> Optional[str]:
+        """The text of a {"response": ...} answer (None for anything else)."""
+        reply = self._answer(text).get("response")
+        return reply if isinstance(reply, str) else None if reply is None else json.dumps(reply)
+
+    @staticmethod
+    def _answer(text: str) -> Dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]], answer_too: bool = False) -> str:
+        options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                     "arguments": _parameters(t)},
+                    "required": ["name", "arguments"]} for t in tools]
+        call = {"type": "object", "properties": {"tool_call": options[0] if len(options) == 1 else {"anyOf": options}},
+                "required": ["tool_call"]}
+        schema = {"anyOf": [call, {"type": "object", "properties": {"response": {"type": "string"}},
+                                   "required": ["response"]}]} if answer_too else call
+        return json_schema_rules({"": schema})[1]
+
+    def describe(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+        """The messages as a template without tools takes them: the tools and the instruction at the end of the
+        system message (one is added first where there is none), and each earlier call and reply as the JSON the
+        model is asked to write (llama.cpp's polyfill)."""
+        note = (f"You can call any of the following tools to satisfy the user's requests: "
+                f"{json.dumps(list(tools), indent=2)}\n\n{self.INSTRUCTION}")
+        out: List[Dict[str, Any]] = []
+        for m in messages:
+            m = dict(m)
+            calls = m.pop("tool_calls", None)
+            if m.get("role") == "assistant" and calls:
+                written = [{"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}
+                           for c in calls if isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)]
+                m["content"] = json.dumps({"tool_call": written[0]} if len(written) == 1 else {"tool_calls": written})
+            elif m.get("role") == "assistant" and isinstance(m.get("content"), str):  # as the model wrote its reply
+                m["content"] = json.dumps({"response": m["content"]})
+            out.append(m)
+        if out and out[0].get("role") in ("system", "developer") and isinstance(out[0].get("content"), str):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{note}"}
+        else:
+            out.insert(0, {"role": "system", "content": note})
+        return out
+
+
+def _arguments(arguments: Any) -> Any:
+    """A call's arguments as an object where they are JSON text of one (as OpenAI's clients send them)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except (ValueError, RecursionError):
+            return arguments
+    return arguments if arguments is not None else {}
 
 
 FORMATS: Tuple[CallFormat, ...] = (JsonBlocks(), FunctionTags(), ArgKeys(), BareJson(), MistralList(), MistralArgs(),

@@ -5,8 +5,9 @@ after Mistral's `[TOOL_CALLS]`, gpt-oss's messages to `functions.NAME`, or Gemma
 
 `tool_choice`: "none" (the tools are described, no call is parsed), "auto" (the model may call: its text is parsed
 for calls), "required" or {"type": "function", "function": {"name": N}} (a call is forced by a grammar over the
-tools' JSON schemas, through llama.cpp's grammar sampler). A template that has no such format is refused with a
-ValueError (HTTP 400), never guessed.
+tools' JSON schemas, through llama.cpp's grammar sampler). A template that has no such format gets llama-server's
+generic fallback (`tool_formats.GenericJson`): the tools described in the system message and every answer one JSON
+object, a call or a response.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .chat_template import PROBE_TIME_LIMIT_S, probe_call
-from .tool_formats import FORMATS, CallFormat, JsonBlocks
+from .tool_formats import FORMATS, CallFormat, GenericJson, JsonBlocks
 
 _PROBE_TOOL = {"type": "function", "function": {
     "name": "probe_tool", "description": "Looks a probe up.",
@@ -124,11 +125,31 @@ class ToolPlan:
         self.tools = tools
         self.choice = choice
         self.format = fmt
-        self.grammar = call_grammar(tools, choice, fmt) if tools is not None else None
         self.parses = tools is not None and choice != "none"
+        # the tools the template is given (the generic fallback describes them in the messages instead)
+        self.template_tools = None if isinstance(fmt, GenericJson) else tools
+        if isinstance(fmt, GenericJson) and self.parses:  # every answer is JSON: a call, or (auto) a response
+            wanted = [t for t in tools if not isinstance(choice, Mapping) or
+                      t["function"]["name"] == choice["function"]["name"]]
+            self.grammar: Optional[str] = fmt.grammar(wanted, answer_too=choice == "auto")
+        else:
+            self.grammar = call_grammar(tools, choice, fmt) if tools is not None else None
+
+    def messages(self, messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The messages the template renders: as given, or for the generic fallback with the tools described in
+        the system message (the template itself describes none)."""
+        if isinstance(self.format, GenericJson) and self.parses:
+            return self.format.describe(messages, self.tools or [])
+        return messages
 
     def parse(self, text: str) -> Tuple[Optional[str], List[Dict[str, Any]]]:
-        return parse_calls(text, self.tools or [], self.format) if self.parses else (text, [])
+        if not self.parses:
+            return text, []
+        content, calls = parse_calls(text, self.tools or [], self.format)
+        if isinstance(self.format, GenericJson) and not calls:
+            reply = self.format.response(text)
+            return (text if reply is None else reply), []
+        return content, calls
 
 
 def plan(template: Any, tools: Any, tool_choice: Any) -> ToolPlan:
@@ -140,10 +161,4 @@ def plan(template: Any, tools: Any, tool_choice: Any) -> ToolPlan:
         return ToolPlan()
     checked, choice = check_tools(tools, tool_choice)
     fmt = template.tool_format
-    if choice != "none" and fmt is None:
-        raise ValueError("this model's chat template has no tool-call format this library reads (<tool_call> blocks "
-                         "of JSON as Hermes and Qwen3 write them, of <function=...> tags as Qwen3.5, of <arg_key> "
-                         "pairs as GLM, a bare JSON answer as Llama 3.1, [TOOL_CALLS] as Mistral, Harmony's as "
-                         "gpt-oss, <|tool_call>call: as Gemma 4, <|tool_call_begin|> as Kimi K2): tools are not supported "
-                         "with it")
-    return ToolPlan(checked, choice, fmt or JsonBlocks())
+    return ToolPlan(checked, choice, fmt or GenericJson())

@@ -73,7 +73,7 @@ def test_snapshot_of_another_model_is_refused(tiny_model, tmp_path):
 
 
 def test_snapshot_larger_than_the_cache_is_refused(tiny_model):
-    big = Llama(tiny_model, policy="h2o", budget=None, n_ctx=512)
+    big = Llama(tiny_model, n_ctx=512)
     big.eval(list(range(3, 203)))
     small = Llama(tiny_model, policy="h2o", budget=16, n_batch=32)
     with pytest.raises(ValueError, match="only 48 cells are free"):
@@ -84,7 +84,7 @@ def test_snapshot_larger_than_the_cache_is_refused(tiny_model):
 
 
 def test_breaking_out_of_a_stream_then_continuing_feeds_what_was_shown(tiny_model):
-    llm = Llama(tiny_model, policy="h2o", budget=None, n_ctx=512)
+    llm = Llama(tiny_model, n_ctx=512)
     prompt = llm.tokenize("Once upon a time")
     shown = 0
     for _ in llm.generate_events(prompt, max_tokens=50, temperature=0):
@@ -166,7 +166,7 @@ def test_generation_past_the_trained_context_warns_once_without_rolling(tiny_mod
 def test_the_full_cache_ends_only_the_sequence_whose_room_is_gone(tiny_model, kv_unified):
     """Policy full, two sequences of different prompt lengths: the longer fills its stream (or, unified, the shared
     cache) first and ends with "length"; the other goes on. No error for either."""
-    llm = Llama(tiny_model, policy="h2o", budget=None, n_ctx=256, n_seq_max=2, kv_unified=kv_unified, n_threads=1)
+    llm = Llama(tiny_model, n_ctx=256, n_seq_max=2, kv_unified=kv_unified, n_threads=1)
     long_prompt, short_prompt = list(range(5, 5 + 100)), [1, 2, 3]
     texts = llm.generate_batch([long_prompt, short_prompt], max_tokens=200, temperature=0, ignore_eos=True)
     assert llm.finish_reasons[0] == "length" and all(isinstance(t, str) for t in texts)

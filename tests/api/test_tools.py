@@ -10,6 +10,7 @@ import pytest
 import openai
 
 from h2o_local import Llama, SamplingParams, tool_formats
+from h2o_local import tools as tools_mod
 from h2o_local.chat_template import ChatTemplate
 from h2o_local.server import create_app
 from h2o_local.tools import _PROBE_ARGUMENTS, _PROBE_TOOL, parse_calls
@@ -159,10 +160,7 @@ def test_a_forced_call_is_written_as_each_real_template_writes_calls(tiny_model)
     assert checked >= 35
 
 
-def test_tools_need_a_template_that_has_a_call_format(tiny_model, model):
-    chatml = Llama(tiny_model, budget=64, chat_template="chatml")
-    with pytest.raises(ValueError, match="no tool-call format"):
-        chatml.create_chat_completion(ASK, tools=[WEATHER])
+def test_bad_tools_and_choices_are_refused(model):
     llm = Llama(model, budget=64)
     for tools, choice in (([{"type": "function", "function": {}}], None), ([WEATHER], "sometimes"),
                           ([WEATHER], {"type": "function", "function": {"name": "other"}}), (None, "required")):
@@ -370,3 +368,29 @@ def test_a_call_longer_than_the_readers_first_window_is_read_whole(fmt):
     arguments = {"text": "x" * 4085 + "\u00e9\n" + "y" * 20000, "n": int("7" * 4200)}
     content, calls = parse_calls(LONG_CALLS[fmt.name] % json.dumps(arguments), ["x"], fmt)
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [arguments]
+
+
+def test_a_template_without_a_call_format_gets_llama_servers_generic_json(tiny_model):
+    """SmolLM2's ChatML names no tools: the tools are described in the system message and every answer is one JSON
+    object, a call or a response, as llama-server's generic format (its grammar forces it)."""
+    chatml = Llama(tiny_model, budget=64, chat_template="chatml", n_threads=1)
+    plan = tools_mod.plan(chatml.chat_template, [WEATHER], "auto")
+    assert plan.format.name == "generic" and plan.template_tools is None
+    messages = plan.messages(ASK)
+    assert messages[0]["content"].startswith("You help.\n\nYou can call any of the following tools")
+    assert '"get_weather"' in messages[0]["content"] and "Respond in JSON format" in messages[0]["content"]
+    assert [m["role"] for m in plan.messages(ASK[1:])] == ["system", "user"]  # one is added where there is none
+    forced = chatml.create_chat_completion(ASK, tools=[WEATHER], tool_choice="required", max_tokens=200,
+                                           temperature=0)
+    (call,) = forced["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and isinstance(json.loads(call["function"]["arguments"]), dict)
+    assert forced["choices"][0]["finish_reason"] == "tool_calls"
+    content, calls = plan.parse('{"response": "It is sunny."}')
+    assert (content, calls) == ("It is sunny.", [])
+    content, calls = plan.parse('{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    history = plan.messages([*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}])
+    assert json.loads(history[2]["content"]) == {"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    assert json.loads(history[4]["content"]) == {"response": "Sunny."}

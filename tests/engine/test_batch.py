@@ -90,9 +90,9 @@ def test_ignore_eos_runs_every_sequence_to_max_tokens(tiny_model):
 @pytest.mark.parametrize("policy", ["h2o", "full"])
 def test_one_stream_per_sequence_gives_the_single_sequence_results(tiny_model, policy):
     budget = 16 if policy == "h2o" else None
-    streams = Llama(tiny_model, policy="h2o", budget=budget, n_seq_max=4, n_batch=32, kv_unified=False,
+    streams = Llama(tiny_model, policy=policy, budget=budget, n_seq_max=4, n_batch=32, kv_unified=False,
                     n_ctx=0 if budget else 4 * 256, **CPU)
-    single = Llama(tiny_model, policy="h2o", budget=budget, n_batch=32, n_ctx=0 if budget else 256, **CPU)
+    single = Llama(tiny_model, policy=policy, budget=budget, n_batch=32, n_ctx=0 if budget else 256, **CPU)
     prompts = PROMPTS + [[(7 * i) % 200 + 3 for i in range(90)]]  # 5 prompts: a second wave
     texts = streams.generate_batch(prompts, max_tokens=24, temperature=0)
     assert texts == [single.generate(p, max_tokens=24, temperature=0) for p in prompts]

@@ -97,7 +97,7 @@ def test_transformers_model_reads_the_gguf_as_llama_cpp_does(tiny_model):
     tokens = [1] + list(range(40, 100))
     hf = HFModel(tiny_model, threads=1)
     cache, h2o, logits = hf.prefill(tokens, gqa="first")
-    llm = Llama(tiny_model, policy="h2o", budget=None, n_ctx=128)
+    llm = Llama(tiny_model, n_ctx=128)
     llm.eval(tokens)
     ours = llm.last_logits()
     assert np.argmax(ours) == int(logits.argmax())

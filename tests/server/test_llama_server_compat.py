@@ -187,3 +187,23 @@ def test_metrics_carry_llama_servers_names(server):
     assert values["llamacpp:tokens_predicted_total"] >= 3 and values["llamacpp:prompt_tokens_total"] > 0
     assert values["llamacpp:n_decode_total"] >= 2 and values["llamacpp:requests_processing"] == 0
     assert 0 < values["llamacpp:n_busy_slots_per_decode"] <= 1  # one slot here
+
+
+def test_tools_on_a_template_without_a_call_format_take_llama_servers_generic_fallback(tmp_path):
+    """SmolLM2's ChatML names no tool format: a request with tools was a 400 (an agent stopped there); the tools
+    are now described in the system message and the answer is JSON, a call or a response."""
+    model = str(write_tiny_llama(tmp_path / "chatml.gguf", chat_template=CHATML, n_ctx_train=4096))
+    with serving(model, slots=1, budget=48) as (_, client):
+        _generic_tool_calls(client)
+
+
+def _generic_tool_calls(client):
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                         tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "unit"}
+    assert out.choices[0].finish_reason == "tool_calls"
+    auto = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello?"}],
+                                          tools=[WEATHER], max_tokens=200, temperature=0)
+    message = auto.choices[0].message
+    assert message.tool_calls or not message.content.lstrip().startswith('{"response"')  # a reply is unwrapped

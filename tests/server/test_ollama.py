@@ -95,8 +95,8 @@ def test_bad_input_is_ollama_s_error_with_a_400_and_the_server_goes_on(server):
         client.chat(model="tiny", messages=[{"role": "user", "content": "x", "images": ["aGk="]}])
     assert e.value.status_code == 400 and "images" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model="tiny", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.status_code == 400 and "tool" in e.value.error
+        client.chat(model="tiny", messages=MESSAGES, tools=[{"type": "function", "function": {"name": ""}}])
+    assert e.value.status_code == 400 and "tools[0].function.name" in e.value.error
     for path, body in (("/api/chat", b"{not json"), ("/api/chat", b'{"messages": "hi"}'),
                        ("/api/generate", b'{"prompt": "x", "context": [999999]}'),
                        ("/api/generate", b'{"prompt": "x", "suffix": "y"}')):
@@ -116,7 +116,7 @@ def test_tags_show_ps_and_version_describe_the_one_model(server, chat_model):
     (model,) = client.list().models
     assert model.model == "tiny" and model.details.format == "gguf" and model.details.family == "llama"
     shown = client.show("tiny")
-    assert shown.capabilities == ["completion"]  # CHATML here has no tool-call format
+    assert shown.capabilities == ["completion", "tools"]  # CHATML has no call format: the generic fallback
     assert shown.template == CHATML and shown.modelinfo["llama.context_length"] == 4096
     assert [m.model for m in client.ps().models] == ["tiny"]
     assert get(port, "/api/version")[1]["version"]

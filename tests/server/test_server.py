@@ -29,7 +29,7 @@ def chat_model(tmp_path_factory):
 @contextlib.contextmanager
 def serving(model, *, slots=3, budget=48, session_mib=64, max_waiting=8, app_kwargs=None, **llama_kwargs):
     llm = Llama(model, budget=budget, n_seq_max=slots, kv_unified=False, keep="system", n_threads=1,
-                **{"policy": "h2o", **llama_kwargs})
+                **{"policy": "h2o" if budget is not None else None, **llama_kwargs})
     app = create_app(llm, model_id="tiny", max_waiting=max_waiting, session_mib=session_mib, max_body_bytes=64 * 1024,
                      **(app_kwargs or {}))
     with serve_in_background(app) as port:

@@ -182,7 +182,8 @@ async def show(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
             "details": _model_card(state)["details"],
             "model_info": {"general.architecture": arch, f"{arch}.context_length": llm.n_ctx_train(),
                            f"{arch}.embedding_length": llm.n_embd()},
-            "capabilities": ["completion", *(["tools"] if llm.chat_template.tool_format is not None else []),
+            # tools work with every template: its own call format, or llama-server's generic fallback
+            "capabilities": ["completion", "tools",
                              *(["thinking"] if reasoning.thinks(llm.chat_template.source) else [])]}
 
 

@@ -372,7 +372,7 @@ async def apply_template(body: ChatCompletionRequest, state: ServerState = Depen
     """llama-server's: the prompt the chat template makes of a chat request's messages (and tools), as text, for a
     client that edits it and sends it to /v1/completions."""
     plan, messages = _chat_messages(state, body)
-    return {"prompt": await _prepared_in_time(state, state.llm.apply_chat_template, messages, tools=plan.tools,
+    return {"prompt": await _prepared_in_time(state, state.llm.apply_chat_template, messages, tools=plan.template_tools,
                                               chat_template_kwargs=body.chat_template_kwargs)}
 
 
@@ -502,7 +502,7 @@ def _chat_messages(state: ServerState,
         body.tools = None
     try:
         plan = tools_mod.plan(state.llm.chat_template, body.tools, body.tool_choice)
-        messages = body.messages
+        messages = plan.messages(body.messages)
     except (TypeError, ValueError) as e:
         raise APIError(400, str(e), param="tools" if body.tools is not None else "tool_choice") from None
     requests.check_prompt_bytes(state, sum(requests.text_bytes(m.get("content")) for m in messages), "messages",
@@ -556,7 +556,7 @@ async def chat_prompt(state: ServerState,
     prompt's tokens and its protected prefix (`Llama.chat_tokens`)."""
     plan, messages = _chat_messages(state, body)
     prefill = body.continue_final_message or not body.add_generation_prompt  # a final assistant message goes on
-    tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.tools,
+    tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.template_tools,
                                              special_in_content=body.special_in_content,
                                              chat_template_kwargs=body.chat_template_kwargs, continue_final=prefill)
     return plan, tokens, n_keep
