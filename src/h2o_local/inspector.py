@@ -6,10 +6,11 @@
 """
 from __future__ import annotations
 
+import functools
 import html
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -42,10 +43,12 @@ class Inspection:
 
 def inspect_text(model_path: str, text: str, policies: Sequence[Union[str, Policy]], *, max_tokens: int = 0,
                  n_batch: int = 128, n_threads: Optional[int] = None, chat: bool = False, recall: bool = False,
-                 question: Optional[str] = None) -> List[Inspection]:
+                 question: Optional[str] = None,
+                 progress: Optional[Callable[[str, int, int], None]] = None) -> List[Inspection]:
     """Feed `text` (wrapped in the chat template with `chat`) and `max_tokens` greedy tokens after it through each
     policy ("h2o-64", "sink-64", a Policy value, ...); one Inspection per policy. With `recall`, evicted entries wait
-    in host memory (`Inspection.in_host`); a `question` fed after them brings back what it asks about."""
+    in host memory (`Inspection.in_host`); a `question` fed after them brings back what it asks about.
+    `progress(label, fed, total)`: called while each policy reads the text (whole batches)."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("the text is empty")
     if question is not None and (not isinstance(question, str) or not question.strip()):
@@ -59,8 +62,10 @@ def inspect_text(model_path: str, text: str, policies: Sequence[Union[str, Polic
             tokens = llm.chat_tokens([{"role": "user", "content": text}])[0]
         else:
             tokens = llm.tokenize(text, add_bos=llm.info.add_bos)
-        generated = [e.token for e in llm.generate_events(tokens, max_tokens=max_tokens, temperature=0)
-                     if e.token is not None] if max_tokens else llm.eval(tokens) or []
+        reading = None if progress is None else functools.partial(progress, policy.label)
+        generated = [e.token for e in llm.generate_events(tokens, max_tokens=max_tokens, temperature=0,
+                                                          progress=reading)
+                     if e.token is not None] if max_tokens else llm.eval(tokens, progress=reading) or []
         fed = (tokens + generated)[: llm.kv_state().n_seen]  # a last generated token is shown but not fed
         asked = llm.tokenize(question, add_bos=False) if question is not None else []
         if asked:

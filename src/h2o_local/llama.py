@@ -533,14 +533,16 @@ class Llama:
         return self._engine.token_to_piece(_token_list([token])[0], bool(special))
 
     # ------------------------------------------------------------------ low level
-    def eval(self, tokens: Sequence[int], *, seq_id: int = 0, logits_all: bool = False) -> Optional[np.ndarray]:
+    def eval(self, tokens: Sequence[int], *, seq_id: int = 0, logits_all: bool = False,
+             progress: Optional[Callable[[int, int], None]] = None) -> Optional[np.ndarray]:
         """Feed tokens to a sequence, evicting as the policy says; the last token's logits are then in
-        `last_logits`. With `logits_all=True`, returns every fed token's logits (float32 [n, n_vocab])."""
+        `last_logits`. With `logits_all=True`, returns every fed token's logits (float32 [n, n_vocab]).
+        `progress(fed, total)`: called between the pieces of a long prompt (whole batches; it may raise to stop)."""
         seq_id = self._check_seq(seq_id)
         tokens = _token_list(tokens)
         with self.lock:
             self._take_over([seq_id])
-            self._engine.eval({seq_id: tokens}, bool(logits_all))
+            self._engine.eval({seq_id: tokens}, bool(logits_all), _feed_progress(progress, len(tokens), self.n_batch))
             return self._engine.logits_all(seq_id) if logits_all else None
 
     def eval_batch(self, tokens: Dict[int, Sequence[int]]) -> None:

@@ -78,3 +78,27 @@ def test_with_recall_the_evicted_tokens_wait_in_host_memory_and_a_question_bring
                  " what?", "--html", "/dev/null", "--png", ""]) == 0
     assert re.search(r"kept 16 of \d+ tokens, evicted \d+, \d+ in host memory", capsys.readouterr().out)
     assert inspect_text(tiny_model, TEXT, ["h2o-16"])[0].in_host is None  # without recall: evicted is gone
+
+
+def test_long_work_shows_its_progress_on_a_terminal_and_nothing_when_piped(tiny_model, tmp_path):
+    """`generate` and `inspect` draw the prompt bar that `chat` draws, on a terminal only."""
+    import subprocess
+    import sys
+
+    import pexpect
+
+    text = tmp_path / "long.txt"
+    text.write_text("The keeper counts the ships. " * 40)
+    inspect = ["-m", "h2o_local", "inspect", str(text), "-m", tiny_model, "--policies", "h2o-16", "-t", "1",
+               "--html", str(tmp_path / "k.html"), "--png", ""]
+    generate = ["-m", "h2o_local", "-m", tiny_model, "-f", str(text), "--no-chat", "-n", "2", "-b", "16", "-t", "1"]
+    for argv, shown in ((inspect, r"reading the text with h2o-16\S*: \d+/\d+ tokens"),
+                        (generate, r"reading the prompt: \d+/\d+ tokens")):
+        child = pexpect.spawn(sys.executable, argv, env={"TERM": "dumb", "PATH": "/usr/bin:/bin"}, encoding="utf-8",
+                              timeout=60)
+        child.expect(shown)
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0 and "Traceback" not in child.before
+        piped = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
+        assert piped.returncode == 0 and "reading" not in piped.stderr, piped.stderr

@@ -304,12 +304,12 @@ class PromptProgress:
         self.on = self.stream.isatty()
         self.shown = False
 
-    def __call__(self, fed: int, total: int) -> None:
+    def __call__(self, fed: int, total: int, what: str = "the prompt") -> None:
         if not self.on:
             return
         width = 30
         done = width * fed // max(total, 1)
-        self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] reading the prompt: {fed}/{total} tokens")
+        self.stream.write(f"\r\033[K[{'#' * done}{'.' * (width - done)}] reading {what}: {fed}/{total} tokens")
         self.stream.flush()
         self.shown = True
 

@@ -10,7 +10,7 @@ import sys
 
 from ..inspector import inspect_text, to_html, to_png
 from ..models import default_model_path
-from .common import Parser, add_llama_cpp_compat_args
+from .common import Parser, PromptProgress, add_llama_cpp_compat_args
 
 
 def parser() -> Parser:
@@ -50,9 +50,12 @@ def main(argv=None) -> int:
             raise ValueError(f"{text}: no such file (to inspect this text itself, add a space or a newline to it)")
         if args.max_tokens < 0:
             raise ValueError("--max-tokens must be >= 0")
+        progress = PromptProgress()
         inspections = inspect_text(args.model or default_model_path(), text, args.policies, max_tokens=args.max_tokens,
                                    n_threads=args.threads, chat=args.chat, recall=args.recall,
-                                   question=args.question)
+                                   question=args.question,
+                                   progress=lambda label, fed, total: progress(fed, total, f"the text with {label}"))
+        progress.clear()
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(to_html(inspections, title=f"h2o_local inspect: {', '.join(i.label for i in inspections)}"))
     except (ValueError, TypeError, OSError, RuntimeError) as e:
