@@ -34,7 +34,7 @@ def test_for_kv_limit_gives_the_largest_batch_within_the_limit(tiny_model):
     assert h2o.n_seq_max == 49 and h2o.policy.name == "h2o"
     for llm, budget in ((full, None), (h2o, 40)):
         assert llm.kv_state().kv_bytes <= limit
-        bigger = Llama(tiny_model, policy="h2o", budget=budget, n_seq_max=llm.n_seq_max + 1, n_batch=llm.n_batch,
+        bigger = Llama(tiny_model, policy="h2o" if budget else None, budget=budget, n_seq_max=llm.n_seq_max + 1, n_batch=llm.n_batch,
                        n_ctx=cells_needed(llm.n_seq_max + 1, prompt_tokens=100, max_tokens=100, budget=budget,
                                           n_batch=llm.n_batch))
         assert bigger.kv_state().kv_bytes > limit
