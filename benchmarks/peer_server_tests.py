@@ -61,6 +61,8 @@ if rest:
 repo = (args.hf_repo or [""])[-1] + "/" + (args.hf_file or [""])[-1]
 model = (args.model or [None])[-1] or next((path for key, path in MODELS.items() if key and key in repo), MODELS[""])
 serve = [sys.executable, "-m", "h2o_local", "serve", "--model", model, "--no-warmup"]
+if args.n_predict is not None and int(args.n_predict) < 0:  # -1: until the end (the default here)
+    args.n_predict = None
 for flag in same:
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     if value is not None:
@@ -81,14 +83,15 @@ CLASSES: List[Tuple[str, str, str]] = []
 
 
 def extract_tests(dest: Path) -> Path:
-    """tools/server/tests of the pinned llama.cpp, from the verified sdist, under `dest`."""
-    prefix = prepare.TREE_PREFIX + "tools/server/tests/"
+    """tools/server/tests of the pinned llama.cpp, from the verified sdist, under `dest` as in the tree (with the
+    chat templates the tests read at ../../../models/templates); returns the tests' folder."""
+    wanted = (prepare.TREE_PREFIX + "tools/server/tests/", prepare.TREE_PREFIX + "models/templates/")
     with tarfile.open(prepare.fetch_sdist()) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.isfile()]
-        for m in members:
-            m.name = m.name[len(prefix):]
-            tar.extract(m, dest)
-    return dest
+        for m in tar.getmembers():
+            if m.isfile() and m.name.startswith(wanted):
+                m.name = m.name[len(prepare.TREE_PREFIX):]
+                tar.extract(m, dest)
+    return dest / "tools" / "server" / "tests"
 
 
 def models() -> Dict[str, str]:
@@ -103,7 +106,7 @@ def models() -> Dict[str, str]:
 
 
 def run(files: List[str], keyword: str, junit: Path, workdir: Path) -> int:
-    tests = extract_tests(workdir / "tests")
+    tests = extract_tests(workdir / "tree")
     shim = workdir / "llama-server"
     shim.write_text(SHIM.format(python=sys.executable, models=models()))
     shim.chmod(0o755)

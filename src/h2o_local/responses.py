@@ -11,18 +11,28 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 import numpy as np
 
+from . import __version__, _engine
+
 from .llama_types import (ChatCompletion, ChatCompletionChunk, ChatCompletionLogprobs, Completion, CompletionChunk,
                           CompletionLogprobs, CompletionUsage)
 
 
+def system_fingerprint() -> str:
+    """What built the answer, as llama-server's `b<build>-<commit>`: this package's version and the pinned
+    llama.cpp commit (OpenAI's clients keep it as `system_fingerprint`)."""
+    return f"b{__version__}-{_engine.LLAMA_CPP_COMMIT[:7] or 'unknown'}"
+
+
 def completion_meta(model: str) -> Dict[str, Any]:
     """id, object, created and model of one text completion (shared by its chunks)."""
-    return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()), "model": model}
+    return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": system_fingerprint()}
 
 
 def chat_meta(model: str) -> Dict[str, Any]:
     """id, created and model of one chat completion (shared by its chunks)."""
-    return {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": model}
+    return {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": model,
+            "system_fingerprint": system_fingerprint()}
 
 
 def usage(n_prompt: int, n_completion: int, cached: Optional[int] = None,

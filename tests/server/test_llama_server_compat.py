@@ -207,3 +207,30 @@ def _generic_tool_calls(client):
                                           tools=[WEATHER], max_tokens=200, temperature=0)
     message = auto.choices[0].message
     assert message.tool_calls or not message.content.lstrip().startswith('{"response"')  # a reply is unwrapped
+
+
+def test_what_the_peer_run_found_answers_as_llama_server_does(server, chat_model):
+    """llama.cpp's own tests (results/serving/peer-llama-server.md): a system_fingerprint on OpenAI's objects, both
+    continue_final_message and add_generation_prompt is a 400, ignore_eos lists the banned end tokens in
+    generation_settings.logit_bias, /props names the model file."""
+    port, client = server
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert out.system_fingerprint.startswith("b") and out.system_fingerprint.endswith(_engine_commit())
+    done = client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    assert done.system_fingerprint == out.system_fingerprint
+    status, err = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"},
+                                                                   {"role": "assistant", "content": "Hel"}],
+                                                      "continue_final_message": True, "add_generation_prompt": True})
+    assert status == 400 and err["error"]["param"] == "continue_final_message"
+    llm = Llama(chat_model, budget=48)
+    status, out = post(port, "/completion", {"prompt": "Hi", "n_predict": 2, "ignore_eos": True})
+    banned = out["generation_settings"]["logit_bias"]
+    assert {b["token"] for b in banned} == set(llm.eog_tokens()) and all(b["bias"] is None for b in banned)
+    status, out = post(port, "/completion", {"prompt": "Hi", "n_predict": 2, "logit_bias": [[5, 1.5]]})
+    assert out["generation_settings"]["logit_bias"] == [{"token": 5, "bias": 1.5}]
+
+
+def _engine_commit():
+    from h2o_local import _engine
+
+    return _engine.LLAMA_CPP_COMMIT[:7]

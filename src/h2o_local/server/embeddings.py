@@ -107,8 +107,8 @@ async def embedded(state: ServerState, raw: Any, *, param: str, truncate: bool, 
         token_lists = [llm.tokenize(x) if isinstance(x, str) else x for x in inputs]
         for i, tokens in enumerate(token_lists):
             if len(tokens) > n_ctx and not truncate:
-                raise APIError(400, f"{param}.{i} is {len(tokens)} tokens, more than the {n_ctx} an embedding of "
-                                    f"this server takes", param=param, code="context_length_exceeded")
+                raise APIError(400, f"{param}.{i} is too large to embed: {len(tokens)} tokens, more than the {n_ctx} "
+                                    f"an embedding of this server takes", param=param, code="context_length_exceeded")
         n_tokens = sum(min(len(t), n_ctx) for t in token_lists)
         if n_tokens > state.max_prompt_tokens:
             raise APIError(400, f"{param} is {n_tokens} tokens in all, more than the {state.max_prompt_tokens} this "

@@ -58,7 +58,7 @@ class LlamaServerNames:
                   ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
                    t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
                   ("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
-                   t.predicted_tokens / t.predicted_seconds if t.predicted_seconds else 0.0),
+                   t.predicted_after_first / t.predicted_seconds if t.predicted_seconds else 0.0),
                   ("requests_processing", "Number of requests processing.", s["slots_processing"]),
                   ("requests_deferred", "Number of requests deferred.", s["requests_waiting"]))
         for name, text, value in gauges:

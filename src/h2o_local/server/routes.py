@@ -74,7 +74,7 @@ async def props(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
     """llama-server's server properties, as far as they apply: the longest prompt a slot takes (`n_ctx`: with a
     bounded cache longer than the slot's cells, `kv_cache.cells_per_slot`, since the policy evicts as it reads),
     /completion's default sampling (`n_predict`: the most a request may generate), the slots, the chat template.
-    `model_path` is the model's id (the file's name), not its path on this machine."""
+    `model_path` is the model file's name, not its path on this machine."""
     d = LLAMA_SERVER
     params = {"n_predict": state.max_tokens, "max_tokens": state.max_tokens, "temperature": d.temperature,
               "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "typical_p": d.typical_p,
@@ -85,7 +85,7 @@ async def props(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
     llm, cells = state.llm, state.scheduler.slots.cells_per_slot
     n_ctx = state.max_prompt_tokens if llm.policy.bounded else min(cells - 1, state.max_prompt_tokens)
     return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
-            "total_slots": state.scheduler.slots.n_slots, "model_path": state.model_id,
+            "total_slots": state.scheduler.slots.n_slots, "model_path": os.path.basename(llm.model_path),
             "chat_template": llm.chat_template.source or "", "modalities": {"vision": False, "audio": False},
             "build_info": f"h2o_local {__version__}",
             "kv_cache": {"policy": llm.policy.label, "budget": llm.budget, "cells_per_slot": cells}}
@@ -296,7 +296,7 @@ def _llama_server_result(state: ServerState, job: Job, body: Any, content: str, 
     stop_type = "word" if job.stopping_word else {"stop": "eos", "length": "limit"}.get(finish or "", "none")
     return {"index": 0, "content": content, "tokens": [], "id_slot": job.slot, "stop": True, "model": state.model_id,
             "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "tokens_cached": job.reused_tokens,
-            "generation_settings": _generation_settings(job, body),
+            "generation_settings": _generation_settings(state, job, body),
             "prompt": state.llm.detokenize(job.prompt_tokens, special=True).decode("utf-8", errors="replace"),
             "has_new_line": "\n" in content, "truncated": False,
             "stop_type": stop_type, "stopping_word": job.stopping_word, "stopped_eos": stop_type == "eos",
@@ -309,18 +309,22 @@ def _llama_server_result(state: ServerState, job: Job, body: Any, content: str, 
                         "predicted_per_second": n_gen / max(predicted_ms / 1e3, 1e-9)}}
 
 
-def _generation_settings(job: Job, body: Any) -> Dict[str, Any]:
-    """The sampling a request ran with, in llama-server's names (its generation_settings)."""
+def _generation_settings(state: ServerState, job: Job, body: Any) -> Dict[str, Any]:
+    """The sampling a request ran with, in llama-server's names (its generation_settings); `logit_bias` as it
+    lists it, with the end-of-generation tokens banned by ignore_eos (a bias of null: -inf)."""
     p = job.params
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    bias = dict(p.logit_bias or {})
+    if p.ignore_eos:
+        bias.update((t, float("-inf")) for t in state.llm.eog_tokens())
+    listed = [{"token": t, "bias": None if b == float("-inf") else b} for t, b in sorted(bias.items())]
     return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, "seed": p.seed, "temperature": p.temperature,
             "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "typical_p": p.typical_p,
             "repeat_last_n": p.penalty_last_n, "repeat_penalty": p.repeat_penalty,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
             "mirostat": p.mirostat_mode, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
             "stop": stop, "n_keep": job.n_keep, "ignore_eos": p.ignore_eos, "stream": bool(body.stream),
-            "n_probs": body.n_probs, "grammar": p.grammar or "", "kv_cache": {"policy": (job.policy.label if job.policy
-                                                                                   else None)}}
+            "n_probs": body.n_probs, "grammar": p.grammar or "", "logit_bias": listed}
 
 
 def _token_probabilities(state: ServerState, entry: TokenLogprob) -> Dict[str, Any]:
@@ -555,6 +559,9 @@ async def chat_prompt(state: ServerState,
     """A chat request's messages checked and made into its prompt (in the preparing threads): its tools' plan, the
     prompt's tokens and its protected prefix (`Llama.chat_tokens`)."""
     plan, messages = _chat_messages(state, body)
+    if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise APIError(400, "continue_final_message and add_generation_prompt are both true: a final assistant "
+                            "message is either continued or answered", param="continue_final_message")
     prefill = body.continue_final_message or not body.add_generation_prompt  # a final assistant message goes on
     tokens, n_keep = await _prepared_in_time(state, state.llm.chat_tokens, messages, tools=plan.template_tools,
                                              special_in_content=body.special_in_content,

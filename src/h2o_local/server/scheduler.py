@@ -156,6 +156,7 @@ class Totals:
     prompt_seconds: float = 0.0
     predicted_tokens: int = 0
     predicted_seconds: float = 0.0
+    predicted_after_first: int = 0  # tokens generated after each request's first (the generation rate's)
     n_decode: int = 0
     busy_slots: int = 0
 
@@ -465,9 +466,10 @@ class Scheduler:
         now, t = time.perf_counter(), self.totals
         t.prompt_tokens += len(job.prompt_tokens) - job.reused_tokens
         t.predicted_tokens += job.n_generated
-        if job.first_token_at:
+        if job.first_token_at:  # the first token is the prompt's: the rate counts the tokens after it
             t.prompt_seconds += job.first_token_at - job.prompt_started_at
             t.predicted_seconds += now - job.first_token_at
+            t.predicted_after_first += job.n_generated - 1
         m = self.metrics
         m.requests.labels("ok").inc()
         m.prompt_tokens.inc(len(job.prompt_tokens))
