@@ -67,8 +67,8 @@ for flag in same:
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     if value is not None:
         serve += [flag, value]
-if args.ctx_size:  # llama-server's context: the most prompt tokens a request may bring here (the cache is bounded)
-    serve += ["--max-prompt-tokens", args.ctx_size[-1]]
+if args.ctx_size:  # llama-server's context, shared by its slots: the most prompt tokens a request may bring here
+    serve += ["--max-prompt-tokens", str(max(1, int(args.ctx_size[-1]) // int(args.parallel or 1)))]
 if args.chat_template_file:
     serve += ["--chat-template", "@" + args.chat_template_file[-1]]
 os.execv(sys.executable, serve)
@@ -76,10 +76,85 @@ os.execv(sys.executable, serve)
 
 # (test id pattern, class, why): the first rule whose pattern the failing test's id matches classes it
 MODEL_TEXT = "model text: the test expects the tests' own tiny model's words or token counts"
+HARMLESS = "harmless: this server does what OpenAI or Anthropic do"
 NOT_OFFERED = "not offered"
 SHIM_ARTIFACT = "shim artifact"
 OURS = "ours to fix"
-CLASSES: List[Tuple[str, str, str]] = []
+MODEL = MODEL_TEXT.split(":")[0]
+CLASSES: List[Tuple[str, str, str]] = [
+    # the tests' own models: stories260K's words, its BOS id, its token counts; BGE's; split GGUFs from the hub
+    (r"test_tokenize\.py::test_tokenize_with_bos", MODEL, "stories260K's BOS is token 1; SmolLM2 adds none"),
+    (r"test_completion\.py::test_completion(_stream)?\[", MODEL, "stories260K's words and token counts"),
+    (r"test_completion\.py::test_completion_prompt_cache", MODEL, "counts its prompt in stories260K's tokens"),
+    (r"test_chat_completion\.py::test_chat_completion(_stream)?\[", MODEL,
+     "stories260K's words and token counts (and the first stream delta's content: \"\" as OpenAI sends, not null)"),
+    (r"test_chat_completion\.py::test_chat_completion_cached_tokens", MODEL, "prompt and cached counts in stories260K's tokens"),
+    (r"test_chat_completion\.py::test_chat_completion_with_timings_per_token|::test_logprobs_stream",
+     MODEL, "the first stream delta's content is \"\" (OpenAI's), not null"),
+    (r"test_embedding\.py::test_embedding_(usage|pooling_none)", MODEL, "BGE's token counts"),
+    (r"test_infill\.py::test_infill_with", MODEL, "stories260K-infill's words"),
+    (r"test_ctx_shift\.py::test_ctx_shift_enabled", MODEL, "counts stories260K's tokens of its text"),
+    (r"test_basic\.py::test_load_split_model", SHIM_ARTIFACT, "a split GGUF from the hub; the shim serves SmolLM2"),
+    (r"test_compat_anthropic\.py::test_anthropic_vision_base64_with_multimodal_model", SHIM_ARTIFACT,
+     "downloads a vision model from the hub (offline here)"),
+    # llama-server features not offered here, and why
+    (r"test_basic\.py::test_server_multiple_addresses", NOT_OFFERED, "several listen addresses in --host"),
+    (r"test_basic\.py::test_server_slots|test_metrics\.py::test_metrics_slots_idle", NOT_OFFERED,
+     "/slots (the slots' state is in /props and /metrics)"),
+    (r"test_basic\.py::test_no_ui", NOT_OFFERED, "--no-ui (the chat page is this server's own, offline)"),
+    (r"test_basic\.py::test_server_model_aliases_and_tags", NOT_OFFERED, "--tags and several aliases"),
+    (r"test_completion\.py::test_nocache_long_input_prompt|test_ctx_shift\.py::test_ctx_shift_disabled",
+     NOT_OFFERED, "a context that fills up: the bounded cache reads and answers at any length, on purpose"),
+    (r"test_completion\.py::test_completion_unified", NOT_OFFERED,
+     "a shared context that fills up across slots: each slot's cache is bounded"),
+    (r"test_completion\.py::test_json_prompt_no_mtmd|test_completion\.py::test_completion_with_tokens_input|"
+     r"test_embedding\.py::test_embedding_(mixed_input|content_text_same_as_string)", NOT_OFFERED,
+     "prompts as objects or as token and text mixes (one text or one token list is)"),
+    (r"test_completion\.py::test_completion_response_fields", NOT_OFFERED, "response_fields"),
+    (r"test_completion\.py::test_n_probs_post", NOT_OFFERED,
+     "probabilities after the sampling chain (n_probs gives the model's own, llama-server's default)"),
+    (r"test_completion\.py::test_cancel_request", NOT_OFFERED, "/slots, which it reads to see the slot freed"),
+    (r"test_chat_completion\.py::test_(chat_template|verbose_debug)$", NOT_OFFERED, "the __verbose debug object"),
+    (r"test_chat_completion\.py::test_return_progress|test_metrics\.py::test_metrics_timings_on_prompt_progress",
+     NOT_OFFERED, "return_progress (prompt progress events)"),
+    (r"test_chat_completion\.py::test_chat_completions_token_count", NOT_OFFERED,
+     "/v1/chat/completions/count_tokens (Anthropic's count_tokens is offered)"),
+    (r"test_chat_completion\.py::test_context_size_exceeded", "harmless",
+     "OpenAI's error on /v1 routes (type invalid_request_error, code context_length_exceeded, with n_prompt_tokens "
+     "and n_ctx); llama-server's type on its own routes"),
+    (r"test_security\.py::test_access_static_assets", NOT_OFFERED, "llama-server's web UI files"),
+    (r"test_security\.py::test_incorrect_api_key", "harmless", "OpenAI's 401 type, invalid_request_error"),
+    (r"test_security\.py::test_cors_options", NOT_OFFERED,
+     "CORS is off unless --cors-origins (a web page on any site could otherwise call a local server)"),
+    (r"test_security\.py::test_cors_origins_localhost", NOT_OFFERED,
+     "the 'localhost' keyword of --cors-origins (origins are listed); a refused preflight is a 400"),
+    (r"test_security\.py::test_(cors_origins_defaults|cors_proxy|local_media)", NOT_OFFERED,
+     "--tools, the CORS proxy and --media-path (local files for multimodal prompts)"),
+    (r"test_metrics\.py::test_metrics_disabled", NOT_OFFERED, "/metrics is always served (behind the API key)"),
+    (r"test_metrics\.py::test_metrics_(prometheus_format|predicted_total|embedding_prompt)", NOT_OFFERED,
+     "llama-server's Process-Start-Time-Unix header"),
+    (r"test_compat_anthropic\.py::test_anthropic_(tool_result_with_image|vision_format)", "harmless",
+     "an image to a model without vision is a 400 (llama-server answers 500)"),
+    (r"test_compat_oai_responses\.py::test_responses_stream_with_llama_telemetry", NOT_OFFERED,
+     "llama-server's telemetry route"),
+    (r"::test_(completion|completion_stream|chat_completion|responses)_with_openai_library", MODEL,
+     "stories260K's words"),
+    (r"test_chat_completion\.py::test_chat_template_(assistant_prefill|continue_final_message_vllm_compat)",
+     NOT_OFFERED, "the __verbose debug object, which it reads the prompt from (prefills are continued: "
+                  "tests/server/test_llama_server_compat.py)"),
+    (r"test_chat_completion\.py::test_invalid_chat_completion_req\[messages7\]", "harmless",
+     "two assistant messages in a row are a conversation OpenAI's API takes"),
+    (r"test_compat_anthropic\.py::test_anthropic_empty_messages", "harmless",
+     "Anthropic's API refuses an empty conversation (400)"),
+    (r"test_template\.py::test_reasoning", NOT_OFFERED,
+     "llama-server's --reasoning on/off/auto, which writes or closes the think tag in the prompt (a request's "
+     "chat_template_kwargs, such as enable_thinking, is taken)"),
+    (r"test_template\.py::test_date_inside_prompt\[fireworks", NOT_OFFERED,
+     "the firefunction-v2 template reads a variable only Fireworks' server passes"),
+    (r"test_metrics\.py::test_metrics_prompt_processed_and_cached", OURS,
+     "a prompt resent exactly as before is read again: a saved conversation is continued only by a prompt that "
+     "goes past it (one that equals it would need its last token taken back from a bounded cache and fed again)"),
+]
 
 
 def extract_tests(dest: Path) -> Path:
@@ -141,7 +216,7 @@ def report(junit: Path, out: Path) -> Dict[str, object]:
             failures.append({"test": test_id, "class": kind, "why": why})
         else:
             per_file[file]["passed"] += 1
-    kinds = [MODEL_TEXT.split(":")[0], NOT_OFFERED, SHIM_ARTIFACT, OURS, "unclassified"]
+    kinds = [MODEL, "harmless", NOT_OFFERED, SHIM_ARTIFACT, OURS, "unclassified"]
     total = Counter()
     for counts in per_file.values():
         total.update(counts)
@@ -156,6 +231,12 @@ def report(junit: Path, out: Path) -> Dict[str, object]:
              f"{total['passed'] + total['failed'] + total['skipped']}. Failures by class: "
              + ", ".join(f"{k} {total[k]}" for k in kinds if total[k]) + ".",
              "",
+             "Classes: **model text**, the test expects the words or token counts of its own tiny models (stories260K, "
+             "BGE), which a real model does not write; **harmless**, this server answers as OpenAI or Anthropic "
+             "do where llama-server differs; **not offered**, a llama-server feature this server does not have "
+             "(the reason is given per test); **shim artifact**, the run's own substitution (a hub model); **ours to "
+             "fix**, an incompatibility of this server; **unclassified**, not yet read.",
+             "",
              "| file | passed | failed | " + " | ".join(kinds) + " | skipped |",
              "|---|---|---|" + "---|" * len(kinds) + "---|"]
     for file in sorted(per_file):
@@ -163,7 +244,7 @@ def report(junit: Path, out: Path) -> Dict[str, object]:
         lines.append(f"| {file} | {c['passed']} | {c['failed']} | " + " | ".join(str(c[k]) for k in kinds)
                      + f" | {c['skipped']} |")
     lines += ["", "## Every failure", "", "| test | class | why |", "|---|---|---|"]
-    order = {k: i for i, k in enumerate(["unclassified", OURS, NOT_OFFERED, SHIM_ARTIFACT, MODEL_TEXT.split(':')[0]])}
+    order = {k: i for i, k in enumerate(["unclassified", OURS, NOT_OFFERED, "harmless", SHIM_ARTIFACT, MODEL])}
     for f in sorted(failures, key=lambda f: (order.get(f["class"], 9), f["test"])):
         lines.append(f"| `{f['test']}` | {f['class']} | {f['why'].replace('|', '/')} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -291,7 +291,8 @@ class ChatTemplate:
 
     def _render_copies(self, messages: Sequence[Message], add_generation_prompt: bool, time_limit_s: Optional[float],
                        tools: Optional[List[Dict[str, Any]]], variables: Optional[Mapping[str, Any]]) -> str:
-        variables = check_variables(variables)
+        # llama.cpp's default: today's date where a template reads date_string (Llama 3.x; a request may set it)
+        variables = {"date_string": datetime.date.today().strftime("%d %b %Y"), **(check_variables(variables) or {})}
         msgs = copy.deepcopy(normalize_messages(messages))  # a template may change what it is given
         if self.source is not None and "developer" not in self.source:
             msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]

@@ -84,7 +84,7 @@ def chat_completion_chunks(meta: Dict[str, Any], whole: Dict[str, Any]) -> Itera
     pieces = ([{"reasoning_content": message["reasoning_content"]}] if message.get("reasoning_content") else []) + \
         ([{"content": message["content"]}] if message.get("content") else []) + \
         [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(message.get("tool_calls") or [])]
-    yield chat_chunk(meta, {"role": "assistant", "content": ""})
+    yield chat_chunk(meta, {"role": "assistant", "content": None})
     for i, delta in enumerate(pieces):
         yield chat_chunk(meta, delta, logprobs=choice.get("logprobs") if i == 0 else None)
     yield chat_chunk(meta, {}, choice["finish_reason"], logprobs=None if pieces else choice.get("logprobs"))

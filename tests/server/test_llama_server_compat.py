@@ -130,7 +130,7 @@ def test_completion_answers_with_llama_servers_fields_whole_and_streamed(server,
     assert (settings["n_predict"], settings["temperature"], settings["ignore_eos"], settings["stream"]) == (6, 0, True, False)
     timings = out["timings"]
     assert timings["cache_n"] == out["tokens_cached"] and timings["predicted_n"] == 6
-    assert timings["predicted_per_token_ms"] * 6 == pytest.approx(timings["predicted_ms"])
+    assert timings["predicted_per_token_ms"] * 5 == pytest.approx(timings["predicted_ms"])  # after the first token
     assert timings["prompt_per_second"] > 0 and timings["prompt_per_token_ms"] > 0
     status, with_ids = post(port, "/completion", {**ask, "return_tokens": True})
     assert len(with_ids["tokens"]) == 6
@@ -228,6 +228,22 @@ def test_what_the_peer_run_found_answers_as_llama_server_does(server, chat_model
     assert {b["token"] for b in banned} == set(llm.eog_tokens()) and all(b["bias"] is None for b in banned)
     status, out = post(port, "/completion", {"prompt": "Hi", "n_predict": 2, "logit_bias": [[5, 1.5]]})
     assert out["generation_settings"]["logit_bias"] == [{"token": 5, "bias": 1.5}]
+    status, out = post(port, "/completion", {"prompt": "Hi", "n_predict": 1, "ignore_eos": True})
+    # the first token is the prompt's (its last batch's logits): no generation rate of one token
+    assert (out["timings"]["predicted_per_second"], out["timings"]["predicted_per_token_ms"]) == (0.0, 0.0)
+    status, err = post(port, "/infill", {"input_prefix": "x", "input_extra": [{"filename": "ok"}]})
+    assert status == 400 and err["error"]["param"].startswith("input_extra")  # a file's text is required
+
+
+def test_a_template_that_reads_date_string_gets_today_as_llama_cpp_gives_it():
+    import datetime
+
+    from h2o_local.chat_template import ChatTemplate
+
+    template = ChatTemplate("{{ date_string }}|{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    today = datetime.date.today().strftime("%d %b %Y")
+    assert template.render([{"role": "user", "content": "hi"}]) == f"{today}|hi"
+    assert template.render([{"role": "user", "content": "hi"}], variables={"date_string": "1 Jan 2000"}) == "1 Jan 2000|hi"
 
 
 def _engine_commit():

@@ -91,6 +91,9 @@ def test_apply_template_gives_the_prompt_a_chat_request_is_read_as(server, llm):
     # variables the template does not read change nothing (llama-server's chat_template_kwargs)
     status, out = post(port, "/apply-template", {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}})
     assert status == 200 and out["prompt"] == llm.apply_chat_template(USER)
+    status, out = post(port, "/apply-template", {"messages": USER, "add_generation_prompt": False})
+    assert status == 200 and out["prompt"] == llm.apply_chat_template(USER, add_generation_prompt=False)
+    assert not out["prompt"].endswith("<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("path, body, param", [

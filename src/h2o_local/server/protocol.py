@@ -182,10 +182,11 @@ class ChatCompletionRequest(_Request):
 
 
 class InfillChunk(BaseModel):
+    """One file of the project as context (llama-server's: its text is required, its name optional)."""
     model_config = ConfigDict(extra="forbid")
 
     filename: str = "tmp"
-    text: str = ""
+    text: str
 
 
 class _LlamaServerAnswer(_Request):

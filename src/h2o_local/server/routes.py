@@ -273,12 +273,11 @@ async def _llama_server_answer(state: ServerState, body: Union[LlamaServerComple
         if e.code == "context_length_exceeded":  # llama-server's type, which its clients branch on
             e.kind = "exceed_context_size_error"
         raise
-    read = time.perf_counter()
     if body.stream:
-        return event_stream(state, _llama_server_stream(state, job, body, started, read))
+        return event_stream(state, _llama_server_stream(state, job, body, started))
     tokens: List[int] = []
     pieces, finish, entries = await collect_answer(state, job, request, tokens)
-    out = _llama_server_result(state, job, body, "".join(pieces), finish, started, read)
+    out = _llama_server_result(state, job, body, "".join(pieces), finish, started)
     out["tokens"] = tokens if body.return_tokens else []
     if body.n_probs:
         out["completion_probabilities"] = [_token_probabilities(state, e) for e in entries]
@@ -286,13 +285,16 @@ async def _llama_server_answer(state: ServerState, body: Union[LlamaServerComple
 
 
 def _llama_server_result(state: ServerState, job: Job, body: Any, content: str, finish: Optional[str],
-                         started: float, read: float) -> Dict[str, Any]:
+                         started: float) -> Dict[str, Any]:
     """llama-server's final /completion object (its to_json_non_oaicompat_final): the text, why it stopped, the
     counts, the settings it ran with and its timings (ms)."""
     end = time.perf_counter()
     n_prompt, n_gen = len(job.prompt_tokens), job.n_generated
     n_read = n_prompt - job.reused_tokens
-    prompt_ms, predicted_ms = (read - started) * 1e3, (end - read) * 1e3
+    # as llama-server times them: the prompt until the first token (which its last batch's logits give), the
+    # generation after it, its rate over the tokens after the first
+    first = job.first_token_at or end
+    prompt_ms, predicted_ms = (first - started) * 1e3, (end - first) * 1e3
     stop_type = "word" if job.stopping_word else {"stop": "eos", "length": "limit"}.get(finish or "", "none")
     return {"index": 0, "content": content, "tokens": [], "id_slot": job.slot, "stop": True, "model": state.model_id,
             "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "tokens_cached": job.reused_tokens,
@@ -305,8 +307,8 @@ def _llama_server_result(state: ServerState, job: Job, body: Any, content: str, 
                         "prompt_per_token_ms": prompt_ms / max(n_read, 1),
                         "prompt_per_second": n_read / max(prompt_ms / 1e3, 1e-9),
                         "predicted_n": n_gen, "predicted_ms": predicted_ms,
-                        "predicted_per_token_ms": predicted_ms / max(n_gen, 1),
-                        "predicted_per_second": n_gen / max(predicted_ms / 1e3, 1e-9)}}
+                        "predicted_per_token_ms": predicted_ms / (n_gen - 1) if n_gen > 1 else 0.0,
+                        "predicted_per_second": 1e3 / predicted_ms * (n_gen - 1) if n_gen > 1 and predicted_ms else 0.0}}
 
 
 def _generation_settings(state: ServerState, job: Job, body: Any) -> Dict[str, Any]:
@@ -338,7 +340,7 @@ def _token_probabilities(state: ServerState, entry: TokenLogprob) -> Dict[str, A
     return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
 
 
-async def _llama_server_stream(state: ServerState, job: Job, body: Any, started: float, read: float):
+async def _llama_server_stream(state: ServerState, job: Job, body: Any, started: float):
     try:
         async for step in job_steps(state, job):
             e = step.event
@@ -350,7 +352,7 @@ async def _llama_server_stream(state: ServerState, job: Job, body: Any, started:
                     chunk["completion_probabilities"] = [_token_probabilities(state, x) for x in step.logprobs]
                 yield json.dumps(chunk)
             if e.token is None:
-                yield json.dumps(_llama_server_result(state, job, body, "", e.finish_reason, started, read))
+                yield json.dumps(_llama_server_result(state, job, body, "", e.finish_reason, started))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
         yield json.dumps(as_api_error(e).body())
 
@@ -376,8 +378,10 @@ async def apply_template(body: ChatCompletionRequest, state: ServerState = Depen
     """llama-server's: the prompt the chat template makes of a chat request's messages (and tools), as text, for a
     client that edits it and sends it to /v1/completions."""
     plan, messages = _chat_messages(state, body)
-    return {"prompt": await _prepared_in_time(state, state.llm.apply_chat_template, messages, tools=plan.template_tools,
-                                              chat_template_kwargs=body.chat_template_kwargs)}
+    return {"prompt": await _prepared_in_time(state, state.llm.apply_chat_template, messages,
+                                              add_generation_prompt=body.add_generation_prompt and
+                                              not body.continue_final_message,
+                                              tools=plan.template_tools, chat_template_kwargs=body.chat_template_kwargs)}
 
 
 @router.post("/extras/tokenize")
@@ -755,7 +759,8 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
 
 async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool,
                        thinking: Optional[reasoning.Thinking]):
-    yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": ""}), job.started.view))
+    # the role first with no content yet (null, as llama-server sends it); no delta carries empty content
+    yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": None}), job.started.view))
     shown = responses.ShownLogprobs(state.llm.token_to_piece)
     splitter = None if thinking is None else thinking.splitter()
     try:
@@ -767,7 +772,7 @@ async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage
             delta = responses.chat_delta(*reasoning.pieces(splitter, e.text, end=e.token is None))
             # the view goes with every token; logprobs with their tokens' text (at the end, maybe with none)
             if delta or (view is not None and e.token is not None) or lp is not None:
-                yield json.dumps(_viewed(responses.chat_chunk(meta, delta or {"content": ""}, logprobs=lp), view))
+                yield json.dumps(_viewed(responses.chat_chunk(meta, delta, logprobs=lp), view))
             if e.token is None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, {}, e.finish_reason), view))
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, as llama-server's
