@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
 
-def continues(held: Sequence[int], held_keep: int, tokens: Sequence[int], n_keep: int) -> bool:
-    """True when a cache holding `held` (protected prefix `held_keep`) continues the prompt `tokens` (`n_keep`)."""
+def continues(held: Sequence[int], held_keep: int, tokens: Sequence[int], n_keep: int, whole: bool = False) -> bool:
+    """True when a cache holding `held` (protected prefix `held_keep`) continues the prompt `tokens` (`n_keep`);
+    `whole`: also when it holds the whole prompt (a saved cache keeps the logits after its last token)."""
     n = len(held)
     # the last held token first: most saved sessions of a long conversation part from it early, and the whole
     # comparison is as long as the conversation
-    return held_keep == n_keep and len(tokens) > n and (n == 0 or tokens[n - 1] == held[-1]) and \
+    longer = len(tokens) >= n if whole else len(tokens) > n
+    return held_keep == n_keep and longer and (n == 0 or tokens[n - 1] == held[-1]) and \
         tuple(tokens[:n]) == tuple(held)
 
 
@@ -61,8 +63,10 @@ class SessionCache:
             self.nbytes -= s.nbytes
 
     def longest_prefix(self, tokens: Sequence[int], n_keep: int, policy: str = "") -> Optional[Session]:
-        """The saved session with the same protected prefix and policy whose tokens are the longest proper prefix
-        of `tokens`. It stays saved (a conversation may branch from it again) and becomes the most recently used."""
+        """The saved session with the same protected prefix and policy whose tokens are the longest prefix of
+        `tokens`, the whole of them included (a prompt resent as it was, a regenerated answer: its snapshot's
+        last logits are the prompt's). It stays saved (a conversation may branch from it again) and becomes the
+        most recently used."""
         best = self._longest(tokens, n_keep, policy)
         if best is None:
             self.misses += 1
@@ -80,7 +84,7 @@ class SessionCache:
     def _longest(self, tokens: Sequence[int], n_keep: int, policy: str) -> Optional[Session]:
         # longest first: a long conversation's earlier turns are saved too, and each is compared whole
         for s in sorted(list(self._items.values()), key=lambda s: len(s.tokens), reverse=True):  # a copy: another
-            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep):          # thread may save one
+            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep, whole=True):  # thread may save
                 return s
         return None
 

@@ -56,7 +56,8 @@ class Slots:
               prompt_logits: bool = False) -> List[generation.Event]:
         """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
         `policy`: the slot's own (a resolved value that fits the slot's cells), None: the `Llama`'s.
-        `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed.
+        `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed (nothing
+        where it holds them all: its logits after the last one are drawn from).
         `save_prefix(snapshot)`: without `resume`, the protected prefix is fed alone first and its snapshot given
         to it (a shared system prompt that later requests start from).
         `between_chunks()` runs between the chunks of a long prompt (with `interleaves`): it may return
@@ -80,14 +81,15 @@ class Slots:
             self._engine.restore(slot, snapshot)
             self._evicted_before[slot] = self._engine.state(slot)["n_evicted"]
             feed = tokens[n_fed:]
-        if not feed:
+        elif not feed:
             raise ValueError("the prompt is empty")
         hook = between_chunks if self.interleaves else None
         if save_prefix is not None and resume is None and not prompt_logits and 0 < n_keep < len(tokens):
             self._engine.eval({slot: tokens[:n_keep]}, False, hook)
             save_prefix(self._engine.snapshot(slot))
             feed = tokens[n_keep:]
-        self._engine.eval({slot: feed}, prompt_logits, hook)
+        if feed:  # else the snapshot held the whole prompt, and the logits after it
+            self._engine.eval({slot: feed}, prompt_logits, hook)
         run = generation.SeqRun(slot, slot, sampler, TextAssembler(params.stop), params.max_tokens,
                                 deadline=None if time_limit_s is None else time.monotonic() + time_limit_s,
                                 want_logits=logits, shown_special=params.preserved_tokens)

@@ -106,7 +106,7 @@ def test_a_final_assistant_message_is_continued_when_asked(server, chat_model):
 
     answer = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0).messages.create(
         model="tiny", messages=messages, max_tokens=1)
-    assert answer.usage.input_tokens == len(prefill)
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == len(prefill)
 
 
 def stream(port, path, body):
@@ -121,10 +121,10 @@ def test_completion_answers_with_llama_servers_fields_whole_and_streamed(server,
     generation_settings, prompt, id_slot, index, and the timings' cache_n and per-token figures."""
     port, _ = server
     llm = Llama(chat_model, budget=48)
-    ask = {"prompt": "Once upon", "n_predict": 6, "temperature": 0, "ignore_eos": True}
+    ask = {"prompt": "Far away", "n_predict": 6, "temperature": 0, "ignore_eos": True}  # read for the first time
     status, out = post(port, "/completion", ask)
     assert status == 200 and out["tokens"] == [] and out["index"] == 0 and out["id_slot"] == 0
-    assert out["prompt"] == llm.detokenize(llm.tokenize("Once upon"), special=True).decode()
+    assert out["prompt"] == llm.detokenize(llm.tokenize("Far away"), special=True).decode()
     assert out["has_new_line"] == ("\n" in out["content"])
     settings = out["generation_settings"]
     assert (settings["n_predict"], settings["temperature"], settings["ignore_eos"], settings["stream"]) == (6, 0, True, False)

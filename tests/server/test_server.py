@@ -154,6 +154,24 @@ def test_a_continued_conversation_reuses_its_cache(chat_model):
     assert second.choices[0].message.content == llm.generate(second_tokens, sampling=chat_defaults)
 
 
+def test_a_prompt_resent_as_it_was_is_not_read_again_and_answers_the_same(chat_model):
+    """A regenerated answer, a retried request: the prompt equals a saved cache's tokens, whose snapshot holds the
+    logits after them, so nothing is read and the first token is drawn from the same logits (with a bounded
+    cache that evicted while it read, the state is the one the first reading left)."""
+    with serving(chat_model, budget=32, **CPU_BACKEND) as (port, client):
+        messages = [USER[0], {"role": "user", "content": "Say something long about the sea and the ships. " * 3}]
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        status, done = post(port, "/completion", {"prompt": "Once upon a time there", "n_predict": 6, "temperature": 0})
+        status, redone = post(port, "/completion", {"prompt": "Once upon a time there", "n_predict": 6,
+                                                    "temperature": 0})
+    assert first.usage.model_extra["kv_cache"]["evicted"] > 0  # the budget evicted while the prompt was read
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert (redone["tokens_cached"], redone["timings"]["prompt_n"]) == (redone["tokens_evaluated"], 0)
+    assert redone["content"] == done["content"] and done["tokens_cached"] < done["tokens_evaluated"]
+
+
 def test_a_whole_exchange_is_continued_when_the_prompt_holds_its_tokens(chat_model):
     """A prompt of token ids that holds a finished request's prompt and generated tokens continues its saved cache:
     only the token shown last (not fed) and what follows are fed."""

@@ -81,7 +81,8 @@ async def props(state: ServerState = Depends(server_state)) -> Dict[str, Any]:
               "repeat_last_n": d.penalty_last_n, "repeat_penalty": d.repeat_penalty,
               "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
               "mirostat": d.mirostat_mode, "mirostat_tau": d.mirostat_tau, "mirostat_eta": d.mirostat_eta,
-              "n_keep": state.default_keep, "ignore_eos": d.ignore_eos, "stop": []}
+              "n_keep": state.default_keep, "ignore_eos": d.ignore_eos, "stop": [],
+              "seed": -1 if state.settings.seed is None else state.settings.seed}  # -1: each request its own
     llm, cells = state.llm, state.scheduler.slots.cells_per_slot
     n_ctx = state.max_prompt_tokens if llm.policy.bounded else min(cells - 1, state.max_prompt_tokens)
     return {"default_generation_settings": {"n_ctx": n_ctx, "params": params},
