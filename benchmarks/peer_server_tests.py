@@ -131,8 +131,10 @@ CLASSES: List[Tuple[str, str, str]] = [
     (r"test_security\.py::test_(cors_origins_defaults|cors_proxy|local_media)", NOT_OFFERED,
      "--tools, the CORS proxy and --media-path (local files for multimodal prompts)"),
     (r"test_metrics\.py::test_metrics_disabled", NOT_OFFERED, "/metrics is always served (behind the API key)"),
-    (r"test_metrics\.py::test_metrics_(prometheus_format|predicted_total|embedding_prompt)", NOT_OFFERED,
-     "llama-server's Process-Start-Time-Unix header"),
+    (r"test_metrics\.py::test_metrics_(prometheus_format|predicted_total|embedding_prompt|prompt_processed)",
+     "harmless", "the Process-Start-Time-Unix header is sent, in lower case as uvicorn writes every header name "
+                 "(HTTP's are case-insensitive); the test looks for its exact case before reading the llamacpp:* "
+                 "lines (tests/server/test_llama_server_compat.py reads them)"),
     (r"test_compat_anthropic\.py::test_anthropic_(tool_result_with_image|vision_format)", "harmless",
      "an image to a model without vision is a 400 (llama-server answers 500)"),
     (r"test_compat_oai_responses\.py::test_responses_stream_with_llama_telemetry", NOT_OFFERED,
@@ -154,9 +156,6 @@ CLASSES: List[Tuple[str, str, str]] = [
     (r"test_embedding\.py::test_embedding_multiple_with_fa", NOT_OFFERED,
      "one request's inputs together are bounded by --max-prompt-tokens (the shim's 512, from --ctx-size), so that "
      "one request cannot hold the embedding thread for many contexts' time"),
-    (r"test_metrics\.py::test_metrics_prompt_processed_and_cached", OURS,
-     "a prompt resent exactly as before is read again: a saved conversation is continued only by a prompt that "
-     "goes past it (one that equals it would need its last token taken back from a bounded cache and fed again)"),
 ]
 
 

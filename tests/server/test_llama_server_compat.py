@@ -177,10 +177,15 @@ def test_metrics_carry_llama_servers_names(server):
     assert status == 200
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     c.request("GET", "/metrics")
-    text = c.getresponse().read().decode()
+    response = c.getresponse()
+    assert int(response.getheader("Process-Start-Time-Unix")) > 0
+    text = response.read().decode()
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if line.startswith("llamacpp:")}
-    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE llamacpp:"))
+    assert types["llamacpp:prompt_tokens_total"] == "counter" and types["llamacpp:requests_processing"] == "gauge"
+    assert set(types) == set(values)  # every line has its TYPE under its own name, _total included
+    for name in ("prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total", "tokens_predicted_total",
                  "tokens_predicted_seconds_total", "n_decode_total", "n_busy_slots_per_decode",
                  "prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing", "requests_deferred"):
         assert f"llamacpp:{name}" in values, name

@@ -2,10 +2,9 @@
 slots and the waiting line, KV entries kept and evicted per request, time to first token, the session cache."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class ServerMetrics:
@@ -32,27 +31,29 @@ class ServerMetrics:
             Gauge(f"h2o_local_{key}", text, registry=r).set_function(lambda key=key: stats()[key])
         Gauge("h2o_local_flash_attn", "1 where the context runs llama.cpp's flash attention", registry=r).set(
             int(flash_attn))
-        if totals is not None:
-            r.register(LlamaServerNames(stats, totals))
+        self.llama_server = None if totals is None else LlamaServerNames(stats, totals)
 
 
 class LlamaServerNames:
-    """llama-server's own /metrics names (`llamacpp:*`, as its --metrics gives them), beside ours: dashboards and
-    autoscalers built for llama-server read them unchanged. Its KV-cache gauges are left out: a bounded cache's
-    usage is `h2o_local_kv_kept_entries`."""
+    """llama-server's own /metrics lines (`llamacpp:*`, as its --metrics writes them, a counter's TYPE line naming
+    it with its `_total`), appended to ours: dashboards and autoscalers built for llama-server read them unchanged.
+    The speculative-decoding counters are 0 (no draft model here); its KV-cache gauges and n_tokens_max are left
+    out (a bounded cache's use is `h2o_local_kv_kept_entries`)."""
 
     def __init__(self, stats: Callable[[], Dict[str, Any]], totals: Any):
         self.stats, self.totals = stats, totals
 
-    def collect(self) -> Iterator[Any]:
+    def text(self) -> str:
         t, s = self.totals, self.stats()
-        counters = (("prompt_tokens", "Number of prompt tokens processed.", t.prompt_tokens),
-                    ("prompt_seconds", "Prompt process time", t.prompt_seconds),
-                    ("tokens_predicted", "Number of generation tokens processed.", t.predicted_tokens),
-                    ("tokens_predicted_seconds", "Predict process time", t.predicted_seconds),
-                    ("n_decode", "Total number of llama_decode() calls", t.n_decode))
-        for name, text, value in counters:
-            yield CounterMetricFamily(f"llamacpp:{name}", text, value=value)
+        counters = (("prompt_tokens_total", "Number of prompt tokens processed.", t.prompt_tokens),
+                    ("prompt_tokens_cached_total", "Number of prompt tokens found in a saved cache.", t.cached_tokens),
+                    ("prompt_seconds_total", "Prompt process time", t.prompt_seconds),
+                    ("tokens_predicted_total", "Number of generation tokens processed.", t.predicted_tokens),
+                    ("tokens_predicted_seconds_total", "Predict process time", t.predicted_seconds),
+                    ("n_decode_total", "Total number of llama_decode() calls", t.n_decode),
+                    ("spec_decode_num_draft_tokens_total", "Draft tokens (no speculative decoding here)", 0),
+                    ("spec_decode_num_accepted_tokens_total", "Accepted draft tokens (none here)", 0),
+                    ("spec_decode_num_drafts_total", "Drafts (none here)", 0))
         gauges = (("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
                    t.busy_slots / max(t.n_decode, 1)),
                   ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
@@ -61,5 +62,9 @@ class LlamaServerNames:
                    t.predicted_after_first / t.predicted_seconds if t.predicted_seconds else 0.0),
                   ("requests_processing", "Number of requests processing.", s["slots_processing"]),
                   ("requests_deferred", "Number of requests deferred.", s["requests_waiting"]))
-        for name, text, value in gauges:
-            yield GaugeMetricFamily(f"llamacpp:{name}", text, value=value)
+        lines = []
+        for kind, rows in (("counter", counters), ("gauge", gauges)):
+            for name, help_text, value in rows:
+                lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
+                          f"llamacpp:{name} {float(value):g}"]
+        return "\n".join(lines) + "\n"

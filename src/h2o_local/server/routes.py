@@ -59,14 +59,22 @@ async def health(request: Request, state: ServerState = Depends(server_state)) -
     return {"status": "ok", **state.scheduler.stats()}
 
 
+# when the server started, seconds since the epoch (llama-server's /metrics header): this module's import, which
+# comes before the model loads
+PROCESS_START = int(time.time())
+
+
 def _keyed(request: Request) -> bool:
     return request.scope.get("state", {}).get("api_key_id") is not None
 
 
 @router.get("/metrics")
 async def metrics(state: ServerState = Depends(server_state)) -> Response:
-    """Prometheus' text format (server/metrics.py)."""
-    return Response(generate_latest(state.scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus' text format (server/metrics.py): ours, then llama-server's `llamacpp:*` lines; the process's
+    start in the Process-Start-Time-Unix header, as llama-server sends it."""
+    m = state.scheduler.metrics
+    text = generate_latest(m.registry) + (m.llama_server.text().encode() if m.llama_server is not None else b"")
+    return Response(text, media_type=CONTENT_TYPE_LATEST, headers={"Process-Start-Time-Unix": str(PROCESS_START)})
 
 
 @router.get("/props")

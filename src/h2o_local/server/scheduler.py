@@ -153,6 +153,7 @@ class Totals:
     first, decode steps and the slots live in them."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     prompt_seconds: float = 0.0
     predicted_tokens: int = 0
     predicted_seconds: float = 0.0
@@ -465,6 +466,7 @@ class Scheduler:
     def _count_finished(self, job: Job) -> None:
         now, t = time.perf_counter(), self.totals
         t.prompt_tokens += len(job.prompt_tokens) - job.reused_tokens
+        t.cached_tokens += job.reused_tokens
         t.predicted_tokens += job.n_generated
         if job.first_token_at:  # the first token is the prompt's: the rate counts the tokens after it
             t.prompt_seconds += job.first_token_at - job.prompt_started_at
