@@ -40,7 +40,7 @@ def _text() -> str:
     return " ".join(words[(i * 7) % len(words)] for i in range(200_000))
 
 
-def _prompt(tokenize, depth: int) -> List[int]:
+def depth_prompt(tokenize, depth: int) -> List[int]:
     tokens = tokenize(_text())
     while len(tokens) < depth:
         tokens = tokens + tokens
@@ -80,7 +80,7 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         llm = llama_cpp.Llama(cfg["model"], n_ctx=depth + n_dec + 16, n_batch=n_batch, n_ubatch=n_batch,
                               n_threads=threads, n_threads_batch=threads, flash_attn=cfg.get("flash_attn", False),
                               n_gpu_layers=cfg.get("n_gpu_layers", 0), verbose=False)
-        prompt = _prompt(lambda t: llm.tokenize(t.encode(), add_bos=False), depth)
+        prompt = depth_prompt(lambda t: llm.tokenize(t.encode(), add_bos=False), depth)
         n_vocab = llm.n_vocab()
         if n_warm:
             llm.eval(prompt[:n_warm] + prompt[:1])
@@ -108,7 +108,7 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         from h2o_local import Llama, ModelInfo, _engine
 
         vocab = Llama(cfg["model"], policy="full", n_ctx=64, n_gpu_layers=0)
-        prompt = _prompt(lambda t: vocab.tokenize(t, add_bos=False), depth)
+        prompt = depth_prompt(lambda t: vocab.tokenize(t, add_bos=False), depth)
         del vocab
         run = _engine.plain_run(cfg["model"], prompt, n_dec, n_gpu_layers=cfg.get("n_gpu_layers", 0),
                                 flash_attn=cfg.get("flash_attn", False), n_batch=n_batch, n_threads=threads,
@@ -130,7 +130,7 @@ def measure(cfg: Dict[str, Any]) -> Dict[str, Any]:
         kwargs.setdefault("n_batch", n_batch)
         llm = Llama(cfg["model"], **kwargs, n_ctx=n_ctx, n_threads=threads,
                     n_gpu_layers=cfg.get("n_gpu_layers", 0))
-        prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
+        prompt = depth_prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
         if n_warm:
             llm.eval(prompt[:n_warm])
             llm.eval(prompt[:1])

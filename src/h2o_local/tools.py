@@ -17,12 +17,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from .chat_template import PROBE_TIME_LIMIT_S, probe_call
 from .tool_formats import FORMATS, CallFormat, GenericJson, JsonBlocks
 
-_PROBE_TOOL = {"type": "function", "function": {
+PROBE_TOOL = {"type": "function", "function": {
     "name": "probe_tool", "description": "Looks a probe up.",
     "parameters": {"type": "object", "properties": {"probe_arg": {"type": "string", "description": "What to look up."},
                                                     "probe_count": {"type": "integer"}},
                    "required": ["probe_arg"]}}}
-_PROBE_ARGUMENTS = {"probe_arg": "probe value 5f3a", "probe_count": 3}
+PROBE_ARGUMENTS = {"probe_arg": "probe value 5f3a", "probe_count": 3}
 
 
 def call_format(template: Any) -> Optional[CallFormat]:
@@ -35,18 +35,18 @@ def call_format(template: Any) -> Optional[CallFormat]:
     if not candidates:
         return None
     ask = [{"role": "user", "content": "Look the probe up."}]
-    called = ask + [probe_call(_PROBE_ARGUMENTS)]
+    called = ask + [probe_call(PROBE_ARGUMENTS)]
     try:
-        described = template.render(ask, True, PROBE_TIME_LIMIT_S, tools=[_PROBE_TOOL])
-        written = template.render(called, False, PROBE_TIME_LIMIT_S, tools=[_PROBE_TOOL])
+        described = template.render(ask, True, PROBE_TIME_LIMIT_S, tools=[PROBE_TOOL])
+        written = template.render(called, False, PROBE_TIME_LIMIT_S, tools=[PROBE_TOOL])
     except (ValueError, TypeError):
         return None
     if "Looks a probe up." not in described:
         return None
     answer = written[len(described):] if written.startswith(described) else written
     for fmt in candidates:
-        for start, end, name, arguments in fmt.find(answer, [_PROBE_TOOL]):
-            if name == "probe_tool" and arguments == _PROBE_ARGUMENTS:
+        for start, end, name, arguments in fmt.find(answer, [PROBE_TOOL]):
+            if name == "probe_tool" and arguments == PROBE_ARGUMENTS:
                 return fmt.fitted(answer[start:end])
     return None
 

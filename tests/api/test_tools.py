@@ -13,7 +13,7 @@ from h2o_local import Llama, SamplingParams, tool_formats
 from h2o_local import tools as tools_mod
 from h2o_local.chat_template import ChatTemplate
 from h2o_local.server import create_app
-from h2o_local.tools import _PROBE_ARGUMENTS, _PROBE_TOOL, parse_calls
+from h2o_local.tools import PROBE_ARGUMENTS, PROBE_TOOL, parse_calls
 from real_templates import pinned_templates
 from tiny_model import write_tiny_llama
 from tool_template import HERMES, TEMPLATES, WEATHER
@@ -141,18 +141,18 @@ def test_a_forced_call_is_written_as_each_real_template_writes_calls(tiny_model)
     llm = Llama(tiny_model, budget=64)
     ask = [{"role": "user", "content": "Look the probe up."}]
     called = ask + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": _PROBE_ARGUMENTS}}]}]
+        {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": PROBE_ARGUMENTS}}]}]
     checked = 0
     for name, source in sorted(REAL.items()):
         template = ChatTemplate(source)
         fmt = template.tool_format
         if fmt is None:
             continue
-        described = template.render(ask, tools=[_PROBE_TOOL])
-        written = template.render(called, add_generation_prompt=False, tools=[_PROBE_TOOL])
+        described = template.render(ask, tools=[PROBE_TOOL])
+        written = template.render(called, add_generation_prompt=False, tools=[PROBE_TOOL])
         written = written[len(described):] if written.startswith(described) else written
-        start, end = [f[:2] for f in fmt.find(written, [_PROBE_TOOL]) if f[2] == "probe_tool"][-1]
-        grammar = fmt.grammar([_PROBE_TOOL])
+        start, end = [f[:2] for f in fmt.find(written, [PROBE_TOOL]) if f[2] == "probe_tool"][-1]
+        grammar = fmt.grammar([PROBE_TOOL])
         assert _accepts(llm, grammar, written[start:end]), name
         assert not _accepts(llm, grammar, written[start:end].replace("probe_tool", "probe_tooo")), name
         assert not _accepts(llm, grammar, written[start:end].replace("probe_arg", "probe_arh")), name

@@ -162,9 +162,9 @@ def test_tool_calls_go_in_and_come_out_in_ollama_s_shape(tmp_path):
         assert answer.prompt_eval_count == same.usage.prompt_tokens
         assert answer.message.content == (same.choices[0].message.content or "")
     # the fields of Ollama's messages that templates read under OpenAI's names
-    from h2o_local.server.ollama import _openai_message
-    assert _openai_message(2, ollama_turns[2])["name"] == "get_weather"
-    assert _openai_message(1, {"role": "assistant", "content": "4", "thinking": "2 + 2"})["reasoning_content"] == "2 + 2"
+    from h2o_local.server.ollama import openai_message
+    assert openai_message(2, ollama_turns[2])["name"] == "get_weather"
+    assert openai_message(1, {"role": "assistant", "content": "4", "thinking": "2 + 2"})["reasoning_content"] == "2 + 2"
     _, calls = parse_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
                            '</tool_call>')
     assert ollama_calls(calls) == [{"function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]

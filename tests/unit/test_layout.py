@@ -34,3 +34,25 @@ def test_no_module_reaches_into_another_modules_private_names():
                     if (rel, reach) not in ALLOWED and not code.lstrip().startswith(("from ", "import ", '"""')):
                         found.append(f"{rel}:{n}: {reach}")
     assert not found, "private names reached across modules:\n" + "\n".join(found)
+
+
+# `from x import _name`: a private name imported from another module (the attribute-reach rule above misses it)
+PRIVATE_IMPORT = re.compile(r"^\s*from\s+[\w.]+\s+import\s+(?:\(\s*)?([^#\n]*)")
+COMPILED_MODULES = {"_engine", "_llama_grammar"}  # the C++ extension and the vendored converter: modules, not names
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = []
+    for folder in ("src", "benchmarks", "experiments", "tests", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                m = PRIVATE_IMPORT.match(line)
+                if not m:
+                    continue
+                names = [part.strip().split(" as ")[0] for part in m.group(1).rstrip("\\)").split(",")]
+                private = [x for x in names if x.startswith("_") and not x.startswith("__")
+                           and x not in COMPILED_MODULES]
+                if private:
+                    found.append(f"{rel}:{n}: {', '.join(private)}")
+    assert not found, "private names imported across modules:\n" + "\n".join(found)

@@ -81,7 +81,7 @@ async def chat(request: Request, state: ServerState = Depends(server_state)):
         body = await _parse(request, OllamaChat)
         if not body.messages:  # Ollama's way to load a model: nothing to answer
             return _done(body.model or state.model_id, {"message": {"role": "assistant", "content": ""}}, "load")
-        messages = [_openai_message(i, m) for i, m in enumerate(body.messages)]
+        messages = [openai_message(i, m) for i, m in enumerate(body.messages)]
         return await _answer(state, request, body, messages, body.tools)
     except APIError as e:
         return _error(e)
@@ -198,7 +198,7 @@ async def _parse(request: Request, model: type) -> Any:
     return validated(model, await routes.json_body(request))
 
 
-def _openai_message(i: int, m: Dict[str, Any]) -> Dict[str, Any]:
+def openai_message(i: int, m: Dict[str, Any]) -> Dict[str, Any]:
     """An Ollama message as the chat request takes it: images refused, tool calls' arguments as JSON text, a
     missing content empty, an answer's `thinking` as `reasoning_content` and a tool result's `tool_name` as `name`
     (the fields templates read)."""

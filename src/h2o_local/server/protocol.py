@@ -47,7 +47,7 @@ class KVCacheRequest(BaseModel):
                                    "conversation's policy can)")
 
 
-class _Request(BaseModel):
+class RequestFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are kept to be checked against UNSUPPORTED
 
     model: Optional[str] = None
@@ -138,7 +138,7 @@ class _Request(BaseModel):
 MAX_TOP_LOGPROBS = 20
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(RequestFields):
     # a text, token ids (a JSON true is not token 1), or a batch of one of either (OpenAI's list forms; evaluation
     # harnesses send [[ids]])
     prompt: Union[str, List[str], List[StrictInt], List[List[StrictInt]]]
@@ -158,7 +158,7 @@ class CompletionRequest(_Request):
         return [p]
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(RequestFields):
     messages: List[Dict[str, Any]] = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=16)  # choices (whole, not streamed, when more than one)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
@@ -189,7 +189,7 @@ class InfillChunk(BaseModel):
     text: str
 
 
-class _LlamaServerAnswer(_Request):
+class _LlamaServerAnswer(RequestFields):
     """What llama-server's /completion and /infill take beyond the sampling fields: n_predict (-1: until the end,
     within the server's max_tokens), each generated token's id in `tokens` (return_tokens), the n most likely
     tokens' log-probabilities (n_probs, as `completion_probabilities`) and id_slot (accepted: a conversation's saved

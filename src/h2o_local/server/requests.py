@@ -8,11 +8,11 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import grammar, policies
 from ..policies import Policy
 from ..sampling import SamplingParams
-from .protocol import APIError, _Request
+from .protocol import APIError, RequestFields
 from .state import ServerState
 
 
-def conversation_cache(state: ServerState, body: _Request) -> Tuple[Optional[Policy], bool, Optional[bool]]:
+def conversation_cache(state: ServerState, body: RequestFields) -> Tuple[Optional[Policy], bool, Optional[bool]]:
     """The request's own policy (None: the server's), whether it asked for the live view, and its recall setting
     (None: the server's) (`kv_cache`)."""
     policy, view = conversation_policy(state, body)
@@ -29,7 +29,7 @@ def conversation_cache(state: ServerState, body: _Request) -> Tuple[Optional[Pol
     return policy, view, asked
 
 
-def conversation_policy(state: ServerState, body: _Request) -> Tuple[Optional[Policy], bool]:
+def conversation_policy(state: ServerState, body: RequestFields) -> Tuple[Optional[Policy], bool]:
     """The request's own policy (None: the server's) and whether it asked for the live view."""
     asked = body.kv_cache
     if asked is None:
@@ -112,7 +112,7 @@ def check_echo_logprobs(state: ServerState, n_tokens: int) -> None:
                             f" MiB, --echo-logprobs-mib)", param="logprobs")
 
 
-async def sampling(state: ServerState, defaults: SamplingParams, body: _Request, max_tokens: Optional[int],
+async def sampling(state: ServerState, defaults: SamplingParams, body: RequestFields, max_tokens: Optional[int],
                     tokens: List[int], preserved: Tuple[int, ...] = ()) -> Tuple[SamplingParams, Any]:
     """The request's sampling parameters, and with a grammar its sampler, made (the grammar parsed and checked
     against the vocabulary) in the preparing threads: a grammar that does not parse, allows nothing or needs more
@@ -170,7 +170,7 @@ async def sampling(state: ServerState, defaults: SamplingParams, body: _Request,
 
 
 def token_bias(state: ServerState, pairs: List[Tuple[Any, float]]) -> Dict[int, float]:
-    """A request's logit_bias (`_Request`'s pairs) by token id: a text's bias on each of its tokens."""
+    """A request's logit_bias (`RequestFields`'s pairs) by token id: a text's bias on each of its tokens."""
     n_vocab = state.llm.n_vocab()
     bias: Dict[int, float] = {}
     for key, value in pairs:
@@ -182,7 +182,7 @@ def token_bias(state: ServerState, pairs: List[Tuple[Any, float]]) -> Dict[int, 
     return bias
 
 
-def time_limit(state: ServerState, body: _Request) -> float:
+def time_limit(state: ServerState, body: RequestFields) -> float:
     """Seconds the request may generate: the server's limit, or less when the request asks (t_max_predict_ms)."""
     limit = state.settings.request_time_limit_s
     return limit if body.t_max_predict_ms is None else min(limit, body.t_max_predict_ms / 1000)

@@ -28,7 +28,7 @@ from ..sampling import CHAT_SURFACE, COMPLETION, SamplingParams
 from . import requests
 from .protocol import (ROLES, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        ExtrasTokenizeRequest, InfillRequest, LlamaServerCompletionRequest, TokenizeRequest,
-                       _Request)
+                       RequestFields)
 from .scheduler import Busy, Cancelled, Job, Mailbox, ShuttingDown, Step
 from .state import ServerState
 
@@ -476,7 +476,7 @@ async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Req
     return job, plan, k, thinking
 
 
-async def prompt_job(state: ServerState, body: _Request, request: Request, prompt: Union[str, List[int]], *,
+async def prompt_job(state: ServerState, body: RequestFields, request: Request, prompt: Union[str, List[int]], *,
                      prefix: Sequence[int] = (), defaults: SamplingParams = CHAT_SURFACE,
                      max_tokens: Optional[int] = None, logprobs: Optional[int] = None) -> Job:
     """A prompt read as it is (text, special tokens parsed, or token ids), after the token ids `prefix`, sampled
@@ -813,7 +813,7 @@ async def _whole_stream(meta: Dict[str, Any], out: Dict[str, Any], usage: bool):
     yield "[DONE]"
 
 
-def _include_usage(body: _Request) -> bool:
+def _include_usage(body: RequestFields) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
 
 
