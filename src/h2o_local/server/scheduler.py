@@ -9,8 +9,8 @@ their own), so it does not stall them, and a prompt whose client left stops at t
 
 Sessions: when a request ends, its slot's cache is saved (a snapshot in host memory) under the tokens it holds (the
 prompt and what was generated) and its protected prefix. A later request whose prompt tokens, tokenized as a fresh
-request tokenizes them, start with those tokens, with the same protected prefix, restores it and feeds only the
-rest: a chat front end that resends the whole history continues its compressed cache, and a request can never
+request tokenizes them, start with those tokens (or equal them: a regenerated answer), with the same protected
+prefix, restores it and feeds only the rest: a chat front end that resends the whole history continues its compressed cache, and a request can never
 continue a cache that was built from other tokens or with another prefix (nor from text cut inside a token).
 Snapshots live in an LRU bounded in bytes. A request with a protected prefix (a chat's system prompt) that no saved
 session starts also saves the cache of that prefix alone: other conversations with the same system prompt start
