@@ -255,10 +255,10 @@ protected:
     std::vector<float> rank(const SeqScores & scores) const override { return rank_fn(scores); }
 };
 
+// A bounded policy's budget: >= 1, or std::invalid_argument that says none was given.
+void check_has_budget(const PolicyConfig & cfg);
 // The budget split of a scoring policy from cfg (sinks default 0); when neither heavy nor recent is given, recent is
 // default_recent(budget - sinks) and heavy the rest. Throws std::invalid_argument with the user-facing reason.
-// a bounded policy's budget: >= 1, or an error that says none was given
-void check_has_budget(const PolicyConfig & cfg);
 BudgetSplit ranked_split(const PolicyConfig & cfg, int32_t (*default_recent)(int32_t rest));
 // H2O's published split: heavy half of what the sinks leave, recent the rest
 int32_t half_recent(int32_t rest);

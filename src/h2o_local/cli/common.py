@@ -24,7 +24,7 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, prog: str, description: Optional[str]) -> None:
         super().__init__(prog=prog, description=description, allow_abbrev=False,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-        self.add_argument("--version", action="version", version=version_text(prog))
+        self.add_argument("--version", action=_Version, help="show the version, llama.cpp's commit and the devices")
 
     def _get_option_tuples(self, option_string: str) -> list:
         return []  # no abbreviations and no glued short values ("-sys" is not "-s ys"): only whole flags match
@@ -41,6 +41,18 @@ def version_text(prog: str) -> str:
     """`h2o-local 0.1.0 (llama.cpp 0c1e570, devices: CPU)`, as llama.cpp's --version names its build."""
     commit = _engine.LLAMA_CPP_COMMIT[:7] or "unknown"
     return f"{prog} {__version__} (llama.cpp {commit}, devices: {', '.join(d.name for d in devices())})"
+
+
+class _Version(argparse.Action):
+    """--version: the text is made when asked (it lists the devices, which initializes the backends: not at every
+    parse, nor for --help)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, help=kwargs.get("help"))
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        print(version_text(parser.prog))  # on stdout, as argparse's own version action writes it
+        parser.exit(0)
 
 
 class _Refused(argparse.Action):

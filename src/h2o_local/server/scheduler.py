@@ -10,8 +10,8 @@ their own), so it does not stall them, and a prompt whose client left stops at t
 Sessions: when a request ends, its slot's cache is saved (a snapshot in host memory) under the tokens it holds (the
 prompt and what was generated) and its protected prefix. A later request whose prompt tokens, tokenized as a fresh
 request tokenizes them, start with those tokens (or equal them: a regenerated answer), with the same protected
-prefix, restores it and feeds only the rest: a chat front end that resends the whole history continues its compressed cache, and a request can never
-continue a cache that was built from other tokens or with another prefix (nor from text cut inside a token).
+prefix, restores it and feeds only the rest: a chat front end that resends the whole history continues its
+compressed cache, and a request can never continue a cache that was built from other tokens or with another prefix (nor from text cut inside a token).
 Snapshots live in an LRU bounded in bytes. A request with a protected prefix (a chat's system prompt) that no saved
 session starts also saves the cache of that prefix alone: other conversations with the same system prompt start
 from it (`usage.prompt_tokens_details.cached_tokens`).
@@ -452,8 +452,9 @@ class Scheduler:
                 job.stopping_word = e.stop_word or ""
                 if job.kv_cache["protected"] < job.n_keep:  # a system prompt longer than the budget lets protect
                     job.kv_cache["protected_asked"] = job.n_keep
-                self._count_finished(job)
-                log.info("slot %d: %s", e.index, request_line(job, time.perf_counter()))
+                now = time.perf_counter()
+                self._count_finished(job, now)
+                log.info("slot %d: %s", e.index, request_line(job, now))
             logprobs = ()
             if e.logits is not None:  # only the compact logprobs wait in the mailbox
                 logprobs = (token_logprob(e.logits, e.token, job.logprobs or 0),)
@@ -463,8 +464,8 @@ class Scheduler:
             if e.token is None:
                 self._release(e.index, save=True)
 
-    def _count_finished(self, job: Job) -> None:
-        now, t = time.perf_counter(), self.totals
+    def _count_finished(self, job: Job, now: float) -> None:
+        t = self.totals
         t.prompt_tokens += len(job.prompt_tokens) - job.reused_tokens
         t.cached_tokens += job.reused_tokens
         t.predicted_tokens += job.n_generated
