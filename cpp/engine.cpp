@@ -178,6 +178,8 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
     }
     use_per_head(*policy_);
     check_recall(*policy_, params_.host_entries);
+    key_layout_ = KeyLayout::of(llama_model_n_layer(model_->get()), llama_model_n_head_kv(model_->get()),
+                                facts.key_head, choose_kv_types(params_, facts).k, llama_kv_entry_size(ctx_));
 }
 
 Engine::~Engine() {
@@ -196,6 +198,7 @@ SeqCache & Engine::seq_cache(llama_seq_id seq) {
         it = seqs_.emplace(seq, SeqCache(ctx_, seq, n_head_)).first;
         it->second.set_keep(*policy_, params_.n_keep);
         it->second.set_spill(recall_of(seq), params_.host_q8_0);
+        it->second.set_key_layout(key_layout_);
     }
     return it->second;
 }

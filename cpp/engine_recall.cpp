@@ -102,11 +102,9 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, b
     if (page < 1) {
         return; // no cells beside the kept entries (a unified cache shared by full sequences): nothing comes back
     }
-    // the spilled entries in the conversation's order, a page at a time; what loses goes back to the store (after
-    // them)
+    // the spilled entries a page at a time; what loses goes back to the store (after them)
     const HostStore & host = sc.host();
-    std::vector<llama_pos> waiting = host.origins;
-    std::sort(waiting.begin(), waiting.end());
+    const std::vector<llama_pos> waiting = recall_order(seq, question, page);
     std::set<llama_pos> readmitted;
     for (size_t a = 0; a < waiting.size(); a += (size_t) page) {
         const std::set<llama_pos> want(waiting.begin() + a, waiting.begin() + std::min(waiting.size(), a + page));
@@ -127,6 +125,36 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, b
     }
     sc.count_recalled(kept);
     compact(seq);
+}
+
+std::vector<llama_pos> Engine::recall_order(llama_seq_id seq, const std::vector<llama_token> & question, int32_t page) {
+    SeqCache & sc = seqs_.at(seq);
+    // at least a budget's worth: with room for everything, everything is probed
+    const Policy & policy = policy_of(seq);
+    const int32_t pages = policy.probe().recall_pages;
+    const size_t limit = std::max((size_t) std::max(pages, 0)*(size_t) page, (size_t) policy.split().total());
+    if (pages > 0 && sc.host().size() > limit && sc.has_digests()) {
+        llama_attn_queries_next(ctx_);
+        probe(seq, question); // ranks the kept entries as the first page's probe will again
+        Queries q;
+        for (int32_t il = 0; il < key_layout_.n_layer; ++il) {
+            const float * rows = nullptr;
+            const int32_t n = llama_attn_queries_get(ctx_, il, &q.n_head, &q.head_dim, &rows);
+            if (n <= 0 || (q.n_tokens > 0 && n != q.n_tokens)) {
+                q.layers.clear();
+                break;
+            }
+            q.n_tokens = n;
+            q.layers.emplace_back(rows, rows + (size_t) n*q.n_head*q.head_dim);
+        }
+        std::vector<llama_pos> chosen = sc.recall_candidates(q, limit, llama_n_threads(ctx_));
+        if (!chosen.empty()) {
+            return chosen;
+        }
+    }
+    std::vector<llama_pos> all = sc.host().origins;
+    std::sort(all.begin(), all.end());
+    return all;
 }
 
 void Engine::check_host(const SeqSnapshot & snap) const {

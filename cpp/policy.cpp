@@ -124,7 +124,9 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
         const int32_t question = cfg.question < 0 ? kDefaultQuestionTokens : cfg.question;
         check_policy(source != ProbeSource::question || question >= 1,
                      "the question probe needs question >= 1 (tokens), got " + std::to_string(question));
-        ranked->set_probe({source, source == ProbeSource::question ? question : 0});
+        const int32_t pages = option_value(cfg, *find_policy_option("recall_pages"));
+        ranked->set_probe({source, source == ProbeSource::question ? question : 0,
+                           source == ProbeSource::question ? pages : 0});
     }
     check_options(cfg, ranked);
     if (cfg.block >= 0) {
@@ -137,6 +139,10 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
     if (cfg.reply > 0) {
         check_policy(source != ProbeSource::none, "reply keeps the last answer against a probe's ranking: it needs a "
                      "probe");
+    }
+    if (cfg.recall_pages >= 0) {
+        check_policy(source == ProbeSource::question, "recall_pages chooses what a question probes among the entries "
+                     "recall kept aside: it needs the question probe");
     }
     if (cfg.handoff > 0) {
         check_policy(source == ProbeSource::question, "handoff gives the recent window to what a question recalls: "

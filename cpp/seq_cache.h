@@ -3,6 +3,7 @@
 #pragma once
 
 #include "host_store.h"
+#include "page_digest.h"
 #include "policy.h"
 
 #include "llama.h"
@@ -156,6 +157,12 @@ public:
     // std::runtime_error when llama.cpp has no room for them
     void readmit(const std::vector<size_t> & indices);
     void count_recalled(int64_t n) { host_.n_recalled += n; }
+    // the page digests of the store's entries are kept for keys of this layout (an invalid one: none are kept)
+    void set_key_layout(const KeyLayout & layout);
+    bool has_digests() const { return layout_.valid(); }
+    // the origins of the host entries a question with these queries should probe, at most `limit`: the members of
+    // the blocks whose digests the queries rank first, best first; empty when the queries do not fit the layout
+    std::vector<llama_pos> recall_candidates(const Queries & queries, size_t limit, int32_t n_threads);
 
     std::vector<uint8_t> save_kv() const;
     // put back a saved sequence (a snapshot's cells and state; its last exchange is unknown); returns false (and
@@ -202,6 +209,8 @@ private:
     int64_t   spill_cap_ = 0;
     bool      spill_q8_  = false;
     HostStore host_;
+    KeyLayout   layout_;
+    PageDigests digests_; // of host_'s entries, as the last recall found them
 
     Exchange exchange_;
 };

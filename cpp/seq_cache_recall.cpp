@@ -20,6 +20,7 @@ void SeqCache::set_spill(int64_t cap, bool q8) {
     spill_q8_  = q8;
     if (cap == 0) {
         host_ = HostStore();
+        digests_.clear();
         return;
     }
     const size_t raw_bytes = llama_kv_entry_size(ctx_);
@@ -42,8 +43,9 @@ void SeqCache::spill(const std::vector<size_t> & indices) {
     if (rc != 0) {
         throw std::runtime_error("llama_kv_entries_get failed with status " + std::to_string(rc));
     }
-    host_.spill(pos, gather_rows(st_.origins, 1, indices), gather_rows(st_.tokens, 1, indices),
-                st_.scores.gather(indices), rows, raw_bytes, (size_t) spill_cap_);
+    const std::vector<llama_pos> orig = gather_rows(st_.origins, 1, indices);
+    host_.spill(pos, orig, gather_rows(st_.tokens, 1, indices), st_.scores.gather(indices), rows, raw_bytes,
+                (size_t) spill_cap_);
 }
 
 void SeqCache::set_host(const HostStore & host) {
@@ -52,6 +54,38 @@ void SeqCache::set_host(const HostStore & host) {
     if (host_.size() > 0 || spill_cap_ > 0) {
         host_.set_encoding(spill_q8_, raw_bytes);
     }
+}
+
+void SeqCache::set_key_layout(const KeyLayout & layout) {
+    layout_ = layout;
+    digests_.clear();
+}
+
+std::vector<llama_pos> SeqCache::recall_candidates(const Queries & queries, size_t limit, int32_t n_threads) {
+    if (!layout_.valid() || !queries.fits(layout_)) {
+        return {};
+    }
+    digests_.sync(layout_, host_, llama_kv_entry_size(ctx_));
+    const std::vector<float> score = digests_.score(layout_, queries, n_threads);
+    std::vector<size_t> order(score.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return score[a] > score[b]; });
+    std::vector<llama_pos> out;
+    std::vector<const std::vector<llama_pos> *> members;
+    for (const auto & kv : digests_.blocks()) {
+        members.push_back(&kv.second.origins);
+    }
+    for (const size_t b : order) {
+        for (const llama_pos o : *members[b]) {
+            if (out.size() < limit) {
+                out.push_back(o);
+            }
+        }
+        if (out.size() >= limit) {
+            break;
+        }
+    }
+    return out;
 }
 
 void SeqCache::readmit(const std::vector<size_t> & indices) {

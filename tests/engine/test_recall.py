@@ -427,7 +427,7 @@ def test_a_recall_over_many_pages_equals_a_numpy_reference_of_its_page_tournamen
 
     n_q, page = 8, 16
     question = list(range(130, 130 + n_q))
-    policy = TOVA(budget=BUDGET, probe="question", question=n_q)
+    policy = TOVA(budget=BUDGET, probe="question", question=n_q, recall_pages=0)  # every page
     whole = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=512, n_threads=1, recall=1000, kv_f32=True)
     whole.eval(PROMPT)  # decoded whole: every entry's K and V are a full cache's, as the reference computes them
     paged = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=page, n_threads=1, recall=1000, kv_f32=True)
