@@ -15,6 +15,14 @@ tokens), side by side in one run:
 - host bytes per spilled token;
 - the same recall step, decode and host bytes with the q8_0 host copy (`recall_type="q8_0"`).
 Writes OUT.json and OUT.md.
+
+    python -m benchmarks.recall_cost --pages --model smollm2 --history 4096 16384 65536 --out results/recall/recall-pages-smollm2
+
+`--pages` measures only the recall step, the page choice against every page, side by side: the history is read once
+(the default policy, a host store large enough for all of it, positions rolled past the trained context as chat
+does), then, from its snapshot, `recall_for(question)` with the default's `recall_pages` (the question probed once for
+its queries, the blocks' key digests scored, two pages probed) and with `recall_pages=0` (every page), interleaved,
+medians of --repeats. Also which entries each brought back (the overlap of the two kept sets).
 """
 from __future__ import annotations
 
@@ -103,6 +111,53 @@ def run(model: str, n: int, budget: int, threads: int, repeats: int, data: Path)
     return row
 
 
+def run_pages(model: str, n: int, budget: int, threads: int, repeats: int, data: Path) -> Dict[str, Any]:
+    from h2o_local import Llama
+    from h2o_local.policies import resolve
+
+    llm = Llama(model, budget=budget, n_batch=512, n_threads=threads, recall=n)
+    history = history_tokens(llm, n, data)
+    question = llm.tokenize(QUESTION, add_bos=False)
+    read_s = timed(lambda: llm.eval(history))
+    snap = llm.save_state()
+    n_host = len(llm.kv_state().host_positions)
+    times: Dict[str, List[float]] = {"chosen": [], "every": []}
+    kept: Dict[str, List[int]] = {}
+    probes: Dict[str, int] = {}
+    for _ in range(repeats):
+        for name, pages in (("chosen", None), ("every", 0)):
+            llm.load_state(snap)
+            llm.set_policy(resolve(None, budget) if pages is None else resolve(None, budget, recall_pages=pages))
+            before = llm.kv_state().n_probes
+            times[name].append(timed(lambda: llm.recall_for(question)))
+            st = llm.kv_state()
+            kept[name] = st.positions.tolist()
+            probes[name] = int(st.n_probes - before)
+    llm.load_state(snap)
+    held = set(llm.kv_state().positions.tolist())
+    back = {k: set(v) - held for k, v in kept.items()}
+    both = len(back["chosen"] & back["every"])
+    row = {"history": n, "budget": budget, "host_entries": n_host, "read_s": round(read_s, 1),
+           "recall_chosen_s": round(statistics.median(times["chosen"]), 3),
+           "recall_every_s": round(statistics.median(times["every"]), 3),
+           "probes_chosen": probes["chosen"], "probes_every": probes["every"],
+           "recalled_chosen": len(back["chosen"]), "recalled_every": len(back["every"]), "recalled_both": both}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def pages_report(rows: List[Dict[str, Any]]) -> List[str]:
+    base = rows[0]["recall_chosen_s"]
+    lines = ["| history tokens | host entries | recall step, chosen pages s | every page s | chosen / every | "
+             "chosen / chosen at the first history | probes, chosen / every | recalled, chosen / every / both |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['history']:,} | {r['host_entries']:,} | {r['recall_chosen_s']} | {r['recall_every_s']} | "
+              f"{r['recall_chosen_s'] / r['recall_every_s']:.3f} | {r['recall_chosen_s'] / base:.2f} | "
+              f"{r['probes_chosen']} / {r['probes_every']} | {r['recalled_chosen']} / {r['recalled_every']} / "
+              f"{r['recalled_both']} |" for r in rows]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen05b")
@@ -111,11 +166,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum.jsonl")
+    ap.add_argument("--pages", action="store_true", help="only the recall step: the page choice against every page")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from experiments.models import model_path
 
     model = model_path(args.model)
+    if args.pages:
+        rows = [run_pages(model, n, args.budget, args.threads, args.repeats, args.data) for n in args.history]
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        lines = pages_report(rows)
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     rows = [run(model, n, args.budget, args.threads, args.repeats, args.data) for n in args.history]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,12 +5,36 @@ tokens continues a prompt when the prompt's tokens, as a fresh request tokenizes
 and its protected prefix is the same: then only the rest is fed, and (with no eviction) the answer is a fresh
 request's. Text is never compared: a prompt that extends a held text inside a word, or re-tokenizes an answer
 otherwise, or was built with another protected prefix, does not continue it.
+
+One exception, for conversations resent whole: a saved session whose request's tokens part from it within its last
+answer (from ANSWER_SLACK tokens before the answer's first: BPE merges an answer's first spaces or newlines with the
+template's newline before it) is continued from where they part, as llama-server reuses a cached prompt's common
+prefix; what it held after that point is forgotten (`Llama.truncate`). A request that parts earlier (another
+question after the same system prompt) does not continue it.
 """
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
+
+
+ANSWER_SLACK = 2  # tokens before a saved answer's first that a resent history may part at
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if tuple(a[:n]) == tuple(b[:n]):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tuple(a[:mid]) == tuple(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def continues(held: Sequence[int], held_keep: int, tokens: Sequence[int], n_keep: int, whole: bool = False) -> bool:
@@ -32,6 +56,13 @@ class Session:
     snapshot: Any            # SeqSnapshot
     nbytes: int
     policy: str = ""         # the policy that made it (a label; "": the owner's)
+    answer_from: int = -1    # where its last answer begins (-1: it holds none; ANSWER_SLACK)
+
+
+@dataclass
+class Match:
+    session: Session
+    n_held: int              # how many of the request's tokens it holds: its n_fed, or where the request parts from it
 
 
 class SessionCache:
@@ -45,13 +76,16 @@ class SessionCache:
         self.hits = 0
         self.misses = 0
 
-    def put(self, tokens: Sequence[int], n_fed: int, n_keep: int, snapshot: Any, policy: str = "") -> None:
+    def put(self, tokens: Sequence[int], n_fed: int, n_keep: int, snapshot: Any, policy: str = "",
+            answer_from: int = -1) -> None:
+        """Save `snapshot` as the cache of `tokens` (the first `n_fed` fed); `answer_from`: where the answer it
+        ends with begins (the prompt's length), -1 for none."""
         nbytes = int(snapshot.nbytes)
         if nbytes > self.limit_bytes or n_fed < 1:
             return
         key = (int(n_keep), policy, tuple(tokens))
         self._drop(key)
-        self._items[key] = Session(key[2], int(n_fed), key[0], snapshot, nbytes, policy)
+        self._items[key] = Session(key[2], int(n_fed), key[0], snapshot, nbytes, policy, int(answer_from))
         self.nbytes += nbytes
         while self.nbytes > self.limit_bytes:
             _, old = self._items.popitem(last=False)
@@ -62,31 +96,45 @@ class SessionCache:
         if s is not None:
             self.nbytes -= s.nbytes
 
-    def longest_prefix(self, tokens: Sequence[int], n_keep: int, policy: str = "") -> Optional[Session]:
+    def longest_prefix(self, tokens: Sequence[int], n_keep: int, policy: str = "") -> Optional[Match]:
         """The saved session with the same protected prefix and policy whose tokens are the longest prefix of
         `tokens`, the whole of them included (a prompt resent as it was, a regenerated answer: its snapshot's
-        last logits are the prompt's). It stays saved (a conversation may branch from it again) and becomes the
-        most recently used."""
+        last logits are the prompt's); else one that `tokens` part from within its last answer (the module's
+        exception), the latest parting first. It stays saved (a conversation may branch from it again) and becomes
+        the most recently used."""
         best = self._longest(tokens, n_keep, policy)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
-        self._items.move_to_end((best.n_keep, best.policy, best.tokens))
+        s = best.session
+        self._items.move_to_end((s.n_keep, s.policy, s.tokens))
         return best
 
     def held(self, tokens: Sequence[int], n_keep: int, policy: str = "") -> int:
         """How many of `tokens` the session `longest_prefix` would continue holds (0: none), without using it: what
         a request need not read. Safe beside the thread that saves and uses sessions."""
         best = self._longest(tokens, n_keep, policy)
-        return 0 if best is None else best.n_fed
+        return 0 if best is None else best.n_held
 
-    def _longest(self, tokens: Sequence[int], n_keep: int, policy: str) -> Optional[Session]:
+    def _longest(self, tokens: Sequence[int], n_keep: int, policy: str) -> Optional[Match]:
         # longest first: a long conversation's earlier turns are saved too, and each is compared whole
-        for s in sorted(list(self._items.values()), key=lambda s: len(s.tokens), reverse=True):  # a copy: another
-            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep, whole=True):  # thread may save
-                return s
-        return None
+        saved = sorted(list(self._items.values()), key=lambda s: len(s.tokens), reverse=True)  # a copy: another
+        for s in saved:                                                                          # thread may save
+            if s.policy == policy and continues(s.tokens, s.n_keep, tokens, n_keep, whole=True):
+                return Match(s, s.n_fed)
+        best: Optional[Match] = None
+        for s in saved:
+            if s.policy != policy or s.n_keep != n_keep or s.answer_from < 0:
+                continue
+            start = max(s.n_keep, s.answer_from - ANSWER_SLACK, 1)
+            if len(tokens) <= start or tuple(tokens[:start]) != tuple(s.tokens[:start]):
+                continue
+            # parted within the answer; one token at least is left to read (its logits are the next draw's)
+            n = min(common_prefix(tokens, s.tokens[:s.n_fed]), len(tokens) - 1)
+            if n >= start and (best is None or n > best.n_held):
+                best = Match(s, n)
+        return best
 
     def __len__(self) -> int:
         return len(self._items)

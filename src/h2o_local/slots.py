@@ -57,7 +57,8 @@ class Slots:
         """Feed a prompt to `slot` (emptied first) and let it join the steps. `n_keep`: its protected prefix.
         `policy`: the slot's own (a resolved value that fits the slot's cells), None: the `Llama`'s.
         `resume`: (a saved snapshot, n): the snapshot holds `tokens[:n]` already, only the rest is fed (nothing
-        where it holds them all: its logits after the last one are drawn from).
+        where it holds them all: its logits after the last one are drawn from); what it holds after them is
+        forgotten first (a request that parts from a saved answer, sessions.py).
         `save_prefix(snapshot)`: without `resume`, the protected prefix is fed alone first and its snapshot given
         to it (a shared system prompt that later requests start from).
         `between_chunks()` runs between the chunks of a long prompt (with `interleaves`): it may return
@@ -79,6 +80,8 @@ class Slots:
         if resume is not None:
             snapshot, n_fed = resume
             self._engine.restore(slot, snapshot)
+            if n_fed < self._engine.state(slot)["n_seen"]:  # the request parts from it there (sessions.py)
+                self._engine.truncate(slot, n_fed)
             self._evicted_before[slot] = self._engine.state(slot)["n_evicted"]
             feed = tokens[n_fed:]
         elif not feed:

@@ -112,3 +112,43 @@ def test_a_chat_whose_template_writes_its_answers_otherwise_goes_on_from_the_com
             assert chat.last.reused_tokens >= last_prompt - 1  # all but the newline the template dropped
             assert chat.last.prompt_tokens < len(words(turn)) + 80  # the answer and this turn, not the history
         last_prompt = chat.last.reused_tokens + chat.last.prompt_tokens
+
+
+def test_a_resent_history_that_parts_from_a_saved_answer_goes_on_from_where_it_parts(chat_model):
+    """A client's resent history re-tokenizes a saved answer otherwise where the answer meets the template's newline
+    (BPE merges an answer's first spaces with it): the request parts from the saved conversation one token before the
+    answer, where neither the saved prompt nor the saved answer is a prefix of it. It reuses all but what follows the
+    parting, and reads only that; a request that parts earlier (another question after the same first tokens)
+    reads everything."""
+    with serving(chat_model, slots=1, budget=48) as (port, _):
+        first = list(range(10, 210))
+        status, out = post(port, "/completion", {"prompt": first, "n_predict": 6, "temperature": 0,
+                                                 "return_tokens": True})
+        assert status == 200 and out["tokens_cached"] == 0
+        resent = first[:-1] + [first[-1] + 1] + out["tokens"] + list(range(60, 90))
+        status, again = post(port, "/completion", {"prompt": resent, "n_predict": 2, "temperature": 0})
+        assert status == 200 and again["tokens_cached"] == len(first) - 1
+        assert again["timings"]["prompt_n"] == len(resent) - (len(first) - 1)
+        status, other = post(port, "/completion", {"prompt": first[:150] + list(range(30, 90)), "n_predict": 2,
+                                                   "temperature": 0})
+        assert status == 200 and other["tokens_cached"] == 0
+
+
+def test_the_session_rule_continues_a_resent_history_only_from_within_its_last_answer():
+    from h2o_local.sessions import ANSWER_SLACK, SessionCache
+
+    class Snap:
+        nbytes = 10
+
+    cache = SessionCache(1 << 20)
+    prompt, answer = list(range(100)), [500, 501, 502]
+    cache.put(prompt + answer, len(prompt) + len(answer), 4, Snap(), answer_from=len(prompt))
+    assert cache.held(prompt + answer + [7, 8], 4) == len(prompt) + len(answer)       # a prefix: all of it
+    assert cache.held(prompt + [500, 999, 7], 4) == len(prompt) + 1                    # parts inside the answer
+    assert cache.held(prompt[:-1] + [777, 500, 501], 4) == len(prompt) - 1             # one token before it
+    assert cache.held(prompt[:-ANSWER_SLACK] + [777, 778, 500], 4) == len(prompt) - ANSWER_SLACK
+    assert cache.held(prompt[:-ANSWER_SLACK - 1] + [777] * 6, 4) == 0                  # earlier: another request
+    assert cache.held(prompt[:-1] + [777], 5) == 0                                     # another protected prefix
+    assert cache.held(prompt + answer, 4) == len(prompt) + len(answer)                 # resent as it is
+    cache.put(prompt[:4], 4, 4, Snap())                                                 # a prefix alone: no answer
+    assert cache.held(prompt[:3] + [9, 9], 4) == 0

@@ -58,9 +58,15 @@ class LlamaReference:
         """Per layer, the keys [n, n_head_kv, head_dim] after RoPE: what the KV cache holds for `tokens`."""
         return self.forward(tokens)[1]
 
+    def queries(self, tokens: List[int], visible: Optional[np.ndarray] = None) -> List[np.ndarray]:
+        """Per layer, the queries [n, n_head, head_dim] after RoPE (before the 1/sqrt(head_dim) scale)."""
+        self.forward(tokens, visible)
+        return self.last_queries
+
     def forward(self, tokens: List[int], visible: Optional[np.ndarray] = None):
         w = self.w
         keys = []
+        self.last_queries = []
         x = w["token_embd.weight"][tokens]
         n = len(tokens)
         allowed = np.tril(np.ones((n, n), dtype=bool))
@@ -81,6 +87,7 @@ class LlamaReference:
             k = self._rope(k.reshape(n, self.n_head_kv, d))
             v = v.reshape(n, self.n_head_kv, d)
             keys.append(k)
+            self.last_queries.append(q)
             group = self.n_head // self.n_head_kv
             kh = np.repeat(k, group, axis=1)            # query head h reads KV head h // group
             vh = np.repeat(v, group, axis=1)

@@ -382,12 +382,12 @@ class Scheduler:
         try:
             if job.cancelled:
                 raise Cancelled()
-            session = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep, _label(job)) \
+            match = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep, _label(job)) \
                 if self.sessions.limit_bytes and not job.echo_logprobs else None
-            resume = None if session is None else (session.snapshot, session.n_fed)
+            resume = None if match is None else (match.session.snapshot, match.n_held)
             events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
                                       between_chunks=lambda: self._between_prompt_chunks(job),
-                                      save_prefix=self._prefix_saver(job) if session is None else None,
+                                      save_prefix=self._prefix_saver(job) if match is None else None,
                                       policy=job.policy, time_limit_s=job.time_limit_s, recall=job.recall,
                                       sampler=job.sampler, logits=job.logprobs is not None,
                                       prompt_logits=job.echo_logprobs)
@@ -400,11 +400,11 @@ class Scheduler:
             job.fail(e)
             self._release(slot, save=False)
             return
-        job.reused_tokens = 0 if session is None else session.n_fed
+        job.reused_tokens = 0 if match is None else match.n_held
         self._started.add(slot)
         # the prompt alone is saved too: a client whose next request re-tokenizes this answer differently from the
         # tokens generated (BPE sometimes does) still continues the whole conversation before it
-        self._save(slot, job, job.prompt_tokens, len(job.prompt_tokens))
+        self._save(slot, job, job.prompt_tokens, len(job.prompt_tokens), answer_from=len(job.prompt_tokens))
         job.put(Started(job.reused_tokens, self._view(slot, prompt=job.prompt_tokens) if job.view else None,
                         self.slots.take_prompt_logits(slot) if job.echo_logprobs else None))
         self._deliver(events)
@@ -488,18 +488,19 @@ class Scheduler:
         if save and job is not None and slot in self._started:
             generated, n_pending = self.slots.generated(slot)
             held = job.prompt_tokens + generated  # a client that resends other tokens (a cut text) will not match
-            self._save(slot, job, held, len(held) - n_pending)
+            self._save(slot, job, held, len(held) - n_pending, answer_from=len(job.prompt_tokens))
         self.slots.release(slot)
         self._started.discard(slot)
         with self._cv:
             if self._active.pop(slot, None) is not None:
                 self.served += 1
 
-    def _save(self, slot: int, job: Job, tokens: List[int], n_fed: int) -> None:
-        """Save the slot's cache as the session of `tokens` (of which it holds the first `n_fed`), when it fits."""
+    def _save(self, slot: int, job: Job, tokens: List[int], n_fed: int, answer_from: int = -1) -> None:
+        """Save the slot's cache as the session of `tokens` (of which it holds the first `n_fed`; its answer from
+        `answer_from`), when it fits."""
         n_cells = min(n_fed, self.llm.policy_of(slot).budget or n_fed)
         if 0 < n_cells * self.llm.kv_bytes_per_cell <= self.sessions.limit_bytes:
-            self.sessions.put(tokens, n_fed, job.n_keep, self.slots.save(slot), _label(job))
+            self.sessions.put(tokens, n_fed, job.n_keep, self.slots.save(slot), _label(job), answer_from)
 
 
 def request_line(job: Job, now: float) -> str:

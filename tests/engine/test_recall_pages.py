@@ -1,0 +1,103 @@
+"""Recall's page choice (the policy option recall_pages, docs/recall.md "Choosing the pages"): past a few pages of
+host entries, a new prompt's question is probed once for its queries, every block of 32 neighbouring host entries
+is scored by the upper bound of q.k over its keys (Quest's digest: each key element's max and min per layer and KV
+head), and only the best blocks' entries (recall_pages pages, at least the budget's worth) play the page tournament."""
+import numpy as np
+
+from h2o_local import TOVA, Llama
+from device_tolerance import approximate, assert_same_choice
+from engine_view import engine
+
+BLOCK = 32
+
+
+def digest_order(reference, tokens, n, kept, host, n_q):
+    """The host entries in the order the digests rank their blocks (members ascending within a block), from a NumPy
+    forward pass: the question's queries see the kept entries only, the blocks' bounds are the stored keys'."""
+    visible = np.ones((len(tokens), len(tokens)), dtype=bool)
+    visible[n:, :n] = False
+    visible[n:, kept] = True
+    queries = reference.queries(tokens, visible)
+    keys = reference.keys(tokens[:n])
+    blocks = sorted({p // BLOCK for p in host})
+    score = np.zeros(len(blocks))
+    for q, k in zip(queries, keys):
+        q = q[n:n + n_q]  # [token, head, dim]
+        group = q.shape[1] // k.shape[1]
+        hi = np.stack([k[[p for p in host if p // BLOCK == b]].max(axis=0) for b in blocks])  # [block, kv head, dim]
+        lo = np.stack([k[[p for p in host if p // BLOCK == b]].min(axis=0) for b in blocks])
+        for h in range(q.shape[1]):
+            bound = np.maximum(q[:, None, h, :] * hi[None, :, h // group, :],
+                               q[:, None, h, :] * lo[None, :, h // group, :]).sum(axis=-1)  # [token, block]
+            u = bound.max(axis=0) / np.sqrt(q.shape[-1])
+            e = np.exp(u - u.max())
+            score += e / e.sum()
+    order = np.argsort(-score, kind="stable")
+    return [p for i in order for p in sorted(p for p in host if p // BLOCK == blocks[i])], score
+
+
+def test_a_recall_past_its_pages_probes_the_blocks_its_queries_rank_first(tiny_model):
+    """Host entries of several blocks, room for one page of 16 beside the kept ones, recall_pages=2: the question's
+    queries rank the blocks by their key bounds; the best blocks' entries, 32 of them (two pages), play the
+    tournament of test_recall's reference, best first, and the cache ends with the same entries. The blocks the
+    digests ranked last never come back."""
+    from attention_reference import LlamaReference
+    from test_probe import BUDGET, PROMPT, question_baseline, reference_keep
+
+    n_q, page = 8, 16
+    question = list(range(130, 130 + n_q))
+    policy = TOVA(budget=BUDGET, probe="question", question=n_q, recall_pages=2)
+    whole = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=512, n_threads=1, recall=1000, kv_f32=True)
+    whole.eval(PROMPT)
+    paged = Llama(tiny_model, policy=policy, n_ctx=512, n_batch=page, n_threads=1, recall=1000, kv_f32=True)
+    paged.load_state(whole.save_state())
+    kept = paged.kv_state().positions.tolist()
+    host = sorted(paged.kv_state().host_positions.tolist())
+    assert len(host) > 4 * page and len({p // BLOCK for p in host}) >= 3
+    paged.recall_for(question)
+
+    reference = LlamaReference(tiny_model)
+    n = len(PROMPT)
+    tokens = PROMPT + question
+    order, score = digest_order(reference, tokens, n, kept, host, n_q)
+    assert len(set(np.round(score, 6))) == len(score)  # no tie decides the order
+    candidates = order[:2 * page]
+    base = question_baseline(tiny_model, n_q, kv_f32=True)
+    for a in range(0, len(candidates), page):
+        entries = sorted(set(kept) | set(candidates[a:a + page]))
+        visible = np.ones((len(tokens), len(tokens)), dtype=bool)
+        visible[n:, :n] = False
+        visible[n:, entries] = True
+        sums = sum(p[:, n:, :n].sum(axis=1) for p in reference.attention(tokens, visible)).T / n_q
+        lift = (sums[entries] / base(entries)).max(axis=1)
+        kept = [entries[i] for i in reference_keep(lift, 0, 1, BUDGET)]
+
+    st = paged.kv_state()
+    last_round = np.full(n, -np.inf)
+    last_round[entries] = lift
+    assert_same_choice(st.positions, kept, last_round, device=approximate(paged))
+    never = set(host) - set(candidates)
+    assert never and not never & set(st.positions.tolist())
+
+
+def test_every_page_is_probed_with_recall_pages_0_or_room_for_everything(tiny_model):
+    """recall_pages=0 plays every page (what came before the digests); so does a budget that can hold every host
+    entry: both bring back what an exhaustive tournament does, which the digests' choice may not."""
+    from test_probe import PROMPT
+
+    question = list(range(130, 138))
+
+    def after_recall(recall_pages, budget):
+        llm = Llama(tiny_model, policy=TOVA(budget=24, probe="question", question=8, recall_pages=recall_pages),
+                    n_ctx=512, n_batch=16, n_threads=1, recall=1000)
+        llm.eval(PROMPT)
+        if budget != 24:
+            llm.set_policy(TOVA(budget=budget, probe="question", question=8, recall_pages=recall_pages))
+        llm.recall_for(question)
+        st = llm.kv_state()
+        return st.positions.tolist(), st.n_probes
+
+    every, probes_every = after_recall(0, 24)
+    chosen, probes_chosen = after_recall(2, 24)
+    assert probes_chosen < probes_every  # the question's probe for its queries, then two pages, not all of them
+    assert after_recall(2, 200)[0] == after_recall(0, 200)[0] == list(range(len(PROMPT)))
