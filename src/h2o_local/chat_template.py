@@ -22,6 +22,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
+from .tool_formats import FORMATS, CallFormat
+
 Message = Dict[str, Any]
 
 
@@ -314,8 +316,7 @@ class ChatTemplate:
     @functools.cached_property
     def tool_format(self) -> Any:
         """The `tool_formats.CallFormat` this template writes calls in, None where tools cannot be used with it
-        (`tools.call_format`, probed once)."""
-        from .tools import call_format
+        (`call_format`, probed once)."""
         return call_format(self)
 
     @functools.cached_property
@@ -443,3 +444,37 @@ def _looks_like_jinja(source: str) -> bool:
 def _is_raised_by_template(e: Exception) -> bool:
     # raise_exception(...) in a template is its way of rejecting input (say, roles that do not alternate)
     return type(e) is jinja2.exceptions.TemplateError
+
+
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe_tool", "description": "Looks a probe up.",
+    "parameters": {"type": "object", "properties": {"probe_arg": {"type": "string", "description": "What to look up."},
+                                                    "probe_count": {"type": "integer"}},
+                   "required": ["probe_arg"]}}}
+PROBE_ARGUMENTS = {"probe_arg": "probe value 5f3a", "probe_count": 3}
+
+
+def call_format(template: Any) -> Optional[CallFormat]:
+    """The format in which the chat template (a `ChatTemplate`) writes an assistant's call, when it also describes
+    the tools it is given: a model trained on it writes its calls so. Found by rendering a probe call (once per
+    template: `ChatTemplate.tool_format`) and reading it back with each format, not by the template's name; None
+    when no format reads it (Kimi's, DeepSeek's, ...)."""
+    source = getattr(template, "source", None)
+    candidates = [f for f in FORMATS if source and f.marker in source]
+    if not candidates:
+        return None
+    ask = [{"role": "user", "content": "Look the probe up."}]
+    called = ask + [probe_call(PROBE_ARGUMENTS)]
+    try:
+        described = template.render(ask, True, PROBE_TIME_LIMIT_S, tools=[PROBE_TOOL])
+        written = template.render(called, False, PROBE_TIME_LIMIT_S, tools=[PROBE_TOOL])
+    except (ValueError, TypeError):
+        return None
+    if "Looks a probe up." not in described:
+        return None
+    answer = written[len(described):] if written.startswith(described) else written
+    for fmt in candidates:
+        for start, end, name, arguments in fmt.find(answer, [PROBE_TOOL]):
+            if name == "probe_tool" and arguments == PROBE_ARGUMENTS:
+                return fmt.fitted(answer[start:end])
+    return None

@@ -12,7 +12,7 @@ writing the grammar that forces one.
     <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}  KimiCalls   (Kimi K2)
     {"tool_call": {"name": ..., "arguments": {...}}} or {"response": ...}  GenericJson (any other template)
 
-A template's format is found by rendering a probe call with it and reading it back (`tools.call_format`), never by
+A template's format is found by rendering a probe call with it and reading it back (`chat_template.call_format`), never by
 the template's name. In the two XML formats a value is written as it is when its parameter is a string, else as
 JSON; reading follows the tool's schema the same way.
 """

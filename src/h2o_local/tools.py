@@ -14,42 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .chat_template import PROBE_TIME_LIMIT_S, probe_call
-from .tool_formats import FORMATS, CallFormat, GenericJson, JsonBlocks
-
-PROBE_TOOL = {"type": "function", "function": {
-    "name": "probe_tool", "description": "Looks a probe up.",
-    "parameters": {"type": "object", "properties": {"probe_arg": {"type": "string", "description": "What to look up."},
-                                                    "probe_count": {"type": "integer"}},
-                   "required": ["probe_arg"]}}}
-PROBE_ARGUMENTS = {"probe_arg": "probe value 5f3a", "probe_count": 3}
-
-
-def call_format(template: Any) -> Optional[CallFormat]:
-    """The format in which the chat template (a `ChatTemplate`) writes an assistant's call, when it also describes
-    the tools it is given: a model trained on it writes its calls so. Found by rendering a probe call (once per
-    template: `ChatTemplate.tool_format`) and reading it back with each format, not by the template's name; None
-    when no format reads it (Kimi's, DeepSeek's, ...)."""
-    source = getattr(template, "source", None)
-    candidates = [f for f in FORMATS if source and f.marker in source]
-    if not candidates:
-        return None
-    ask = [{"role": "user", "content": "Look the probe up."}]
-    called = ask + [probe_call(PROBE_ARGUMENTS)]
-    try:
-        described = template.render(ask, True, PROBE_TIME_LIMIT_S, tools=[PROBE_TOOL])
-        written = template.render(called, False, PROBE_TIME_LIMIT_S, tools=[PROBE_TOOL])
-    except (ValueError, TypeError):
-        return None
-    if "Looks a probe up." not in described:
-        return None
-    answer = written[len(described):] if written.startswith(described) else written
-    for fmt in candidates:
-        for start, end, name, arguments in fmt.find(answer, [PROBE_TOOL]):
-            if name == "probe_tool" and arguments == PROBE_ARGUMENTS:
-                return fmt.fitted(answer[start:end])
-    return None
-
+from .tool_formats import CallFormat, GenericJson, JsonBlocks
 
 def check_tools(tools: Any, tool_choice: Any) -> Tuple[List[Dict[str, Any]], Any]:
     """The tools as templates take them and the choice ("none", "auto", "required" or a tool's name as a dict);

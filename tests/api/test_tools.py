@@ -13,7 +13,8 @@ from h2o_local import Llama, SamplingParams, tool_formats
 from h2o_local import tools as tools_mod
 from h2o_local.chat_template import ChatTemplate
 from h2o_local.server import create_app
-from h2o_local.tools import PROBE_ARGUMENTS, PROBE_TOOL, parse_calls
+from h2o_local.chat_template import PROBE_ARGUMENTS, PROBE_TOOL
+from h2o_local.tools import parse_calls
 from real_templates import pinned_templates
 from tiny_model import write_tiny_llama
 from tool_template import HERMES, TEMPLATES, WEATHER
