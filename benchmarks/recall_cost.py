@@ -20,8 +20,8 @@ Writes OUT.json and OUT.md.
 
 `--pages` measures only the recall step, the page choice against every page, side by side: the history is read once
 (the default policy, a host store large enough for all of it, positions rolled past the trained context as chat
-does), then, from its snapshot, `recall_for(question)` with the default's `recall_pages` (the question probed once for
-its queries, the blocks' key digests scored, two pages probed) and with `recall_pages=0` (every page), interleaved,
+does), then, from its snapshot, `recall_for(question)` with `recall_pages=2` (the question probed once for its queries,
+the blocks' key digests scored, two pages probed) and with `recall_pages=0` (every page, the default), interleaved,
 medians of --repeats. Also which entries each brought back (the overlap of the two kept sets).
 """
 from __future__ import annotations
@@ -125,9 +125,9 @@ def run_pages(model: str, n: int, budget: int, threads: int, repeats: int, data:
     kept: Dict[str, List[int]] = {}
     probes: Dict[str, int] = {}
     for _ in range(repeats):
-        for name, pages in (("chosen", None), ("every", 0)):
+        for name, pages in (("chosen", 2), ("every", 0)):
             llm.load_state(snap)
-            llm.set_policy(resolve(None, budget) if pages is None else resolve(None, budget, recall_pages=pages))
+            llm.set_policy(resolve(None, budget, recall_pages=pages))
             before = llm.kv_state().n_probes
             times[name].append(timed(lambda: llm.recall_for(question)))
             st = llm.kv_state()

@@ -87,10 +87,7 @@ std::vector<std::vector<float>> Embedder::embed(const std::vector<llama_token> &
     std::lock_guard<std::mutex> lock(mu_);
     batch_.n_tokens = 0;
     for (size_t i = 0; i < tokens.size(); ++i) {
-        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
-            throw std::invalid_argument("token id " + std::to_string(tokens[i]) + " out of range [0, " +
-                                        std::to_string(n_vocab) + ")");
-        }
+        check_token_id(tokens[i], n_vocab);
         const int32_t j = batch_.n_tokens++;
         batch_.token[j]     = tokens[i];
         batch_.pos[j]       = (llama_pos) i;

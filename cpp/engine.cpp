@@ -412,9 +412,7 @@ size_t Engine::check_tokens(const TokenMap & tokens, bool logits_all) {
     for (const auto & [seq, toks] : tokens) {
         seq_cache(seq);
         for (const llama_token t : toks) {
-            if (t < 0 || t >= n_vocab) {
-                throw std::invalid_argument("token id " + std::to_string(t) + " out of range [0, " + std::to_string(n_vocab) + ")");
-            }
+            check_token_id(t, n_vocab);
         }
         n_total += toks.size();
         if (logits_all) { // exactly the rows this feed gives: a large prompt's are the most memory it takes
@@ -573,9 +571,7 @@ void Engine::check_riders(const Riders & riders, const TokenMap & fed) {
             throw std::invalid_argument("sequence " + std::to_string(seq) + " cannot ride: it is being fed, or has no token");
         }
         for (const llama_token t : toks) {
-            if (t < 0 || t >= n_vocab) {
-                throw std::invalid_argument("token id " + std::to_string(t) + " out of range [0, " + std::to_string(n_vocab) + ")");
-            }
+            check_token_id(t, n_vocab);
         }
     }
 }

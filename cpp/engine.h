@@ -196,7 +196,7 @@ private:
     void recall(llama_seq_id seq, const std::vector<llama_token> & prompt, bool fed);
     // the origins of the host entries a recall step probes, in the order it probes them: all of them in the
     // conversation's order, or, past the policy's recall_pages (and past its budget), those the question's queries
-    // rank first by the page digests (the question is probed once for its queries)
+    // rank first against the stored keys (the question is probed once for its queries: recall_ranking.h)
     std::vector<llama_pos> recall_order(llama_seq_id seq, const std::vector<llama_token> & question, int32_t page);
     int64_t recall_of(llama_seq_id seq) const; // seq's host store cap: its own or the engine's
     void check_host(const SeqSnapshot & snap) const; // a snapshot's host store fits this cache and its positions
@@ -218,7 +218,7 @@ private:
     int64_t         n_decode_ = 0;
     llama_batch     batch_ {};
     int32_t  n_head_ = 0;
-    KeyLayout key_layout_; // where an entry's keys are, for recall's page digests
+    KeyLayout key_layout_; // where an entry's keys are, for recall's host ranking
     uint32_t capacity_ = 0;
     int32_t  scores_path_ = -1; // llama_attn_scores_enable: 0 out_prod, 1 sum_rows, -1 off
     uint32_t n_batch_  = 0;

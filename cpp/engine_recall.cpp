@@ -35,10 +35,7 @@ void Engine::recall_for(llama_seq_id seq, const std::vector<llama_token> & quest
     std::lock_guard<std::recursive_mutex> lock(mu_);
     seq_cache(seq);
     for (const llama_token t : question) {
-        if (t < 0 || t >= model_->n_vocab()) {
-            throw std::invalid_argument("token id " + std::to_string(t) + " out of range [0, " +
-                                        std::to_string(model_->n_vocab()) + ")");
-        }
+        model_->check_token(t);
     }
     if (question.empty()) {
         throw std::invalid_argument("recall needs a question: at least one token");
@@ -133,11 +130,11 @@ std::vector<llama_pos> Engine::recall_order(llama_seq_id seq, const std::vector<
     const Policy & policy = policy_of(seq);
     const int32_t pages = policy.probe().recall_pages;
     const size_t limit = std::max((size_t) std::max(pages, 0)*(size_t) page, (size_t) policy.split().total());
-    if (pages > 0 && sc.host().size() > limit && sc.has_digests()) {
+    if (pages > 0 && sc.host().size() > limit && sc.ranks_host()) {
         llama_attn_queries_next(ctx_);
         probe(seq, question); // ranks the kept entries as the first page's probe will again
         Queries q;
-        for (int32_t il = 0; il < key_layout_.n_layer; ++il) {
+        for (const int32_t il : ranking_layers(key_layout_.n_layer)) {
             const float * rows = nullptr;
             const int32_t n = llama_attn_queries_get(ctx_, il, &q.n_head, &q.head_dim, &rows);
             if (n <= 0 || (q.n_tokens > 0 && n != q.n_tokens)) {

@@ -290,10 +290,15 @@ Model::Offload Model::offload() const {
     return out;
 }
 
-void Model::check_token(llama_token token) const {
-    if (token < 0 || token >= n_vocab()) {
-        throw std::invalid_argument("token id " + std::to_string(token) + " out of range [0, " + std::to_string(n_vocab()) + ")");
+void check_token_id(llama_token t, int32_t n_vocab, const char * what) {
+    if (t < 0 || t >= n_vocab) {
+        throw std::invalid_argument((what != nullptr ? std::string(what) + " " : std::string()) + "token id " +
+                                    std::to_string(t) + " out of range [0, " + std::to_string(n_vocab) + ")");
     }
+}
+
+void Model::check_token(llama_token token) const {
+    check_token_id(token, n_vocab());
 }
 
 std::vector<llama_token> Model::tokenize(const std::string & text, bool add_special, bool parse_special) const {

@@ -65,12 +65,16 @@ public:
     std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>> & messages,
                                     bool add_assistant, const std::string & tmpl) const;
 
-private:
+    // throws std::invalid_argument for a token id outside the vocabulary
     void check_token(llama_token token) const;
 
+private:
     llama_model * model_ = nullptr;
     std::vector<std::string> rpc_servers_;
 };
+
+// throws std::invalid_argument unless 0 <= t < n_vocab ("token id T out of range [0, N)", after `what` when given)
+void check_token_id(llama_token t, int32_t n_vocab, const char * what = nullptr);
 
 // llama.cpp's log goes through here once the backend is initialised: errors are kept for our exception messages
 void init_backend(bool verbose);

@@ -29,7 +29,7 @@ enum class ProbeSource {
 struct ProbeSpec {
     ProbeSource source   = ProbeSource::none;
     int32_t     question = 0; // tokens of the question probe
-    int32_t     recall_pages = 0; // with recall: pages of host entries a question probes, chosen by their digests (0: all)
+    int32_t     recall_pages = 0; // with recall: pages of host entries a question probes, ranked on the host (0: all)
 };
 
 constexpr int32_t kDefaultQuestionTokens = 32;

@@ -1,4 +1,5 @@
 #include "sampler.h"
+#include "model.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -7,13 +8,6 @@
 namespace h2o {
 
 namespace {
-
-void check_token(llama_token t, int32_t n_vocab, const char * what) {
-    if (t < 0 || t >= n_vocab) {
-        throw std::invalid_argument(std::string(what) + " token id " + std::to_string(t) + " out of range [0, " +
-                                    std::to_string(n_vocab) + ")");
-    }
-}
 
 // llama.cpp's grammar throws std::runtime_error when a call is over its work limit (our patch 0010) or finds no
 // parse left; either fails the generation that uses the grammar, as a GrammarError
@@ -41,17 +35,17 @@ llama_token end_of_generation(const llama_vocab * vocab) {
 std::vector<llama_logit_bias> checked_bias(const SamplerParams & params, int32_t n_vocab) {
     std::vector<llama_logit_bias> bias = params.logit_bias;
     for (const llama_logit_bias & b : bias) {
-        check_token(b.token, n_vocab, "logit_bias");
+        check_token_id(b.token, n_vocab, "logit_bias");
         if (!std::isfinite(b.bias) && b.bias != -INFINITY) {
             throw std::invalid_argument("logit_bias of token " + std::to_string(b.token) + " is not a number");
         }
     }
     for (const llama_token t : params.banned) {
-        check_token(t, n_vocab, "banned");
+        check_token_id(t, n_vocab, "banned");
         bias.push_back({t, -INFINITY});
     }
     for (const llama_token t : params.history) {
-        check_token(t, n_vocab, "history");
+        check_token_id(t, n_vocab, "history");
     }
     if (params.penalty_last_n < 0) {
         throw std::invalid_argument("penalty_last_n must be >= 0 (tokens), got " + std::to_string(params.penalty_last_n));

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "host_store.h"
-#include "page_digest.h"
+#include "recall_ranking.h"
 #include "policy.h"
 
 #include "llama.h"
@@ -157,11 +157,11 @@ public:
     // std::runtime_error when llama.cpp has no room for them
     void readmit(const std::vector<size_t> & indices);
     void count_recalled(int64_t n) { host_.n_recalled += n; }
-    // the page digests of the store's entries are kept for keys of this layout (an invalid one: none are kept)
-    void set_key_layout(const KeyLayout & layout);
-    bool has_digests() const { return layout_.valid(); }
-    // the origins of the host entries a question with these queries should probe, at most `limit`: the members of
-    // the blocks whose digests the queries rank first, best first; empty when the queries do not fit the layout
+    // where an entry's keys are (an invalid layout: the host entries are not ranked on the host)
+    void set_key_layout(const KeyLayout & layout) { layout_ = layout; }
+    bool ranks_host() const { return layout_.valid() && !host_.q8_0; }
+    // the origins of the host entries a question with these queries should probe, at most `limit`: the blocks whose
+    // best member the queries lift most (recall_ranking.h), best first; empty when they cannot be ranked so
     std::vector<llama_pos> recall_candidates(const Queries & queries, size_t limit, int32_t n_threads);
 
     std::vector<uint8_t> save_kv() const;
@@ -209,8 +209,7 @@ private:
     int64_t   spill_cap_ = 0;
     bool      spill_q8_  = false;
     HostStore host_;
-    KeyLayout   layout_;
-    PageDigests digests_; // of host_'s entries, as the last recall found them
+    KeyLayout layout_;
 
     Exchange exchange_;
 };

@@ -20,7 +20,6 @@ void SeqCache::set_spill(int64_t cap, bool q8) {
     spill_q8_  = q8;
     if (cap == 0) {
         host_ = HostStore();
-        digests_.clear();
         return;
     }
     const size_t raw_bytes = llama_kv_entry_size(ctx_);
@@ -56,36 +55,23 @@ void SeqCache::set_host(const HostStore & host) {
     }
 }
 
-void SeqCache::set_key_layout(const KeyLayout & layout) {
-    layout_ = layout;
-    digests_.clear();
-}
-
 std::vector<llama_pos> SeqCache::recall_candidates(const Queries & queries, size_t limit, int32_t n_threads) {
-    if (!layout_.valid() || !queries.fits(layout_)) {
+    if (!ranks_host() || !queries.fits(layout_)) {
         return {};
     }
-    digests_.sync(layout_, host_, llama_kv_entry_size(ctx_));
-    const std::vector<float> score = digests_.score(layout_, queries, n_threads);
-    std::vector<size_t> order(score.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return score[a] > score[b]; });
-    std::vector<llama_pos> out;
-    std::vector<const std::vector<llama_pos> *> members;
-    for (const auto & kv : digests_.blocks()) {
-        members.push_back(&kv.second.origins);
-    }
-    for (const size_t b : order) {
-        for (const llama_pos o : *members[b]) {
-            if (out.size() < limit) {
-                out.push_back(o);
-            }
+    llama_memory_update(ctx_); // the kept keys as their positions say
+    std::vector<std::vector<float>> kept;
+    for (const int32_t il : ranking_layers(layout_.n_layer)) {
+        const llama_pos * pos = nullptr;
+        const float * keys = nullptr;
+        int32_t n_embd = 0;
+        const int32_t n = llama_attn_keys_get(ctx_, seq_, il, std::numeric_limits<llama_pos>::min(), &pos, &n_embd, &keys);
+        if (n < 0 || (size_t) n_embd != layout_.n_key()) {
+            return {};
         }
-        if (out.size() >= limit) {
-            break;
-        }
+        kept.emplace_back(keys, keys + (size_t) n*n_embd);
     }
-    return out;
+    return best_blocks(host_.origins, host_lift(layout_, queries, kept, host_, n_threads), limit);
 }
 
 void SeqCache::readmit(const std::vector<size_t> & indices) {

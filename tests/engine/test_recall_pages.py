@@ -1,46 +1,49 @@
 """Recall's page choice (the policy option recall_pages, docs/recall.md "Choosing the pages"): past a few pages of
-host entries, a new prompt's question is probed once for its queries, every block of 32 neighbouring host entries
-is scored by the upper bound of q.k over its keys (Quest's digest: each key element's max and min per layer and KV
-head), and only the best blocks' entries (recall_pages pages, at least the budget's worth) play the page tournament."""
+host entries, a new prompt's question is probed once for its queries, every host entry is lifted by those queries
+read against the kept and the stored keys on the host (every third layer from the second), over its own baseline,
+and only the best blocks of 32 neighbouring entries (recall_pages pages, at least the budget's worth) play the page
+tournament."""
 import numpy as np
 
 from h2o_local import TOVA, Llama
 from device_tolerance import approximate, assert_same_choice
-from engine_view import engine
 
 BLOCK = 32
 
 
-def digest_order(reference, tokens, n, kept, host, n_q):
-    """The host entries in the order the digests rank their blocks (members ascending within a block), from a NumPy
-    forward pass: the question's queries see the kept entries only, the blocks' bounds are the stored keys'."""
+def ranking_layers(n_layer):
+    return [il for il in range(n_layer) if n_layer < 3 or il % 3 == 1]
+
+
+def host_order(reference, tokens, n, kept, host, n_q, base):
+    """The host entries in the order their blocks' best lift ranks them (members ascending within a block), from a
+    NumPy forward pass: the question's queries see the kept entries only; each host entry's attention from them in a
+    cache holding the kept and every host entry, per query, over its baseline, in its best head."""
     visible = np.ones((len(tokens), len(tokens)), dtype=bool)
     visible[n:, :n] = False
     visible[n:, kept] = True
     queries = reference.queries(tokens, visible)
     keys = reference.keys(tokens[:n])
+    cols = list(kept) + list(host)
+    sums = 0
+    for il in ranking_layers(len(queries)):
+        q = queries[il][n:n + n_q]                                    # [token, head, dim]
+        k = np.repeat(keys[il][cols], q.shape[1] // keys[il].shape[1], axis=1)  # [entry, head, dim]
+        logits = np.einsum("thd,ehd->hte", q, k) / np.sqrt(q.shape[-1])
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        sums = sums + (p / p.sum(-1, keepdims=True)).sum(axis=1)[:, len(kept):].T  # [host entry, head]
+    lift = (sums / n_q / base(list(host))).max(axis=1)
     blocks = sorted({p // BLOCK for p in host})
-    score = np.zeros(len(blocks))
-    for q, k in zip(queries, keys):
-        q = q[n:n + n_q]  # [token, head, dim]
-        group = q.shape[1] // k.shape[1]
-        hi = np.stack([k[[p for p in host if p // BLOCK == b]].max(axis=0) for b in blocks])  # [block, kv head, dim]
-        lo = np.stack([k[[p for p in host if p // BLOCK == b]].min(axis=0) for b in blocks])
-        for h in range(q.shape[1]):
-            bound = np.maximum(q[:, None, h, :] * hi[None, :, h // group, :],
-                               q[:, None, h, :] * lo[None, :, h // group, :]).sum(axis=-1)  # [token, block]
-            u = bound.max(axis=0) / np.sqrt(q.shape[-1])
-            e = np.exp(u - u.max())
-            score += e / e.sum()
-    order = np.argsort(-score, kind="stable")
-    return [p for i in order for p in sorted(p for p in host if p // BLOCK == blocks[i])], score
+    best = {b: max(lift[i] for i, p in enumerate(host) if p // BLOCK == b) for b in blocks}
+    order = sorted(blocks, key=lambda b: -best[b])
+    return [p for b in order for p in sorted(p for p in host if p // BLOCK == b)], order, best
 
 
 def test_a_recall_past_its_pages_probes_the_blocks_its_queries_rank_first(tiny_model):
     """Host entries of several blocks, room for one page of 16 beside the kept ones, recall_pages=2: the question's
-    queries rank the blocks by their key bounds; the best blocks' entries, 32 of them (two pages), play the
-    tournament of test_recall's reference, best first, and the cache ends with the same entries. The blocks the
-    digests ranked last never come back."""
+    queries lift the host entries; the best blocks' entries, 32 of them (two pages), play the tournament of
+    test_recall's reference, best first, and the cache ends with the same entries. The blocks ranked last never come
+    back."""
     from attention_reference import LlamaReference
     from test_probe import BUDGET, PROMPT, question_baseline, reference_keep
 
@@ -59,10 +62,11 @@ def test_a_recall_past_its_pages_probes_the_blocks_its_queries_rank_first(tiny_m
     reference = LlamaReference(tiny_model)
     n = len(PROMPT)
     tokens = PROMPT + question
-    order, score = digest_order(reference, tokens, n, kept, host, n_q)
-    assert len(set(np.round(score, 6))) == len(score)  # no tie decides the order
-    candidates = order[:2 * page]
     base = question_baseline(tiny_model, n_q, kv_f32=True)
+    order, blocks, best = host_order(reference, tokens, n, kept, host, n_q, base)
+    assert blocks != sorted(blocks)  # the conversation's order would probe other blocks
+    assert len({round(v, 5) for v in best.values()}) == len(best)  # no tie decides the order
+    candidates = order[:2 * page]
     for a in range(0, len(candidates), page):
         entries = sorted(set(kept) | set(candidates[a:a + page]))
         visible = np.ones((len(tokens), len(tokens)), dtype=bool)
