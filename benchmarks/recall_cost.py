@@ -20,8 +20,9 @@ Writes OUT.json and OUT.md.
 
 `--pages` measures only the recall step, the page choice against every page, side by side: the history is read once
 (the default policy, a host store large enough for all of it, positions rolled past the trained context as chat
-does), then, from its snapshot, `recall_for(question)` with `recall_pages=2` (the question probed once for its queries,
-the blocks' key digests scored, two pages probed) and with `recall_pages=0` (every page, the default), interleaved,
+does), then, from its snapshot, `recall_for(question)` with `recall_pages=N` (--recall-pages, the default's 8: the question
+probed once for its queries, the host entries ranked against the stored keys, N pages probed) and with
+`recall_pages=0` (every page), interleaved,
 medians of --repeats. Also which entries each brought back (the overlap of the two kept sets).
 """
 from __future__ import annotations
@@ -111,7 +112,8 @@ def run(model: str, n: int, budget: int, threads: int, repeats: int, data: Path)
     return row
 
 
-def run_pages(model: str, n: int, budget: int, threads: int, repeats: int, data: Path) -> Dict[str, Any]:
+def run_pages(model: str, n: int, budget: int, threads: int, repeats: int, data: Path,
+              recall_pages: int) -> Dict[str, Any]:
     from h2o_local import Llama
     from h2o_local.policies import resolve
 
@@ -125,7 +127,7 @@ def run_pages(model: str, n: int, budget: int, threads: int, repeats: int, data:
     kept: Dict[str, List[int]] = {}
     probes: Dict[str, int] = {}
     for _ in range(repeats):
-        for name, pages in (("chosen", 2), ("every", 0)):
+        for name, pages in (("chosen", recall_pages), ("every", 0)):
             llm.load_state(snap)
             llm.set_policy(resolve(None, budget, recall_pages=pages))
             before = llm.kv_state().n_probes
@@ -137,7 +139,7 @@ def run_pages(model: str, n: int, budget: int, threads: int, repeats: int, data:
     held = set(llm.kv_state().positions.tolist())
     back = {k: set(v) - held for k, v in kept.items()}
     both = len(back["chosen"] & back["every"])
-    row = {"history": n, "budget": budget, "host_entries": n_host, "read_s": round(read_s, 1),
+    row = {"history": n, "budget": budget, "recall_pages": recall_pages, "host_entries": n_host, "read_s": round(read_s, 1),
            "recall_chosen_s": round(statistics.median(times["chosen"]), 3),
            "recall_every_s": round(statistics.median(times["every"]), 3),
            "probes_chosen": probes["chosen"], "probes_every": probes["every"],
@@ -167,13 +169,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum.jsonl")
     ap.add_argument("--pages", action="store_true", help="only the recall step: the page choice against every page")
+    ap.add_argument("--recall-pages", type=int, default=8, help="with --pages: the pages the choice probes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from experiments.models import model_path
 
     model = model_path(args.model)
     if args.pages:
-        rows = [run_pages(model, n, args.budget, args.threads, args.repeats, args.data) for n in args.history]
+        rows = [run_pages(model, n, args.budget, args.threads, args.repeats, args.data, args.recall_pages)
+                for n in args.history]
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))

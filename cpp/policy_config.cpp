@@ -15,7 +15,7 @@ constexpr int32_t kDefaultPool   = 9;
 constexpr int32_t kDefaultFollow = 12;
 constexpr int32_t kDefaultSinks  = 4;  // at most, and at most budget / 8
 constexpr int32_t kDefaultRecent = 32; // at most, and at most budget / 2
-constexpr int32_t kDefaultRecallPages = 0; // every page: the digests' choice loses retrieval (docs/recall.md)
+constexpr int32_t kDefaultRecallPages = 8; // every page up to 8 (as before), then the 8 the host ranking finds
 
 // "123" -> 123: ASCII digits only, at most 9 of them (below 2^31); -1 otherwise
 int32_t label_number(const std::string & text) {
@@ -71,9 +71,9 @@ const std::vector<PolicyOption> & policy_options() {
          "prompt will not replace (recent - the prompt's tokens, at least 1): its place goes to what the question "
          "finds, as the prompt's own tokens are the recent window after it"},
         {"recall_pages", "d", &PolicyConfig::recall_pages, kDefaultRecallPages, 0, kAny, "pages", false,
-         "with recall: a new prompt's question probes only the N pages (a batch of entries each; at least the "
-         "budget's worth) of host memory whose key digests its queries rank first, not every page, so that the "
-         "step does not grow with the history (it finds less: docs/recall.md); 0: every page"},
+         "with recall: past N pages (a batch of entries each; at least the budget's worth) of host memory, a new "
+         "prompt's question probes only the N pages whose entries its queries lift most against the stored keys, "
+         "so that the step does not grow with the history; 0: every page"},
     };
     return options;
 }

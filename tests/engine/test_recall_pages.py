@@ -105,3 +105,19 @@ def test_every_page_is_probed_with_recall_pages_0_or_room_for_everything(tiny_mo
     chosen, probes_chosen = after_recall(2, 24)
     assert probes_chosen < probes_every  # the question's probe for its queries, then two pages, not all of them
     assert after_recall(2, 200)[0] == after_recall(0, 200)[0] == list(range(len(PROMPT)))
+
+
+def test_a_q8_0_host_copy_is_not_ranked_on_the_host_every_page_is_probed(tiny_model):
+    """The ranking reads the store's own F16 or F32 rows; a q8_0 copy is probed page by page, as before."""
+    from test_probe import PROMPT
+
+    def probes(recall_pages, recall_type):
+        llm = Llama(tiny_model, policy=TOVA(budget=24, probe="question", question=8, recall_pages=recall_pages),
+                    n_ctx=512, n_batch=16, n_threads=1, recall=1000, recall_type=recall_type)
+        llm.eval(PROMPT)
+        before = llm.kv_state().n_probes
+        llm.recall_for(list(range(130, 138)))
+        return llm.kv_state().n_probes - before, llm.kv_state().positions.tolist()
+
+    assert probes(2, "q8_0") == probes(0, "q8_0")
+    assert probes(2, None)[0] < probes(0, None)[0]
