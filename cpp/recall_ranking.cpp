@@ -48,27 +48,48 @@ bool Queries::fits(const KeyLayout & layout) const {
 
 namespace {
 
-// layer il's keys of every host entry in F32: [n][n_key]
-std::vector<float> host_keys(const KeyLayout & layout, const HostStore & store, int32_t il) {
+// layer il's keys of every host entry in F32, transposed per element: [n_key][n] (the logits of many keys are then
+// one vectorisable loop per element)
+std::vector<float> host_keys_t(const KeyLayout & layout, const HostStore & store, int32_t il) {
     const size_t n_key = layout.n_key();
-    std::vector<float> out(store.size()*n_key);
-    for (size_t i = 0; i < store.size(); ++i) {
+    const size_t n = store.size();
+    std::vector<float> out(n_key*n);
+    std::vector<float> key(n_key);
+    for (size_t i = 0; i < n; ++i) {
         const uint8_t * row = store.kv.data() + i*store.entry_bytes + (size_t) il*layout.layer_bytes;
         if (layout.type_k == GGML_TYPE_F32) {
-            std::copy((const float *) row, (const float *) row + n_key, out.data() + i*n_key);
+            std::copy((const float *) row, (const float *) row + n_key, key.data());
         } else {
-            ggml_fp16_to_fp32_row((const ggml_fp16_t *) row, out.data() + i*n_key, (int64_t) n_key);
+            ggml_fp16_to_fp32_row((const ggml_fp16_t *) row, key.data(), (int64_t) n_key);
+        }
+        for (size_t e = 0; e < n_key; ++e) {
+            out[e*n + i] = key[e];
         }
     }
     return out;
 }
 
-float dot(const float * a, const float * b, size_t n) {
-    float s = 0.0f;
-    for (size_t e = 0; e < n; ++e) {
-        s += a[e]*b[e];
+// [n][n_key] -> [n_key][n]
+std::vector<float> transposed(const std::vector<float> & rows, size_t n_key) {
+    const size_t n = rows.size()/n_key;
+    std::vector<float> out(rows.size());
+    for (size_t i = 0; i < n; ++i) {
+        for (size_t e = 0; e < n_key; ++e) {
+            out[e*n + i] = rows[i*n_key + e];
+        }
     }
-    return s;
+    return out;
+}
+
+// logit[j] += sum over the head's elements of q[e] * keys_t[off + e][j], for j < n
+void add_logits(const float * q, const float * keys_t, size_t off, size_t d, size_t n, float scale, float * logit) {
+    for (size_t e = 0; e < d; ++e) {
+        const float qe = q[e]*scale;
+        const float * row = keys_t + (off + e)*n;
+        for (size_t j = 0; j < n; ++j) {
+            logit[j] += qe*row[j];
+        }
+    }
 }
 
 } // namespace
@@ -95,7 +116,8 @@ std::vector<float> host_lift(const KeyLayout & layout, const Queries & queries,
             return {};
         }
         const size_t n_kept = kept.size()/n_key;
-        const std::vector<float> host = host_keys(layout, store, layers[li]);
+        const std::vector<float> kept_t = transposed(kept, n_key);
+        const std::vector<float> host_t = host_keys_t(layout, store, layers[li]);
         const float * q_all = queries.layers[li].data();
         // each thread its own heads: no two write the same sums
         const auto heads = [&](size_t h0, size_t h1) {
@@ -105,22 +127,18 @@ std::vector<float> host_lift(const KeyLayout & layout, const Queries & queries,
                 float * into = sums.data() + h*n_host;
                 for (size_t t = 0; t < n_tok; ++t) {
                     const float * q = q_all + (t*n_head + h)*d;
-                    float top = -std::numeric_limits<float>::infinity();
-                    for (size_t j = 0; j < n_kept; ++j) {
-                        logit[j] = scale*dot(q, kept.data() + j*n_key + off, d);
-                        top = std::max(top, logit[j]);
-                    }
-                    for (size_t j = 0; j < n_host; ++j) {
-                        logit[n_kept + j] = scale*dot(q, host.data() + j*n_key + off, d);
-                        top = std::max(top, logit[n_kept + j]);
-                    }
-                    double total = 0.0;
+                    std::fill(logit.begin(), logit.end(), 0.0f);
+                    add_logits(q, kept_t.data(), off, d, n_kept, scale, logit.data());
+                    add_logits(q, host_t.data(), off, d, n_host, scale, logit.data() + n_kept);
+                    const float top = *std::max_element(logit.begin(), logit.end());
+                    float total = 0.0f;
                     for (float & v : logit) {
                         v = std::exp(v - top);
                         total += v;
                     }
+                    const float inv = 1.0f/total;
                     for (size_t j = 0; j < n_host; ++j) {
-                        into[j] += (float) (logit[n_kept + j]/total);
+                        into[j] += logit[n_kept + j]*inv;
                     }
                 }
             }

@@ -127,8 +127,11 @@ class SessionCache:
         for s in saved:
             if s.policy != policy or s.n_keep != n_keep or s.answer_from < 0:
                 continue
-            start = max(s.n_keep, s.answer_from - ANSWER_SLACK, 1)
-            if len(tokens) <= start or tuple(tokens[:start]) != tuple(s.tokens[:start]):
+            # the request holds the saved prompt but for its last ANSWER_SLACK tokens, and those are more than its
+            # protected prefix and a few tokens after it (else it is another request that begins alike)
+            start = s.answer_from - ANSWER_SLACK
+            if start <= s.n_keep + ANSWER_SLACK or len(tokens) < s.answer_from or \
+                    tuple(tokens[:start]) != tuple(s.tokens[:start]):
                 continue
             # parted within the answer; one token at least is left to read (its logits are the next draw's)
             n = min(common_prefix(tokens, s.tokens[:s.n_fed]), len(tokens) - 1)

@@ -152,3 +152,6 @@ def test_the_session_rule_continues_a_resent_history_only_from_within_its_last_a
     assert cache.held(prompt + answer, 4) == len(prompt) + len(answer)                 # resent as it is
     cache.put(prompt[:4], 4, 4, Snap())                                                 # a prefix alone: no answer
     assert cache.held(prompt[:3] + [9, 9], 4) == 0
+    short = SessionCache(1 << 20)                  # a prompt of 3 tokens: parting after its first is another request
+    short.put([1, 2, 3, 600, 601], 5, 0, Snap(), answer_from=3)
+    assert short.held([1, 9, 9, 9, 9, 9, 9], 0) == 0 and short.held([1, 2, 3, 600, 601, 7], 0) == 5
