@@ -414,6 +414,26 @@ def test_recall_ranks_what_comes_back_as_an_independent_numpy_reference_does(tin
     assert sorted(st.host_positions.tolist()) == sorted(set(range(len(PROMPT))) - set(keep))
 
 
+def page_tournament(reference, tokens, n, kept, waiting, page, n_q, base, budget):
+    """The recall step's tournament in NumPy: `waiting` (host positions, in the order they are probed) a page at a
+    time beside the kept entries; the question's attention over just those entries relative to each entry's baseline
+    ranks them and the budget keeps the best (the policy's sinks 0, recent 1). The kept positions after the last
+    page, and that round's lifts by position (-inf elsewhere: a device may swap a near tie there)."""
+    from test_probe import reference_keep
+
+    for a in range(0, len(waiting), page):
+        entries = sorted(set(kept) | set(waiting[a:a + page]))
+        visible = np.ones((len(tokens), len(tokens)), dtype=bool)
+        visible[n:, :n] = False
+        visible[n:, entries] = True
+        sums = sum(p[:, n:, :n].sum(axis=1) for p in reference.attention(tokens, visible)).T / n_q
+        lift = (sums[entries] / base(entries)).max(axis=1)
+        kept = [entries[i] for i in reference_keep(lift, 0, 1, budget)]
+    last_round = np.full(n, -np.inf)
+    last_round[entries] = lift
+    return kept, last_round
+
+
 def test_a_recall_over_many_pages_equals_a_numpy_reference_of_its_page_tournament(tiny_model):
     """With room for one page of 16 entries beside the kept ones, the spilled entries come back a page at a time, in
     position order: each page is ranked together with what the earlier pages left, by the question's attention over
@@ -423,7 +443,7 @@ def test_a_recall_over_many_pages_equals_a_numpy_reference_of_its_page_tournamen
     from attention_reference import LlamaReference
     from h2o_local import TOVA
 
-    from test_probe import BUDGET, PROMPT, question_baseline, reference_keep
+    from test_probe import BUDGET, PROMPT, question_baseline
 
     n_q, page = 8, 16
     question = list(range(130, 130 + n_q))
@@ -441,19 +461,9 @@ def test_a_recall_over_many_pages_equals_a_numpy_reference_of_its_page_tournamen
     reference = LlamaReference(tiny_model)
     n = len(PROMPT)
     tokens = PROMPT + question
-    for a in range(0, len(waiting), page):
-        entries = sorted(set(kept) | set(waiting[a:a + page]))
-        visible = np.ones((len(tokens), len(tokens)), dtype=bool)
-        visible[n:, :n] = False
-        visible[n:, entries] = True
-        sums = sum(p[:, n:, :n].sum(axis=1) for p in reference.attention(tokens, visible)).T / n_q
-        lift = (sums[entries] / base(entries)).max(axis=1)
-        keep = reference_keep(lift, 0, 1, BUDGET)
-        kept = [entries[i] for i in keep]
+    kept, last_round = page_tournament(reference, tokens, n, kept, waiting, page, n_q, base, BUDGET)
 
     st = paged.kv_state()
-    last_round = np.full(n, -np.inf)  # the last round's lifts by position (a device may swap a near tie there)
-    last_round[entries] = lift
     assert_same_choice(st.positions, kept, last_round, device=approximate(paged))
     assert_values_close(st.probe_scores, last_round[st.positions], device=approximate(paged), cpu_rtol=1e-4,
                         cpu_atol=1e-6)

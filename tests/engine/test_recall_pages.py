@@ -45,7 +45,8 @@ def test_a_recall_past_its_pages_probes_the_blocks_its_queries_rank_first(tiny_m
     test_recall's reference, best first, and the cache ends with the same entries. The blocks ranked last never come
     back."""
     from attention_reference import LlamaReference
-    from test_probe import BUDGET, PROMPT, question_baseline, reference_keep
+    from test_probe import BUDGET, PROMPT, question_baseline
+    from test_recall import page_tournament
 
     n_q, page = 8, 16
     question = list(range(130, 130 + n_q))
@@ -67,18 +68,9 @@ def test_a_recall_past_its_pages_probes_the_blocks_its_queries_rank_first(tiny_m
     assert blocks != sorted(blocks)  # the conversation's order would probe other blocks
     assert len({round(v, 5) for v in best.values()}) == len(best)  # no tie decides the order
     candidates = order[:2 * page]
-    for a in range(0, len(candidates), page):
-        entries = sorted(set(kept) | set(candidates[a:a + page]))
-        visible = np.ones((len(tokens), len(tokens)), dtype=bool)
-        visible[n:, :n] = False
-        visible[n:, entries] = True
-        sums = sum(p[:, n:, :n].sum(axis=1) for p in reference.attention(tokens, visible)).T / n_q
-        lift = (sums[entries] / base(entries)).max(axis=1)
-        kept = [entries[i] for i in reference_keep(lift, 0, 1, BUDGET)]
+    kept, last_round = page_tournament(reference, tokens, n, kept, candidates, page, n_q, base, BUDGET)
 
     st = paged.kv_state()
-    last_round = np.full(n, -np.inf)
-    last_round[entries] = lift
     assert_same_choice(st.positions, kept, last_round, device=approximate(paged))
     never = set(host) - set(candidates)
     assert never and not never & set(st.positions.tolist())
