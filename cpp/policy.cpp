@@ -242,32 +242,41 @@ void replace_scores(SeqScores & scores, const ScoreUpdate & update) {
     accumulate_scores(scores, update);
 }
 
-void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_queries, bool keep_best) {
+std::vector<float> probe_baseline(const SeqScores & scores) {
     const size_t n = scores.size();
     const int32_t n_head = scores.n_head;
-    const bool has_base = scores.seen.size() == n*n_head && n > 0;
+    std::vector<float> base(n*n_head, 1.0f);
+    if (scores.seen.size() != n*n_head || n == 0) {
+        return base;
+    }
     // each head's mean attention per query over the entries: an entry's own baseline is shrunk towards it by
     // kPriorQueries pseudo-queries, so that a fresh entry, seen mostly by its neighbours (whose attention is
     // local), is not judged by them alone; 5% of it floors every baseline
     constexpr float kPriorQueries = 128.0f;
     std::vector<float> mean(n_head, 0.0f);
-    if (has_base) {
-        for (size_t i = 0; i < n; ++i) {
-            for (int32_t h = 0; h < n_head; ++h) {
-                mean[h] += scores.seen[i*n_head + h]/(float) scores.queries[i]/(float) n;
-            }
+    for (size_t i = 0; i < n; ++i) {
+        for (int32_t h = 0; h < n_head; ++h) {
+            mean[h] += scores.seen[i*n_head + h]/(float) scores.queries[i]/(float) n;
         }
     }
+    for (size_t i = 0; i < n; ++i) {
+        for (int32_t h = 0; h < n_head; ++h) {
+            base[i*n_head + h] = (scores.seen[i*n_head + h] + kPriorQueries*mean[h])/
+                                 ((float) scores.queries[i] + kPriorQueries) + 0.05f*mean[h] + 1e-12f;
+        }
+    }
+    return base;
+}
+
+void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_queries, bool keep_best) {
+    const size_t n = scores.size();
+    const int32_t n_head = scores.n_head;
+    const std::vector<float> base = probe_baseline(scores);
     const float per_query = 1.0f/(float) std::max(n_queries, 1);
     for (size_t i = 0; i < n; ++i) {
         float best = 0.0f;
         for (int32_t h = 0; h < n_head; ++h) {
-            float base = 1.0f;
-            if (has_base) {
-                base = (scores.seen[i*n_head + h] + kPriorQueries*mean[h])/((float) scores.queries[i] + kPriorQueries) +
-                       0.05f*mean[h] + 1e-12f;
-            }
-            best = std::max(best, head_sums[i*n_head + h]*per_query/base);
+            best = std::max(best, head_sums[i*n_head + h]*per_query/base[i*n_head + h]);
         }
         scores.probe[i] = keep_best ? std::max(scores.probe[i], best) : best;
     }

@@ -281,6 +281,10 @@ void replace_scores(SeqScores & scores, const ScoreUpdate & update);
 // lift, not the raw attention: tokens that every query looks at (" the", "\n\n") draw the most raw attention
 // from a probe too, and a needle's digits only stand out against what they usually get.
 void observe_probe(SeqScores & scores, const float * head_sums, int32_t n_queries, bool keep_best);
+// the baseline a probe's lift divides by, [n][n_head]: each entry's attention per query (scores.seen /
+// scores.queries), shrunk towards the head's mean over the entries by 128 pseudo-queries, 5% of that mean as a
+// floor; all ones where the scores keep no baseline
+std::vector<float> probe_baseline(const SeqScores & scores);
 // out[i] = the largest of v over [i - width/2, i + width/2]
 // out[i] = the largest of v[i - max(width/2, follow) .. i + width/2]
 std::vector<float> max_pool(const std::vector<float> & v, int32_t width, int32_t follow = 0);

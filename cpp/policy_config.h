@@ -32,7 +32,7 @@ struct PolicyConfig {
     int32_t per_head = -1; // a flag: 1 on, 0 off
     int32_t reply = -1;    // a flag
     int32_t handoff = -1;  // a flag
-    int32_t recall_pages = -1;
+    int32_t recall_pages = -1; // pages a recall step probes past which it ranks on the host (0: every page)
 };
 
 // One option of a scoring policy.

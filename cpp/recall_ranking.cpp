@@ -4,7 +4,6 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <numeric>
 #include <thread>
 
 namespace h2o {
@@ -153,27 +152,11 @@ std::vector<float> host_lift(const KeyLayout & layout, const Queries & queries,
             t.join();
         }
     }
-    // the baseline as observe_probe measures it: the entry's attention per query, shrunk towards the mean by 128
-    // pseudo-queries, 5% of the mean as a floor
-    const SeqScores & sc = store.scores;
-    const bool has_base = sc.seen.size() == n_host*n_head;
-    std::vector<float> mean(n_head, 0.0f);
-    if (has_base) {
-        for (size_t i = 0; i < n_host; ++i) {
-            for (size_t h = 0; h < n_head; ++h) {
-                mean[h] += sc.seen[i*n_head + h]/(float) std::max<int64_t>(sc.queries[i], 1)/(float) n_host;
-            }
-        }
-    }
+    const std::vector<float> base = probe_baseline(store.scores); // as observe_probe divides by it
     std::vector<float> lift(n_host, 0.0f);
     for (size_t i = 0; i < n_host; ++i) {
         for (size_t h = 0; h < n_head; ++h) {
-            float base = 1.0f;
-            if (has_base) {
-                base = (sc.seen[i*n_head + h] + 128.0f*mean[h])/((float) sc.queries[i] + 128.0f) + 0.05f*mean[h] +
-                       1e-12f;
-            }
-            lift[i] = std::max(lift[i], sums[h*n_host + i]/(float) n_tok/base);
+            lift[i] = std::max(lift[i], sums[h*n_host + i]/(float) n_tok/base[i*n_head + h]);
         }
     }
     return lift;

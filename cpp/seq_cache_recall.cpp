@@ -42,9 +42,8 @@ void SeqCache::spill(const std::vector<size_t> & indices) {
     if (rc != 0) {
         throw std::runtime_error("llama_kv_entries_get failed with status " + std::to_string(rc));
     }
-    const std::vector<llama_pos> orig = gather_rows(st_.origins, 1, indices);
-    host_.spill(pos, orig, gather_rows(st_.tokens, 1, indices), st_.scores.gather(indices), rows, raw_bytes,
-                (size_t) spill_cap_);
+    host_.spill(pos, gather_rows(st_.origins, 1, indices), gather_rows(st_.tokens, 1, indices),
+                st_.scores.gather(indices), rows, raw_bytes, (size_t) spill_cap_);
 }
 
 void SeqCache::set_host(const HostStore & host) {

@@ -25,7 +25,7 @@ from .chat_template import Message, check_variables, normalize_messages
 from .completions import answer_markup, prompt_end
 from .llama import RECALL_DEFAULT_BYTES, Llama, Snapshot
 from .sampling import CHAT
-from .sessions import Session, continues
+from .sessions import Session, common_prefix, continues
 from .text import check_text
 
 SESSION_FORMAT = 2  # 1: "fed_text" instead of "tokens" (loaded, then fed again from the start)
@@ -230,11 +230,7 @@ class ChatSession:
             self.llm.load_state(self._prompt.snapshot)
             return self._prompt
         if live is not None and live.n_keep == n_keep:
-            common = 0
-            for a, b in zip(live.tokens[:live.n_fed], tokens):
-                if a != b:
-                    break
-                common += 1
+            common = common_prefix(live.tokens[:live.n_fed], tokens)
             if max(n_keep, 0) < common < len(tokens):
                 try:
                     self.llm.truncate(common)
