@@ -579,6 +579,23 @@ void Engine::check_riders(const Riders & riders, const TokenMap & fed) {
 void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
                     const std::set<llama_seq_id> & query_windows, const std::set<llama_seq_id> & probes,
                     const TokenMap & rides) {
+    fill_batch(chunk, logits_all, probes, rides);
+    decode_batch(chunk, probes);
+    int32_t j = 0; // the chunk's first token in the batch
+    for (const auto & [seq, toks] : chunk) {
+        const bool probing = probes.count(seq) > 0;
+        if (!probing) {
+            keep_logits(seq, j, (int32_t) toks.size(), logits_all);
+        }
+        j += (int32_t) toks.size();
+        const auto ride = rides.find(seq);
+        observe_decoded(seq, toks, probing, query_windows.count(seq) > 0,
+                        ride == rides.end() ? nullptr : &ride->second);
+    }
+}
+
+void Engine::fill_batch(const TokenMap & chunk, bool logits_all, const std::set<llama_seq_id> & probes,
+                        const TokenMap & rides) {
     batch_.n_tokens = 0;
     const auto add = [&](llama_seq_id seq, llama_token token, llama_pos pos, bool logits) {
         const int32_t j = batch_.n_tokens++;
@@ -607,7 +624,9 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             throw std::logic_error("a probe rides with a chunk, but no scores are exported");
         }
     }
+}
 
+void Engine::decode_batch(const TokenMap & chunk, const std::set<llama_seq_id> & probes) {
     clear_llama_error();
     ++n_decode_;
     const auto t0 = std::chrono::steady_clock::now();
@@ -626,54 +645,51 @@ void Engine::decode(const std::map<llama_seq_id, std::vector<llama_token>> & chu
             seqs_.at(kv.first).note_decode(seconds);
         }
     }
+}
 
+void Engine::keep_logits(llama_seq_id seq, int32_t first, int32_t n_new, bool logits_all) {
     const int32_t n_vocab = model_->n_vocab();
-    int32_t j = 0;
-    for (const auto & [seq, toks] : chunk) {
-        SeqCache & sc = seqs_.at(seq);
-        const int32_t n_new = (int32_t) toks.size();
-        const auto ride = rides.find(seq);
-        const int32_t n_ride = ride == rides.end() ? 0 : (int32_t) ride->second.size();
-        if (probes.count(seq) == 0) {
-            if (logits_all) {
-                auto & rows = logits_all_[seq];
-                for (int32_t i = 0; i < n_new; ++i) {
-                    const float * row = llama_get_logits_ith(ctx_, j + i);
-                    rows.insert(rows.end(), row, row + n_vocab);
-                }
-            }
-            const float * last = llama_get_logits_ith(ctx_, j + n_new - 1);
-            last_logits_[seq].assign(last, last + n_vocab);
+    if (logits_all) {
+        auto & rows = logits_all_[seq];
+        for (int32_t i = 0; i < n_new; ++i) {
+            const float * row = llama_get_logits_ith(ctx_, first + i);
+            rows.insert(rows.end(), row, row + n_vocab);
         }
-        j += n_new;
+    }
+    const float * last = llama_get_logits_ith(ctx_, first + n_new - 1);
+    last_logits_[seq].assign(last, last + n_vocab);
+}
 
-        sc.append(toks);
-        if (scores_path_ >= 0) {
-            const llama_pos * pos = nullptr;
-            const float * sums = nullptr;
-            const int32_t n = llama_attn_scores_get(ctx_, seq, &pos, &sums);
-            if (probes.count(seq) > 0) {
-                add_probe_sums(sc, pos, sums, n);
-            } else {
-                const bool window = query_windows.count(seq) > 0;
-                const Policy & policy = policy_of(seq);
-                if (policy.per_head()) { // first: a sequence's first per-head decode starts from the scores before it
-                    sc.observe_heads(policy, n_new, window);
-                }
-                // (a riding probe's entries are the newest n_ride: the chunk's queries gave them nothing)
-                sc.observe(policy, pos, sums, n - n_ride, n_new, window,
-                           !(window && policy.probe().source == ProbeSource::question));
-            }
-        }
-        if (n_ride > 0) {
-            probe_sums_.assign((size_t) sc.size()*n_head_, 0.0f);
-            sc.append(ride->second);
-            const llama_pos * pos = nullptr;
-            const float * sums = nullptr;
-            const int32_t n = llama_attn_scores_get_probe(ctx_, seq, &pos, &sums);
+void Engine::observe_decoded(llama_seq_id seq, const std::vector<llama_token> & toks, bool probing, bool window,
+                             const std::vector<llama_token> * ride) {
+    SeqCache & sc = seqs_.at(seq);
+    const int32_t n_new = (int32_t) toks.size();
+    const int32_t n_ride = ride == nullptr ? 0 : (int32_t) ride->size();
+    sc.append(toks);
+    if (scores_path_ >= 0) {
+        const llama_pos * pos = nullptr;
+        const float * sums = nullptr;
+        const int32_t n = llama_attn_scores_get(ctx_, seq, &pos, &sums);
+        if (probing) {
             add_probe_sums(sc, pos, sums, n);
-            finish_probe(seq, n_ride, 0.0); // its time is the chunk's decode's
+        } else {
+            const Policy & policy = policy_of(seq);
+            if (policy.per_head()) { // first: a sequence's first per-head decode starts from the scores before it
+                sc.observe_heads(policy, n_new, window);
+            }
+            // (a riding probe's entries are the newest n_ride: the chunk's queries gave them nothing)
+            sc.observe(policy, pos, sums, n - n_ride, n_new, window,
+                       !(window && policy.probe().source == ProbeSource::question));
         }
+    }
+    if (n_ride > 0) {
+        probe_sums_.assign((size_t) sc.size()*n_head_, 0.0f);
+        sc.append(*ride);
+        const llama_pos * pos = nullptr;
+        const float * sums = nullptr;
+        const int32_t n = llama_attn_scores_get_probe(ctx_, seq, &pos, &sums);
+        add_probe_sums(sc, pos, sums, n);
+        finish_probe(seq, n_ride, 0.0); // its time is the chunk's decode's
     }
 }
 

@@ -162,6 +162,13 @@ private:
     void decode(const std::map<llama_seq_id, std::vector<llama_token>> & chunk, bool logits_all,
                 const std::set<llama_seq_id> & query_windows = {}, const std::set<llama_seq_id> & probes = {},
                 const TokenMap & rides = {});
+    // decode()'s steps: the batch (the chunk, then the riding probes), llama_decode, the logits kept (a probe's give
+    // none), the new entries and their scores (or a probe's) observed
+    void fill_batch(const TokenMap & chunk, bool logits_all, const std::set<llama_seq_id> & probes, const TokenMap & rides);
+    void decode_batch(const TokenMap & chunk, const std::set<llama_seq_id> & probes);
+    void keep_logits(llama_seq_id seq, int32_t first, int32_t n_new, bool logits_all);
+    void observe_decoded(llama_seq_id seq, const std::vector<llama_token> & toks, bool probing, bool window,
+                         const std::vector<llama_token> * ride);
     // the probe seq's eviction after its next n_chunk tokens of prompt will run, where it can ride with them in one
     // decode (the question or catalyst probe, scores exported apart, a batch with room); else none
     std::vector<llama_token> riding_probe(llama_seq_id seq, size_t n_chunk, const std::vector<llama_token> & prompt) const;
@@ -198,6 +205,10 @@ private:
     // conversation's order, or, past the policy's recall_pages (and past its budget), those the question's queries
     // rank first against the stored keys (the question is probed once for its queries: recall_ranking.h)
     std::vector<llama_pos> recall_order(llama_seq_id seq, const std::vector<llama_token> & question, int32_t page);
+    // the store's indices of `waiting` (origins), page by page (each page's in the store's order); page_end gets
+    // where each page ends
+    static std::vector<size_t> page_indices(const HostStore & host, const std::vector<llama_pos> & waiting, size_t page,
+                                            std::vector<size_t> & page_end);
     int64_t recall_of(llama_seq_id seq) const; // seq's host store cap: its own or the engine's
     void check_host(const SeqSnapshot & snap) const; // a snapshot's host store fits this cache and its positions
     void check_evictable(const Policy & policy) const; // throws when policy is bounded and the model recurrent

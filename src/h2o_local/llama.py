@@ -65,6 +65,44 @@ def _handed_to_completions(name: str) -> Callable[..., Any]:
     return call
 
 
+def _check_settings(given: Dict[str, Any], *, n_threads, seed, rpc_servers, type_k, type_v, pooling_type,
+                    recall_type, keep) -> None:
+    """Llama's settings checked before anything is loaded: the engine's (`given`, by _ENGINE_KEYWORDS' minimums)
+    and the others'; TypeError or ValueError naming the first that is wrong."""
+    for name, minimum in _ENGINE_KEYWORDS.items():
+        if isinstance(getattr(ENGINE_DEFAULTS, name), bool):
+            if not isinstance(given[name], (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {given[name]!r}")
+        else:
+            check_int(name, given[name], minimum)
+    check_int("n_threads", n_threads, 0, MAX_THREADS)
+    check_int("seed", seed, maximum=None)  # seeds Python's generator: any int
+    for endpoint in rpc.parse_endpoints(rpc_servers):
+        rpc.check_server(endpoint)
+    for name, value in (("type_k", type_k), ("type_v", type_v)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a ggml type name such as 'q8_0', got {value!r}")
+    embeddings.check_pooling_type(pooling_type)
+    if recall_type not in (None, "q8_0"):
+        raise ValueError(f"recall_type must be None (the cache's own rows) or 'q8_0', got {recall_type!r}")
+    if keep is not None and keep != "system":
+        check_int("keep", keep, minimum=0)
+
+
+def _chat_template_of(chat_template: Optional[str], chat_format: Optional[str]) -> Optional[str]:
+    """The template a Llama renders chats with: its Jinja source or built-in name, or llama-cpp-python's chat_format
+    name for one (not both)."""
+    if chat_format is not None:
+        if chat_template is not None:
+            raise ValueError("give chat_template or chat_format (llama-cpp-python's name for it), not both")
+        if not isinstance(chat_format, str):
+            raise TypeError(f"chat_format must be a template's name, got {chat_format!r}")
+        chat_template = llama_cpp_python.CHAT_FORMATS.get(chat_format, chat_format)
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a string (Jinja source or a built-in name), got {chat_template!r}")
+    return chat_template
+
+
 class Llama:
     """A GGUF model on a patched llama.cpp whose KV cache never holds more than `budget` entries per sequence.
 
@@ -219,33 +257,10 @@ class Llama:
         if not os.path.isfile(self.model_path):
             raise FileNotFoundError(f"model file not found: {self.model_path}")
         given = {name: value for name, value in locals().items() if name in _ENGINE_KEYWORDS}
-        for name, minimum in _ENGINE_KEYWORDS.items():
-            if isinstance(getattr(ENGINE_DEFAULTS, name), bool):
-                if not isinstance(given[name], (bool, np.bool_)):
-                    raise TypeError(f"{name} must be True or False, got {given[name]!r}")
-            else:
-                check_int(name, given[name], minimum)
-        check_int("n_threads", n_threads, 0, MAX_THREADS)
-        check_int("seed", seed, maximum=None)  # seeds Python's generator: any int
-        for endpoint in rpc.parse_endpoints(rpc_servers):
-            rpc.check_server(endpoint)
-        for name, value in (("type_k", type_k), ("type_v", type_v)):
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"{name} must be a ggml type name such as 'q8_0', got {value!r}")
-        embeddings.check_pooling_type(pooling_type)
-        if recall_type not in (None, "q8_0"):
-            raise ValueError(f"recall_type must be None (the cache's own rows) or 'q8_0', got {recall_type!r}")
+        _check_settings(given, n_threads=n_threads, seed=seed, rpc_servers=rpc_servers, type_k=type_k, type_v=type_v,
+                        pooling_type=pooling_type, recall_type=recall_type, keep=keep)
         self.policy: Policy = resolve(policy, budget, heavy=heavy, recent=recent, sinks=sinks)
-        if keep is not None and keep != "system":
-            check_int("keep", keep, minimum=0)
-        if chat_format is not None:
-            if chat_template is not None:
-                raise ValueError("give chat_template or chat_format (llama-cpp-python's name for it), not both")
-            if not isinstance(chat_format, str):
-                raise TypeError(f"chat_format must be a template's name, got {chat_format!r}")
-            chat_template = llama_cpp_python.CHAT_FORMATS.get(chat_format, chat_format)
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise TypeError(f"chat_template must be a string (Jinja source or a built-in name), got {chat_template!r}")
+        chat_template = _chat_template_of(chat_template, chat_format)
         self.keep: Union[int, str, None] = keep
 
         params = _engine.EngineParams()

@@ -106,3 +106,69 @@ def test_the_package_has_no_new_import_cycle():
               for start in graph if start in reach[start]}
     for cycle in cycles:
         assert any(cycle <= known for known in KNOWN_CYCLES), f"an import cycle: {sorted(cycle)}"
+
+
+# no function body over this many lines (llama.cpp's small functions named for what they do); the bindings' module
+# is one table of what Python sees
+MAX_FUNCTION_LINES = 80
+LONG_FUNCTIONS_ALLOWED = {("cpp/bindings.cpp", "PYBIND11_MODULE")}
+CPP_NOT_A_FUNCTION = re.compile(r"(namespace|struct|class|enum|extern|union|using|typedef|template|static_assert)\b")
+
+
+def cpp_function_lengths(path):
+    """(name, lines) of each function defined at column 0 (llama.cpp's style, no indent inside a namespace): from
+    the line that opens its body to its closing brace at column 0; a function defined inside a class body counts
+    within it only when it is itself at column 0 (short inline members are not)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        if (line[:1].isalpha() or line[:1] in "_~") and "(" in line and not CPP_NOT_A_FUNCTION.match(line):
+            j = i
+            while j < len(lines) and not lines[j].rstrip().endswith(("{", ";")):
+                j += 1
+            if j < len(lines) and lines[j].rstrip().endswith("{") and not lines[j].rstrip().endswith("= {"):
+                k = j + 1
+                while k < len(lines) and not lines[k].startswith("}"):
+                    k += 1
+                name = re.search(r"([\w:~]+)\s*\(", line)
+                out.append((name.group(1) if name else line.strip(), k - j + 1))
+                i = k
+        i += 1
+    return out
+
+
+def python_function_lengths(path):
+    """(name, lines) of each function: from its body's first statement after the docstring (a long explicit
+    signature is not logic) to its last line."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            out.append((node.name, node.end_lineno - body[0].lineno + 1))
+    return out
+
+
+def test_no_function_is_longer_than_80_lines():
+    found = []
+    for path in sorted((ROOT / "cpp").rglob("*.[ch]*")) + sorted((ROOT / "src").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        lengths = python_function_lengths(path) if path.suffix == ".py" else cpp_function_lengths(path)
+        found += [f"{rel}: {name} ({n} lines)" for name, n in lengths
+                  if n > MAX_FUNCTION_LINES and (rel, name) not in LONG_FUNCTIONS_ALLOWED]
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+def test_the_function_length_rule_sees_long_functions(tmp_path):
+    """The rule's readers find what they measure (a rule that can see nothing cannot fail)."""
+    cpp = tmp_path / "a.cpp"
+    cpp.write_text("namespace h2o {\n\nvoid Engine::decode(int a,\n                    int b) {\n" + "    x();\n" * 90
+                   + "}\n\nint f() {\n    return 1;\n}\n\n} // namespace h2o\n")
+    assert cpp_function_lengths(cpp) == [("Engine::decode", 92), ("f", 3)]
+    py = tmp_path / "a.py"
+    py.write_text('def g(\n    a,\n):\n    """doc."""\n' + "    a += 1\n" * 85 + "\n\ndef h():\n    return 1\n")
+    assert python_function_lengths(py) == [("g", 85), ("h", 1)]
