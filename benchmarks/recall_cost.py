@@ -32,7 +32,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 QUESTION = "\nQuestion: which of the stories above mentions a court, and what was decided there? Answer briefly."
 
@@ -113,16 +113,25 @@ def run(model: str, n: int, budget: int, threads: int, repeats: int, data: Path)
 
 
 def run_pages(model: str, n: int, budget: int, threads: int, repeats: int, data: Path,
-              recall_pages: int) -> Dict[str, Any]:
+              recall_pages: int, snapshots: Optional[Path] = None) -> Dict[str, Any]:
     from h2o_local import Llama
+    from h2o_local.kv_state import Snapshot
     from h2o_local.policies import resolve
 
     llm = Llama(model, budget=budget, n_batch=512, n_threads=threads, recall=n)
-    history = history_tokens(llm, n, data)
     question = llm.tokenize(QUESTION, add_bos=False)
-    read_s = timed(lambda: llm.eval(history))
-    snap = llm.save_state()
-    n_host = len(llm.kv_state().host_positions)
+    saved = snapshots / f"{Path(model).stem}-{n}-{budget}.snapshot" if snapshots else None
+    if saved is not None and saved.exists():  # the history read by an earlier run
+        read_s = None
+        snap = Snapshot.from_bytes(saved.read_bytes())
+    else:
+        history = history_tokens(llm, n, data)
+        read_s = round(timed(lambda: llm.eval(history)), 1)
+        snap = llm.save_state()
+        if saved is not None:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            saved.write_bytes(snap.to_bytes())
+    n_host = snap.n_host
     times: Dict[str, List[float]] = {"chosen": [], "every": []}
     kept: Dict[str, List[int]] = {}
     probes: Dict[str, int] = {}
@@ -139,7 +148,7 @@ def run_pages(model: str, n: int, budget: int, threads: int, repeats: int, data:
     held = set(llm.kv_state().positions.tolist())
     back = {k: set(v) - held for k, v in kept.items()}
     both = len(back["chosen"] & back["every"])
-    row = {"history": n, "budget": budget, "recall_pages": recall_pages, "host_entries": n_host, "read_s": round(read_s, 1),
+    row = {"history": n, "budget": budget, "recall_pages": recall_pages, "host_entries": n_host, "read_s": read_s,
            "recall_chosen_s": round(statistics.median(times["chosen"]), 3),
            "recall_every_s": round(statistics.median(times["every"]), 3),
            "probes_chosen": probes["chosen"], "probes_every": probes["every"],
@@ -170,14 +179,16 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum.jsonl")
     ap.add_argument("--pages", action="store_true", help="only the recall step: the page choice against every page")
     ap.add_argument("--recall-pages", type=int, default=8, help="with --pages: the pages the choice probes")
+    ap.add_argument("--snapshots", type=Path, help="with --pages: keep each history's snapshot here and read it from "
+                                                   "there next time (the history is read once across runs)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from experiments.models import model_path
 
     model = model_path(args.model)
     if args.pages:
-        rows = [run_pages(model, n, args.budget, args.threads, args.repeats, args.data, args.recall_pages)
-                for n in args.history]
+        rows = [run_pages(model, n, args.budget, args.threads, args.repeats, args.data, args.recall_pages,
+                          args.snapshots) for n in args.history]
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))

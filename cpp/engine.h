@@ -205,7 +205,7 @@ private:
     // conversation's order, or, past the policy's recall_pages (and past its budget), those the question's queries
     // rank first against the stored keys (the question is probed once for its queries: recall_ranking.h)
     std::vector<llama_pos> recall_order(llama_seq_id seq, const std::vector<llama_token> & question, int32_t page);
-    // the store's indices of `waiting` (origins), page by page (each page's in the store's order); page_end gets
+    // the store's indices of `waiting` (origins), page by page (each page's in the conversation's order); page_end gets
     // where each page ends
     static std::vector<size_t> page_indices(const HostStore & host, const std::vector<llama_pos> & waiting, size_t page,
                                             std::vector<size_t> & page_end);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <unordered_map>
 #include <stdexcept>
 
 namespace h2o {
@@ -100,21 +101,22 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, b
         return; // no cells beside the kept entries (a unified cache shared by full sequences): nothing comes back
     }
     // the spilled entries a page at a time; what loses goes back to the store (after them)
-    const HostStore & host = sc.host();
     const std::vector<llama_pos> waiting = recall_order(seq, question, page);
+    std::vector<size_t> page_end;
+    const HostStore::Entries candidates = sc.take_host(page_indices(sc.host(), waiting, (size_t) page, page_end));
     std::set<llama_pos> readmitted;
-    for (size_t a = 0; a < waiting.size(); a += (size_t) page) {
-        const std::set<llama_pos> want(waiting.begin() + a, waiting.begin() + std::min(waiting.size(), a + page));
-        std::vector<size_t> indices;
-        for (size_t i = 0; i < host.origins.size(); ++i) {
-            if (want.count(host.origins[i]) > 0) {
-                indices.push_back(i);
-            }
+    size_t done = 0; // candidates readmitted (and then kept or spilled by the policy)
+    try {
+        for (const size_t end : page_end) {
+            sc.readmit(candidates.slice(done, end));
+            readmitted.insert(candidates.origins.begin() + done, candidates.origins.begin() + end);
+            done = end;
+            probe(seq, question);
+            evict(seq, fed ? (int32_t) prompt.size() : 0);
         }
-        sc.readmit(indices);
-        readmitted.insert(want.begin(), want.end());
-        probe(seq, question);
-        evict(seq, fed ? (int32_t) prompt.size() : 0);
+    } catch (...) {
+        sc.put_back_host(candidates.slice(done, candidates.size()));
+        throw;
     }
     int64_t kept = 0;
     for (const llama_pos o : sc.state().origins) {
@@ -122,6 +124,29 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, b
     }
     sc.count_recalled(kept);
     compact(seq);
+}
+
+std::vector<size_t> Engine::page_indices(const HostStore & host, const std::vector<llama_pos> & waiting, size_t page,
+                                         std::vector<size_t> & page_end) {
+    // each page's entries in the conversation's order (the store's own order means nothing)
+    std::unordered_map<llama_pos, size_t> index;
+    for (size_t i = 0; i < host.origins.size(); ++i) {
+        index.emplace(host.origins[i], i);
+    }
+    std::vector<size_t> out;
+    for (size_t a = 0; a < waiting.size(); a += page) {
+        std::vector<llama_pos> members(waiting.begin() + (std::ptrdiff_t) a,
+                                       waiting.begin() + (std::ptrdiff_t) std::min(waiting.size(), a + page));
+        std::sort(members.begin(), members.end());
+        for (const llama_pos o : members) {
+            const auto it = index.find(o);
+            if (it != index.end()) {
+                out.push_back(it->second);
+            }
+        }
+        page_end.push_back(out.size());
+    }
+    return out;
 }
 
 std::vector<llama_pos> Engine::recall_order(llama_seq_id seq, const std::vector<llama_token> & question, int32_t page) {
@@ -145,7 +170,7 @@ std::vector<llama_pos> Engine::recall_order(llama_seq_id seq, const std::vector<
             q.layers.emplace_back(rows, rows + (size_t) n*q.n_head*q.head_dim);
         }
         std::vector<llama_pos> chosen = sc.recall_candidates(q, limit, llama_n_threads(ctx_));
-        if (!chosen.empty()) {
+            if (!chosen.empty()) {
             return chosen;
         }
     }

@@ -61,11 +61,7 @@ void HostStore::set_encoding(bool q8, size_t raw_bytes) {
 void HostStore::spill(const std::vector<llama_pos> & pos, const std::vector<llama_pos> & orig,
                       const std::vector<llama_token> & toks, const SeqScores & entry_scores,
                       const std::vector<uint8_t> & raw, size_t raw_bytes, size_t cap) {
-    append_rows(raw, raw_bytes);
-    positions.insert(positions.end(), pos.begin(), pos.end());
-    origins.insert(origins.end(), orig.begin(), orig.end());
-    tokens.insert(tokens.end(), toks.begin(), toks.end());
-    scores.extend(entry_scores);
+    put_back({pos, orig, toks, entry_scores, raw}, raw_bytes);
     n_spilled += (int64_t) pos.size();
     if (size() > cap) { // the oldest text goes first
         std::vector<size_t> order(size());
@@ -81,6 +77,34 @@ void HostStore::spill(const std::vector<llama_pos> & pos, const std::vector<llam
 HostStore::Entries HostStore::entries(const std::vector<size_t> & indices, size_t raw_bytes) const {
     return {gather_rows(positions, 1, indices), gather_rows(origins, 1, indices), gather_rows(tokens, 1, indices),
             scores.gather(indices), raw_rows(indices, raw_bytes)};
+}
+
+HostStore::Entries HostStore::Entries::slice(size_t a, size_t b) const {
+    std::vector<size_t> idx(b - a);
+    std::iota(idx.begin(), idx.end(), a);
+    const size_t width = size() == 0 ? 0 : raw.size()/size();
+    return {gather_rows(positions, 1, idx), gather_rows(origins, 1, idx), gather_rows(tokens, 1, idx),
+            scores.gather(idx), gather_rows(raw, width, idx)};
+}
+
+HostStore::Entries HostStore::take(const std::vector<size_t> & indices, size_t raw_bytes) {
+    Entries out = entries(indices, raw_bytes);
+    // the holes filled from the end: a store's order is not the conversation's (origins are), and the step costs
+    // what it takes, not what the store holds
+    remove_rows_unordered(positions, 1, indices);
+    remove_rows_unordered(origins, 1, indices);
+    remove_rows_unordered(tokens, 1, indices);
+    scores.remove_unordered(indices);
+    remove_rows_unordered(kv, entry_bytes, indices);
+    return out;
+}
+
+void HostStore::put_back(const Entries & e, size_t raw_bytes) {
+    append_rows(e.raw, raw_bytes);
+    positions.insert(positions.end(), e.positions.begin(), e.positions.end());
+    origins.insert(origins.end(), e.origins.begin(), e.origins.end());
+    tokens.insert(tokens.end(), e.tokens.begin(), e.tokens.end());
+    scores.extend(e.scores);
 }
 
 void HostStore::remove(const std::vector<size_t> & indices) {

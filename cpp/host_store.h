@@ -18,7 +18,7 @@ namespace h2o {
 struct HostStore {
     size_t entry_bytes = 0;             // bytes of one stored entry
     bool   q8_0 = false;                // stored as q8_0 blocks of F16 rows
-    std::vector<llama_pos>   positions; // in the order they were spilled: where each key was rotated for
+    std::vector<llama_pos>   positions; // (in no order of meaning) where each key was rotated for
     std::vector<llama_pos>   origins;   // each entry's place in the conversation (SeqState::origins)
     std::vector<llama_token> tokens;
     SeqScores                scores;
@@ -52,10 +52,19 @@ struct HostStore {
         std::vector<llama_token> tokens;
         SeqScores                scores;
         std::vector<uint8_t>     raw;
+
+        size_t size() const { return positions.size(); }
+        // entries [a, b)
+        Entries slice(size_t a, size_t b) const;
     };
     Entries entries(const std::vector<size_t> & indices, size_t raw_bytes) const;
     // the entries at `indices` (ascending) leave the store (recalled)
     void remove(const std::vector<size_t> & indices);
+    // the entries at `indices` (distinct) leave the store, in that order; the last entries fill their places (what
+    // this moves is what it takes, however large the store)
+    Entries take(const std::vector<size_t> & indices, size_t raw_bytes);
+    // taken entries that did not stay in the cache come back, after the others (not counted as spilled again)
+    void put_back(const Entries & e, size_t raw_bytes);
     // a saved store adopted by a cache whose entries are raw_bytes (with room for the next spills; how it keeps
     // them read from their size); throws std::invalid_argument when they are neither that size nor its q8_0 blocks
     static HostStore adopted(const HostStore & saved, size_t raw_bytes, int32_t n_head);

@@ -9,6 +9,7 @@
 #include "policy_config.h"
 
 #include <algorithm>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -80,6 +81,21 @@ void keep_rows(std::vector<T> & rows, size_t width, const std::vector<size_t> & 
     rows.resize(indices.size()*width);
 }
 
+// remove the rows of a [n][width] array at `indices` (distinct), each hole filled by the last row: the others' order
+// changes, but only the removed rows' bytes move
+template <typename T>
+void remove_rows_unordered(std::vector<T> & rows, size_t width, std::vector<size_t> indices) {
+    std::sort(indices.begin(), indices.end(), std::greater<size_t>());
+    size_t n = width == 0 ? 0 : rows.size()/width;
+    for (const size_t i : indices) {
+        --n;
+        if (i != n) {
+            std::copy(rows.begin() + n*width, rows.begin() + (n + 1)*width, rows.begin() + i*width);
+        }
+    }
+    rows.resize(n*width);
+}
+
 struct SeqScores {
     int32_t n_head = 0;
     std::vector<float>   total;   // [n]: the score the policy ranks by
@@ -120,6 +136,17 @@ struct SeqScores {
         keep_rows(probe, 1, indices);
         if (!seen.empty()) {
             keep_rows(seen, (size_t) n_head, indices);
+        }
+    }
+
+    // remove_rows_unordered over every array
+    void remove_unordered(const std::vector<size_t> & indices) {
+        remove_rows_unordered(total, 1, indices);
+        remove_rows_unordered(head, (size_t) n_head, indices);
+        remove_rows_unordered(queries, 1, indices);
+        remove_rows_unordered(probe, 1, indices);
+        if (!seen.empty()) {
+            remove_rows_unordered(seen, (size_t) n_head, indices);
         }
     }
 

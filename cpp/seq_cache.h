@@ -151,11 +151,15 @@ public:
     const HostStore & host() const { return host_; }
     // put back a store taken with this sequence's state (a snapshot); throws if its entries do not fit this cache
     void set_host(const HostStore & host);
-    // bring the store's entries at `indices` back into the cache, merged with the kept ones in the conversation's
-    // order (origins), their scores as they left: at their own positions, or, in a sequence that rolled, with every
-    // entry renumbered 0..n-1 in that order (each key shifted from where it was to its new place); throws
-    // std::runtime_error when llama.cpp has no room for them
-    void readmit(const std::vector<size_t> & indices);
+    // the store's entries at `indices` leave it, in that order (a recall step's candidates, taken at once)
+    HostStore::Entries take_host(const std::vector<size_t> & indices);
+    // taken entries that were not readmitted go back to the store
+    void put_back_host(const HostStore::Entries & e);
+    // bring taken entries back into the cache, merged with the kept ones in the conversation's order (origins), their
+    // scores as they left: at their own positions, or, in a sequence that rolled, with every entry renumbered 0..n-1
+    // in that order (each key shifted from where it was to its new place); throws std::runtime_error when llama.cpp
+    // has no room for them
+    void readmit(const HostStore::Entries & taken);
     void count_recalled(int64_t n) { host_.n_recalled += n; }
     // where an entry's keys are (an invalid layout: the host entries are not ranked on the host)
     void set_key_layout(const KeyLayout & layout) { layout_ = layout; }

@@ -73,16 +73,22 @@ std::vector<llama_pos> SeqCache::recall_candidates(const Queries & queries, size
     return best_blocks(host_.origins, host_lift(layout_, queries, kept, host_, n_threads), limit);
 }
 
-void SeqCache::readmit(const std::vector<size_t> & indices) {
-    const size_t n = indices.size();
+HostStore::Entries SeqCache::take_host(const std::vector<size_t> & indices) {
+    return host_.take(indices, llama_kv_entry_size(ctx_));
+}
+
+void SeqCache::put_back_host(const HostStore::Entries & e) {
+    host_.put_back(e, llama_kv_entry_size(ctx_));
+}
+
+void SeqCache::readmit(const HostStore::Entries & taken) {
+    const size_t n = taken.size();
     if (n == 0) {
         return;
     }
-    const HostStore::Entries taken = host_.entries(indices, llama_kv_entry_size(ctx_));
     forget_keys();
     if (rolled()) {
         readmit_renumbered(taken);
-        host_.remove(indices);
         return;
     }
     const std::vector<llama_pos> & pos = taken.positions;
@@ -93,7 +99,6 @@ void SeqCache::readmit(const std::vector<size_t> & indices) {
                                  (rc == -3 ? " (no free cells for the recalled entries)" : ""));
     }
     merge(taken);
-    host_.remove(indices);
 }
 
 std::vector<size_t> SeqCache::merge(const HostStore::Entries & taken) {
