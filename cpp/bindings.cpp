@@ -238,14 +238,6 @@ PYBIND11_MODULE(_engine, m) {
     m.def("padded_cells", &padded_cells, py::arg("n_cells"), py::arg("n_seq"), py::arg("kv_unified"),
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
-    m.def("context_size", [](const EngineParams & params, std::shared_ptr<Policy> policy, int32_t n_ctx_train,
-                             int32_t n_probe, int32_t n_ride) {
-        const ContextSize c = context_size(params, *policy, n_ctx_train, n_probe, n_ride);
-        return py::dict("n_ctx"_a = c.n_ctx, "n_batch"_a = c.n_batch, "n_ubatch"_a = c.n_ubatch,
-                        "n_outputs_max"_a = c.n_outputs_max, "n_probe_ride"_a = c.n_probe_ride);
-    }, py::arg("params"), py::arg("policy"), py::arg("n_ctx_train"), py::arg("n_probe") = 0, py::arg("n_ride") = 0,
-       "The KV cells, batch and logits rows of a context for params under policy (n_probe: one probe's cells; n_ride: "
-       "the probe's tokens that can ride with a chunk's decode).");
     m.def("q8_0_entry_bytes", &q8_0_entry_bytes, py::arg("raw_bytes"), "Bytes of one F16 entry kept as q8_0 blocks.");
     m.def("check_host_memory", [](uint32_t n_ctx, uint32_t n_outputs_max, uint64_t kv_bytes_per_cell, int32_t n_vocab,
                                   bool kv_on_host, uint64_t have) {
@@ -261,23 +253,6 @@ PYBIND11_MODULE(_engine, m) {
         check_device_memory(c, device_kv_bytes_per_cell, devices, have);
     }, py::arg("n_ctx"), py::arg("device_kv_bytes_per_cell"), py::arg("devices"), py::arg("have"),
        "Raises ValueError when the KV cells on `devices` need more than their `have` bytes.");
-    m.def("choose_kv_types", [](const EngineParams & params, int32_t key_head, const std::string & offloaded_to,
-                                bool rotation_disabled) {
-        KvTypeFacts facts;
-        facts.key_head = key_head; facts.offloaded_to = offloaded_to; facts.rotation_disabled = rotation_disabled;
-        const KvTypes t = choose_kv_types(params, facts);
-        return py::make_tuple(ggml_type_name(t.k), ggml_type_name(t.v));
-    }, py::arg("params"), py::arg("key_head"), py::arg("offloaded_to") = "", py::arg("rotation_disabled") = false,
-       "The (K, V) cache types a context gets from params on a model with key heads of key_head values whose layers "
-       "are on offloaded_to (empty: the CPU); raises ValueError for what llama.cpp cannot do with them.");
-    m.def("flash_attn_type", [](const EngineParams & params, const std::string & offloaded_to, bool software_device) {
-        KvTypeFacts facts;
-        facts.offloaded_to = offloaded_to;
-        facts.software_device = software_device;
-        return std::string(llama_flash_attn_type_name(flash_attn_type(params, facts)));
-    }, py::arg("params"), py::arg("offloaded_to") = "", py::arg("software_device") = false,
-       "What a context with params asks llama.cpp for (\"enabled\", \"disabled\" or \"auto\") when its layers are "
-       "on offloaded_to (empty: the CPU; software_device: a device that runs on the CPU, as Mesa's lavapipe).");
     m.def("plan_prefill", [](const std::map<llama_seq_id, size_t> & sizes, const std::map<llama_seq_id, int32_t> & cells,
                              int32_t capacity, bool kv_unified, bool defer_eviction, bool bounded, int32_t budget,
                              size_t n_batch, size_t query_window) {
@@ -447,7 +422,93 @@ PYBIND11_MODULE(_engine, m) {
         .def_readwrite("host_q8_0", &EngineParams::host_q8_0)
         .def_readwrite("verbose", &EngineParams::verbose);
 
+    // declared before their methods: each one's signatures name the other
     py::class_<Engine> engine(m, "Engine");
+    py::class_<Sampler> sampler(m, "Sampler");
+    sampler
+        .def(py::init([](int32_t n_vocab, float temperature, float top_p, int32_t top_k, float min_p, uint32_t seed,
+                         std::vector<llama_token> banned, const std::map<llama_token, float> & logit_bias,
+                         int32_t penalty_last_n, float repeat_penalty, float frequency_penalty, float presence_penalty,
+                         std::vector<llama_token> history, const std::string & grammar, uint64_t grammar_max_work,
+                         const Engine * engine, float typical_p, int32_t mirostat, float mirostat_tau,
+                         float mirostat_eta, const Sampler * grammar_of) {
+                 SamplerParams p;
+                 p.temperature = temperature; p.top_p = top_p; p.top_k = top_k; p.min_p = min_p; p.seed = seed;
+                 p.typical_p = typical_p; p.mirostat = mirostat; p.mirostat_tau = mirostat_tau;
+                 p.mirostat_eta = mirostat_eta;
+                 p.banned = std::move(banned);
+                 for (const auto & [token, bias] : logit_bias) {
+                     p.logit_bias.push_back({token, bias});
+                 }
+                 p.penalty_last_n = penalty_last_n; p.repeat_penalty = repeat_penalty;
+                 p.frequency_penalty = frequency_penalty; p.presence_penalty = presence_penalty;
+                 p.history = std::move(history);
+                 p.grammar = grammar;
+                 p.grammar_max_work = grammar_max_work;
+                 py::gil_scoped_release release; // parsing a grammar and checking its start can take long
+                 if (grammar_of != nullptr) {
+                     return new Sampler(p, n_vocab, *grammar_of);
+                 }
+                 return new Sampler(p, n_vocab, engine != nullptr ? engine->model().vocab() : nullptr);
+             }), py::arg("n_vocab"), py::kw_only(), py::arg("temperature"), py::arg("top_p"), py::arg("top_k"),
+             py::arg("min_p"), py::arg("seed"), py::arg("banned") = std::vector<llama_token>(),
+             py::arg("logit_bias") = std::map<llama_token, float>(), py::arg("penalty_last_n") = 64,
+             py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
+             py::arg("history") = std::vector<llama_token>(), py::arg("grammar") = "",
+             py::arg("grammar_max_work") = 0, py::arg("engine") = nullptr, py::arg("typical_p") = 1.0f,
+             py::arg("mirostat") = 0, py::arg("mirostat_tau") = 5.0f, py::arg("mirostat_eta") = 0.1f,
+             py::arg("grammar_of") = nullptr, py::keep_alive<1, 17>(),
+             "grammar_of: a sampler whose grammar (parsed and checked) this one copies instead of parsing `grammar`; "
+             "give the same engine")
+        .def("sample", [](Sampler & s, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
+            if (logits.size() != s.n_vocab()) {
+                throw std::invalid_argument("expected " + std::to_string(s.n_vocab()) + " logits, got " + std::to_string(logits.size()));
+            }
+            const float * row = logits.data();
+            py::gil_scoped_release release; // a grammar can take long: other threads (a server's steps) go on
+            return s.sample(row);
+        }, py::arg("logits"), "The next token drawn from a row of logits given from Python.")
+        .def_property_readonly("has_grammar", &Sampler::has_grammar,
+                               "Whether a grammar constrains it (its draws can take long: a server draws them aside).");
+
+    // after the classes their signatures name
+    m.def("context_size", [](const EngineParams & params, std::shared_ptr<Policy> policy, int32_t n_ctx_train,
+                             int32_t n_probe, int32_t n_ride) {
+        const ContextSize c = context_size(params, *policy, n_ctx_train, n_probe, n_ride);
+        return py::dict("n_ctx"_a = c.n_ctx, "n_batch"_a = c.n_batch, "n_ubatch"_a = c.n_ubatch,
+                        "n_outputs_max"_a = c.n_outputs_max, "n_probe_ride"_a = c.n_probe_ride);
+    }, py::arg("params"), py::arg("policy"), py::arg("n_ctx_train"), py::arg("n_probe") = 0, py::arg("n_ride") = 0,
+       "The KV cells, batch and logits rows of a context for params under policy (n_probe: one probe's cells; n_ride: "
+       "the probe's tokens that can ride with a chunk's decode).");
+    m.def("choose_kv_types", [](const EngineParams & params, int32_t key_head, const std::string & offloaded_to,
+                                bool rotation_disabled) {
+        KvTypeFacts facts;
+        facts.key_head = key_head; facts.offloaded_to = offloaded_to; facts.rotation_disabled = rotation_disabled;
+        const KvTypes t = choose_kv_types(params, facts);
+        return py::make_tuple(ggml_type_name(t.k), ggml_type_name(t.v));
+    }, py::arg("params"), py::arg("key_head"), py::arg("offloaded_to") = "", py::arg("rotation_disabled") = false,
+       "The (K, V) cache types a context gets from params on a model with key heads of key_head values whose layers "
+       "are on offloaded_to (empty: the CPU); raises ValueError for what llama.cpp cannot do with them.");
+    m.def("flash_attn_type", [](const EngineParams & params, const std::string & offloaded_to, bool software_device) {
+        KvTypeFacts facts;
+        facts.offloaded_to = offloaded_to;
+        facts.software_device = software_device;
+        return std::string(llama_flash_attn_type_name(flash_attn_type(params, facts)));
+    }, py::arg("params"), py::arg("offloaded_to") = "", py::arg("software_device") = false,
+       "What a context with params asks llama.cpp for (\"enabled\", \"disabled\" or \"auto\") when its layers are "
+       "on offloaded_to (empty: the CPU; software_device: a device that runs on the CPU, as Mesa's lavapipe).");
+
+    // before Engine: its methods' signatures name it
+    py::class_<SeqSnapshot, std::shared_ptr<SeqSnapshot>>(m, "SeqSnapshot")
+        .def_property_readonly("nbytes", [](const SeqSnapshot & s) { return s.kv.size() + s.host.nbytes(); })
+        .def_property_readonly("n_host", [](const SeqSnapshot & s) { return s.host.size(); })
+        .def_property_readonly("n_cells", [](const SeqSnapshot & s) { return s.state.positions.size(); })
+        .def_property_readonly("origin", [](const SeqSnapshot & s) { return s.origin; })
+        .def_readwrite("pending", &SeqSnapshot::pending)
+        .def("to_bytes", &snapshot_bytes)
+        .def_static("from_bytes", &snapshot_of, py::arg("data"))
+        .def(py::pickle(&snapshot_bytes, &snapshot_of));
+
     engine
         .def(py::init([](const std::string & model_path, EngineParams p) {
                  p.check_interrupt = [] {
@@ -603,60 +664,4 @@ PYBIND11_MODULE(_engine, m) {
             }
             return rows;
         }, py::arg("tokens"), "The input's rows: one if pooled, one per token with pooling none.");
-
-    py::class_<SeqSnapshot, std::shared_ptr<SeqSnapshot>>(m, "SeqSnapshot")
-        .def_property_readonly("nbytes", [](const SeqSnapshot & s) { return s.kv.size() + s.host.nbytes(); })
-        .def_property_readonly("n_host", [](const SeqSnapshot & s) { return s.host.size(); })
-        .def_property_readonly("n_cells", [](const SeqSnapshot & s) { return s.state.positions.size(); })
-        .def_property_readonly("origin", [](const SeqSnapshot & s) { return s.origin; })
-        .def_readwrite("pending", &SeqSnapshot::pending)
-        .def("to_bytes", &snapshot_bytes)
-        .def_static("from_bytes", &snapshot_of, py::arg("data"))
-        .def(py::pickle(&snapshot_bytes, &snapshot_of));
-
-    py::class_<Sampler>(m, "Sampler")
-        .def(py::init([](int32_t n_vocab, float temperature, float top_p, int32_t top_k, float min_p, uint32_t seed,
-                         std::vector<llama_token> banned, const std::map<llama_token, float> & logit_bias,
-                         int32_t penalty_last_n, float repeat_penalty, float frequency_penalty, float presence_penalty,
-                         std::vector<llama_token> history, const std::string & grammar, uint64_t grammar_max_work,
-                         const Engine * engine, float typical_p, int32_t mirostat, float mirostat_tau,
-                         float mirostat_eta, const Sampler * grammar_of) {
-                 SamplerParams p;
-                 p.temperature = temperature; p.top_p = top_p; p.top_k = top_k; p.min_p = min_p; p.seed = seed;
-                 p.typical_p = typical_p; p.mirostat = mirostat; p.mirostat_tau = mirostat_tau;
-                 p.mirostat_eta = mirostat_eta;
-                 p.banned = std::move(banned);
-                 for (const auto & [token, bias] : logit_bias) {
-                     p.logit_bias.push_back({token, bias});
-                 }
-                 p.penalty_last_n = penalty_last_n; p.repeat_penalty = repeat_penalty;
-                 p.frequency_penalty = frequency_penalty; p.presence_penalty = presence_penalty;
-                 p.history = std::move(history);
-                 p.grammar = grammar;
-                 p.grammar_max_work = grammar_max_work;
-                 py::gil_scoped_release release; // parsing a grammar and checking its start can take long
-                 if (grammar_of != nullptr) {
-                     return new Sampler(p, n_vocab, *grammar_of);
-                 }
-                 return new Sampler(p, n_vocab, engine != nullptr ? engine->model().vocab() : nullptr);
-             }), py::arg("n_vocab"), py::kw_only(), py::arg("temperature"), py::arg("top_p"), py::arg("top_k"),
-             py::arg("min_p"), py::arg("seed"), py::arg("banned") = std::vector<llama_token>(),
-             py::arg("logit_bias") = std::map<llama_token, float>(), py::arg("penalty_last_n") = 64,
-             py::arg("repeat_penalty") = 1.0f, py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
-             py::arg("history") = std::vector<llama_token>(), py::arg("grammar") = "",
-             py::arg("grammar_max_work") = 0, py::arg("engine") = nullptr, py::arg("typical_p") = 1.0f,
-             py::arg("mirostat") = 0, py::arg("mirostat_tau") = 5.0f, py::arg("mirostat_eta") = 0.1f,
-             py::arg("grammar_of") = nullptr, py::keep_alive<1, 17>(),
-             "grammar_of: a sampler whose grammar (parsed and checked) this one copies instead of parsing `grammar`; "
-             "give the same engine")
-        .def("sample", [](Sampler & s, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
-            if (logits.size() != s.n_vocab()) {
-                throw std::invalid_argument("expected " + std::to_string(s.n_vocab()) + " logits, got " + std::to_string(logits.size()));
-            }
-            const float * row = logits.data();
-            py::gil_scoped_release release; // a grammar can take long: other threads (a server's steps) go on
-            return s.sample(row);
-        }, py::arg("logits"), "The next token drawn from a row of logits given from Python.")
-        .def_property_readonly("has_grammar", &Sampler::has_grammar,
-                               "Whether a grammar constrains it (its draws can take long: a server draws them aside).");
 }

@@ -22,7 +22,7 @@ from .capacity import cells_needed, kv_bytes_per_cell, largest_batch
 from .completions import Completions
 from .cpu import physical_cores
 from .kv_state import KVState, Snapshot
-from .llama_types import CreateEmbeddingResponse
+from .llama_types import CreateEmbeddingResponse, LlamaStats
 from .model_info import ModelInfo
 from .policies import Policy, check_int, resolve
 from .sampling import SamplingParams
@@ -654,6 +654,15 @@ class Llama:
             finally:
                 self.reset()
         return True
+
+    def stats(self) -> LlamaStats:
+        """The context's counters since it was made: llama_decode calls (`decodes`: a prompt's chunks, each generated
+        token, each probe), the ubatches among them that reused the previous compute graph (`graphs_reused`), the KV
+        cache's size (`kv_bytes`, bytes) and the cells holding an entry now across sequences (`cells_used`)."""
+        e = self._engine
+        with self.lock:
+            return {"decodes": int(e.n_decode), "graphs_reused": int(e.n_graphs_reused), "kv_bytes": int(e.kv_bytes),
+                    "cells_used": int(e.cells_used)}
 
     def kv_state(self, seq_id: int = 0) -> KVState:
         """The kept positions of `seq_id`, their scores, and the cache counters."""

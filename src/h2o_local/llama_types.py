@@ -12,6 +12,14 @@ else:  # pragma: no cover
 FinishReason = Literal["stop", "length"]
 
 
+class LlamaStats(TypedDict):
+    """`Llama.stats()`: the context's counters since it was made."""
+    decodes: int        # llama_decode calls: a prompt's chunks, each generated token, each probe
+    graphs_reused: int  # ubatches that reused the previous compute graph (llama.cpp's graph reuse)
+    kv_bytes: int       # the KV cache's bytes, every sequence's cells allocated at once
+    cells_used: int     # KV cells holding an entry now, across sequences
+
+
 class CompletionLogprobs(TypedDict):
     text_offset: List[int]
     token_logprobs: List[Optional[float]]

@@ -4,7 +4,6 @@ import pytest
 
 from h2o_local import KVState, Llama
 from h2o_local.text import TextAssembler
-from engine_view import engine
 from tiny_model import write_tiny_llama
 
 
@@ -160,9 +159,9 @@ def test_warm_up_reads_a_made_up_prompt_then_leaves_the_llama_as_new(tiny_model,
     # by default only where a layer is on a device (on the CPU nothing is loaded on first use)
     on_device = any(d != "CPU" for d in cold.layer_devices)
     assert Llama(tiny_model, n_batch=32, **kw).warm_up() == on_device
-    assert warm.warm_up(anywhere=True) and engine(warm).n_decode >= (2 if warm.budget is None else 3)
+    assert warm.warm_up(anywhere=True) and warm.stats()["decodes"] >= (2 if warm.budget is None else 3)
     st = warm.kv_state()
-    assert (st.n_seen, st.n_cells, st.n_evicted, st.n_probes, engine(warm).cells_used) == (0, 0, 0, 0, 0)
+    assert (st.n_seen, st.n_cells, st.n_evicted, st.n_probes, warm.stats()["cells_used"]) == (0, 0, 0, 0, 0)
     answer = cold.generate("Once upon a time there was", max_tokens=12, temperature=0)
     assert warm.generate("Once upon a time there was", max_tokens=12, temperature=0) == answer
     assert warm.kv_state().positions.tolist() == cold.kv_state().positions.tolist()

@@ -7,7 +7,7 @@ from h2o_local import Llama
 from h2o_local import tool_formats, tools as tools_mod
 from h2o_local.chat_template import ChatTemplate, normalize_messages
 from tiny_model import write_tiny_llama
-from engine_view import engine
+from engine_view import builtin_template
 from real_templates import pinned_templates
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -28,10 +28,10 @@ def test_the_gguf_template_renders_as_llama_cpp_renders_it(smol_model):
     for messages in (CONVERSATION, CONVERSATION[:2]):
         pairs = [(m["role"], m["content"]) for m in messages]
         for agp in (True, False):
-            assert llm.apply_chat_template(messages, agp) == engine(llm).apply_chat_template(pairs, agp, "")
+            assert llm.apply_chat_template(messages, agp) == builtin_template(llm, pairs, agp, "")
     # without a system message the model's own template adds its default one, which llama.cpp's built-in leaves out
     jinja = llm.apply_chat_template(CONVERSATION[1:])
-    builtin = engine(llm).apply_chat_template([(m["role"], m["content"]) for m in CONVERSATION[1:]], True, "")
+    builtin = builtin_template(llm, [(m["role"], m["content"]) for m in CONVERSATION[1:]], True, "")
     assert jinja.startswith("<|im_start|>system\nYou are a helpful AI assistant") and jinja.endswith(builtin)
 
 

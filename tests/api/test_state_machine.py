@@ -13,7 +13,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
                                  run_state_machine_as_test)
 
 from h2o_local import H2O, Llama, Local, Sink  # noqa: E402
-from engine_view import engine
+from engine_view import position_range
 from device_tolerance import CPU_BACKEND, approximate, assert_logits_close
 from fuzz_settings import EXAMPLES, PHASES, STEPS
 
@@ -127,7 +127,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert st_.n_seen == self.seen[s]
             assert st_.n_seen - st_.n_evicted == st_.n_cells
             assert pos == sorted(set(pos))
-            assert engine(self.llm).seq_pos_range(s) == ((min(pos), max(pos)) if pos else (-1, -1))
+            assert position_range(self.llm, s) == ((min(pos), max(pos)) if pos else (-1, -1))
             if pos and not self.rolling:
                 assert pos[-1] == st_.n_seen - 1  # the newest token is always kept, at its own position
             if self.rolling:

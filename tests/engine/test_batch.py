@@ -2,7 +2,6 @@
 import pytest
 
 from h2o_local import Llama
-from engine_view import engine
 from device_tolerance import CPU_BACKEND as CPU
 
 # the batch-against-alone tests run on the CPU backend, whose results do not depend on a batch's size: a GPU's
@@ -44,7 +43,7 @@ def test_batch_bounded_memory(tiny_model):
     stream = llm.generate_batch(["x" * 200] * 4, max_tokens=30, temperature=0, stream=True)
     most = 0
     for _ in stream:
-        most = max(most, engine(llm).cells_used)
+        most = max(most, llm.stats()["cells_used"])
     assert llm.n_ctx() == 4 * 16 + 32
     assert most == 4 * 16  # between steps every sequence holds exactly its budget
     assert all(llm.kv_state(s).peak_cells <= 16 + 32 for s in range(4) if llm.kv_state(s).n_seen)

@@ -5,7 +5,7 @@ import pytest
 
 from device_tolerance import approximate, assert_logits_close, assert_values_close
 from h2o_local import Llama
-from engine_view import engine
+from engine_view import position_range
 
 TEXT = "Cells move down, decisions stay. " * 30
 
@@ -43,5 +43,5 @@ def test_compress_after_a_full_prompt_keeps_its_counters(tiny_model):
     llm.compress()
     st = llm.kv_state()
     assert st.n_cells == 16 and st.n_seen == 200 and st.n_evicted == 184
-    assert engine(llm).seq_pos_range(0) == (int(st.positions[0]), int(st.positions[-1]))
+    assert position_range(llm, 0) == (int(st.positions[0]), int(st.positions[-1]))
     assert llm.generate([65], max_tokens=4, reset=False) is not None

@@ -20,7 +20,7 @@ from device_tolerance import CPU_BACKEND as CPU, DEVICE_LOGITS_REL
 from h2o_local import Llama
 from h2o_reference import H2OReference
 from tiny_model import write_tiny_llama
-from engine_view import engine
+from engine_view import cell_bytes
 
 TEXT = ("The lighthouse keeper climbed the stairs at dusk, lit the great lamp and watched the ships pass the rocks "
         "until morning came over the grey sea.")
@@ -82,7 +82,7 @@ def test_a_llama_on_the_device_warms_up_and_then_answers_as_a_cold_one(tiny_mode
     """warm_up() (the CLI and server call it at load) runs by default only where layers are on a device; after it the
     cache is empty and the answers are the same, bit for bit, as a Llama's that never warmed up."""
     cold, warm = Llama(tiny_model, budget=24, n_batch=32), Llama(tiny_model, budget=24, n_batch=32)
-    assert warm.warm_up() and engine(warm).n_decode > 0 and engine(warm).cells_used == 0
+    assert warm.warm_up() and warm.stats()["decodes"] > 0 and warm.stats()["cells_used"] == 0
     assert not Llama(tiny_model, budget=24, n_batch=32, **CPU).warm_up()
     prompt = "The lighthouse keeper climbed the stairs at dusk"
     assert warm.generate(prompt, max_tokens=12, temperature=0) == cold.generate(prompt, max_tokens=12, temperature=0)
@@ -226,7 +226,7 @@ def test_recall_with_room_brings_every_entry_back_bit_for_bit_on_the_device(tiny
     full = Llama(tiny_model, policy="full", n_ctx=512, n_batch=32)
     tokens, q = full.tokenize(TEXT), full.tokenize(question, add_bos=False)
     full.eval(tokens)
-    full_bytes = engine(full).kv_entries(0, list(range(len(tokens))))
+    full_bytes = cell_bytes(full, 0, list(range(len(tokens))))
     full.eval(q)
     llm = Llama(tiny_model, policy=resolve("tova", 24, probe="question"), n_batch=32, n_ctx=512, recall=4096)
     llm.eval(tokens)
@@ -234,7 +234,7 @@ def test_recall_with_room_brings_every_entry_back_bit_for_bit_on_the_device(tiny
     llm.set_policy(resolve("tova", 400, probe="question"))
     llm.eval(q)
     assert llm.kv_state().positions.tolist() == list(range(len(tokens) + len(q)))
-    assert engine(llm).kv_entries(0, list(range(len(tokens)))) == full_bytes
+    assert cell_bytes(llm, 0, list(range(len(tokens)))) == full_bytes
     expected, got = full.last_logits(), llm.last_logits()
     np.testing.assert_allclose(got, expected, atol=2e-2 * float(np.ptp(expected)))
     assert int(np.argmax(got)) == int(np.argmax(expected))

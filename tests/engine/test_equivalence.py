@@ -5,7 +5,7 @@ import pytest
 from device_tolerance import approximate, assert_logits_close
 from greedy import greedy_trace
 from h2o_local import Llama
-from support.engine_view import engine
+from support.engine_view import ubatch
 from twin_sessions import run_twin_sessions
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old clockmaker."
@@ -42,7 +42,7 @@ def test_a_prompt_that_does_not_evict_is_cut_as_the_full_cache_cuts_it(tiny_mode
         small = Llama(tiny_model, budget=100, n_ctx=1536)
         small.eval(prompt)
         assert small.kv_state().n_evicted == 500
-        assert engine(small).n_decode == 1 + 2 + 1  # 512, then 56, the question's 32, and its probe
+        assert small.stats()["decodes"] == 1 + 2 + 1  # 512, then 56, the question's 32, and its probe
 
 
 def test_generate_matches_the_full_cache(tiny_model):
@@ -103,13 +103,13 @@ def test_a_batch_computed_in_ubatches_is_evicted_as_one_batch(tiny_model, kw):
     the device's tolerance where attention adds in a device's precision."""
     one = Llama(tiny_model, n_batch=64, **kw)
     split = Llama(tiny_model, n_batch=64, n_ubatch=16, **kw)
-    assert (engine(one).n_ubatch, engine(split).n_ubatch) == (64, 16) and split.n_ctx() == one.n_ctx()
-    assert engine(Llama(tiny_model, n_batch=64, n_ubatch=1000, **kw)).n_ubatch == 64  # llama.cpp's min(n_batch, n_ubatch)
+    assert (ubatch(one), ubatch(split)) == (64, 16) and split.n_ctx() == one.n_ctx()
+    assert ubatch(Llama(tiny_model, n_batch=64, n_ubatch=1000, **kw)) == 64  # llama.cpp's min(n_batch, n_ubatch)
     prompt = [3 + i % 250 for i in range(120)]  # two batches, an eviction after each in a bounded cache
     for llm in (one, split):
         llm.eval(prompt)
         llm.eval([7])
-    assert engine(split).n_decode == engine(one).n_decode
+    assert split.stats()["decodes"] == one.stats()["decodes"]
     kept, got = one.kv_state(), split.kv_state()
     assert got.n_evicted == kept.n_evicted and (kept.n_evicted > 0) == (one.budget is not None)
     device = approximate(one)

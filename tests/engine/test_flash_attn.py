@@ -10,7 +10,6 @@ import pytest
 
 from h2o_local import Llama
 from tiny_model import write_tiny_llama
-from engine_view import engine
 from device_tolerance import CPU_BACKEND as CPU
 
 TEXT = ("Flash attention forms no softmax, so the scores come from a pass of their own beside it, and every policy "
@@ -209,7 +208,7 @@ def test_every_policy_evicts_rolls_and_snapshots_with_flash_attention_and_quanti
 def test_quantized_v_takes_the_bytes_its_type_says(tiny_hd64):
     f16 = Llama(tiny_hd64, policy="h2o", budget=64, flash_attn=True)
     q8 = Llama(tiny_hd64, policy="h2o", budget=64, flash_attn=True, type_k="q8_0", type_v="q8_0")
-    assert engine(q8).kv_bytes == pytest.approx(engine(f16).kv_bytes * 34 / 64, rel=1e-6)
+    assert q8.stats()["kv_bytes"] == pytest.approx(f16.stats()["kv_bytes"] * 34 / 64, rel=1e-6)
 
 
 def test_a_quantized_v_cache_without_flash_attention_is_refused(tiny_hd64):

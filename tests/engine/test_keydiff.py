@@ -6,14 +6,14 @@ import pytest
 from attention_reference import LlamaReference
 from h2o_local import KeyDiff, Llama, ModelInfo
 from device_tolerance import assert_values_close, approximate
-from engine_view import engine
+from engine_view import cached_keys
 
 TEXT = "Keys that stand out are kept, keys like the others go. "
 
 
 def all_keys(llm, seq=0):
     """{layer: (positions, keys [n, n_embd_k_gqa])} of the cached entries."""
-    return {il: engine(llm).keys(seq, il) for il in range(llm.info.n_layer)}
+    return {il: cached_keys(llm, seq, il) for il in range(llm.info.n_layer)}
 
 
 def test_exported_keys_are_the_keys_attention_reads(tiny_model):
@@ -86,6 +86,6 @@ def test_keydiff_keeps_what_the_reference_keeps(tiny_model, budget, heavy, recen
 def test_keys_of_a_bad_sequence_or_layer_are_refused(tiny_model):
     llm = Llama(tiny_model, policy="keydiff", budget=16)
     with pytest.raises(ValueError, match="seq_id"):
-        engine(llm).keys(5, 0)
+        cached_keys(llm, 5, 0)
     with pytest.raises(ValueError, match="layer"):
-        engine(llm).keys(0, 99)
+        cached_keys(llm, 0, 99)

@@ -8,7 +8,7 @@ import pytest
 from device_tolerance import assert_logits_close, assert_same_choice, assert_values_close, approximate
 from h2o_local import H2O, TOVA, KeyDiff, Llama, SnapKV, _engine, policies
 from h2o_local.policies import PythonRanked
-from engine_view import engine
+from engine_view import position_range, probes_ride
 
 PROMPT = list(range(5, 125))  # 120 tokens: pieces of 16 beside a budget of 24
 BUDGET = 24
@@ -24,7 +24,7 @@ def test_a_probe_leaves_no_trace_in_a_bounded_prefill(tiny_model, policy):
     assert st.n_seen == len(PROMPT) and st.n_evicted == len(PROMPT) - BUDGET
     assert st.positions.max() == len(PROMPT) - 1 and len(st.positions) == BUDGET  # no probe position is held
     assert st.tokens.tolist() == [PROMPT[p] for p in st.positions]               # nor a probe token
-    lo, hi = engine(llm).seq_pos_range(0)
+    lo, hi = position_range(llm, 0)
     assert (lo, hi) == (st.positions.min(), st.positions.max())  # llama.cpp holds no probe cell either
     assert st.peak_cells <= BUDGET + 16 + llm.probe_cells(policy)
     assert (st.probe_scores[:-1] > 0).all()  # every prompt entry was probed
@@ -359,7 +359,7 @@ def test_the_probes_run_and_their_time_are_counted(tiny_model):
     riding = Llama(tiny_model, policy=policy, n_batch=16, n_threads=1)
     riding.eval(PROMPT)
     assert riding.kv_state().n_probes == st.n_probes
-    assert (riding.kv_state().probe_seconds == 0.0) == engine(riding).probe_rides
+    assert (riding.kv_state().probe_seconds == 0.0) == probes_ride(riding)
     for t in (7, 8, 9):
         llm.eval([t])
     assert llm.kv_state().n_probes == st.n_probes

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from device_tolerance import approximate, assert_logits_close, assert_values_close, on_device
-from engine_view import engine
+from engine_view import probes_ride, sums_rows, ubatch
 from h2o_local import H2O, TOVA, Llama, SnapKV
 from twin_sessions import run_twin_sessions
 
@@ -16,9 +16,9 @@ BUDGET = 24
 
 def read(model, rides, feed=lambda llm: llm.eval(PROMPT), **kwargs):
     llm = Llama(model, probe_rides=rides, n_batch=16, n_threads=1, **kwargs)
-    n0 = engine(llm).n_decode
+    n0 = llm.stats()["decodes"]
     feed(llm)
-    return llm, engine(llm).n_decode - n0
+    return llm, llm.stats()["decodes"] - n0
 
 
 def rides_here(llm) -> bool:
@@ -46,7 +46,7 @@ def assert_same_cache(a, b, seq=0, cpu_rtol=0.0):
 def test_a_riding_probe_keeps_what_a_probe_of_its_own_keeps(tiny_model, policy):
     riding, n_riding = read(tiny_model, True, policy=policy)
     alone, n_alone = read(tiny_model, False, policy=policy)
-    assert engine(riding).probe_rides == rides_here(riding) and not engine(alone).probe_rides
+    assert probes_ride(riding) == rides_here(riding) and not probes_ride(alone)
     assert_same_cache(riding, alone)
     # every probe rode with its chunk: one decode fewer each
     assert n_riding == n_alone - (alone.kv_state().n_probes if rides_here(riding) else 0)
@@ -62,7 +62,7 @@ def test_the_portable_reduction_sums_a_riding_probe_apart_too(tiny_model):
     policy = TOVA(budget=BUDGET, recent=4, probe="question", question=8)
     riding, _ = read(tiny_model, True, policy=policy, _scores_sum_rows=True)
     alone, _ = read(tiny_model, False, policy=policy, _scores_sum_rows=True)
-    assert engine(riding).scores_sum_rows
+    assert sums_rows(riding)
     assert_same_cache(riding, alone, cpu_rtol=1e-6)
 
 
@@ -114,7 +114,7 @@ def test_a_riding_probe_takes_the_cells_a_decode_of_its_own_would(tiny_model):
 def test_a_batch_stays_the_size_it_was_asked(tiny_model):
     """llama.cpp's batch grows by the probe that rides; the chunks a prompt is read in do not."""
     llm, _ = read(tiny_model, True, policy=TOVA(budget=BUDGET, probe="question", question=8), n_ubatch=8)
-    assert (llm.n_batch, engine(llm).n_ubatch) == (16, 8)
+    assert (llm.n_batch, ubatch(llm)) == (16, 8)
 
 
 @pytest.mark.parametrize("how", ["repeat", "flash_attn_on_the_cpu", "no_probe"])
@@ -127,7 +127,7 @@ def test_where_no_probe_rides(tiny_model, how):
               "no_probe": dict(policy=TOVA(budget=BUDGET, recent=4))}[how]
     riding, n_riding = read(tiny_model, True, **kwargs)
     alone, n_alone = read(tiny_model, False, **kwargs)
-    assert not engine(riding).probe_rides
+    assert not probes_ride(riding)
     assert n_riding == n_alone
     assert riding.kv_state().positions.tolist() == alone.kv_state().positions.tolist()
 

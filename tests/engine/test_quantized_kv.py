@@ -5,7 +5,6 @@ import pytest
 from h2o_local import Llama
 from h2o_local.capacity import kv_bytes_per_cell
 from tiny_model import write_tiny_llama
-from engine_view import engine
 from device_tolerance import CPU_BACKEND
 
 TEXT = "Quantized keys still find their heavy hitters. " * 12
@@ -23,10 +22,10 @@ def test_a_quantized_k_cache_takes_the_bytes_its_type_says(tiny_hd64, type_k, ra
     multiple of 512 values: 603,136 bytes for the 602,112 of q8_0 here), so there at most 1% more."""
     f16 = Llama(tiny_hd64, policy="h2o", budget=64, **CPU_BACKEND)
     q = Llama(tiny_hd64, policy="h2o", budget=64, type_k=type_k, **CPU_BACKEND)
-    assert engine(q).kv_bytes == pytest.approx(engine(f16).kv_bytes * ratio, rel=1e-6)
+    assert q.stats()["kv_bytes"] == pytest.approx(f16.stats()["kv_bytes"] * ratio, rel=1e-6)
     assert q.kv_bytes_per_cell == kv_bytes_per_cell(f16.kv_bytes_per_cell, type_k=type_k)
     anywhere = Llama(tiny_hd64, policy="h2o", budget=64, type_k=type_k)  # on the suite's device, if any
-    assert engine(q).kv_bytes <= engine(anywhere).kv_bytes <= engine(q).kv_bytes * 1.01
+    assert q.stats()["kv_bytes"] <= anywhere.stats()["kv_bytes"] <= q.stats()["kv_bytes"] * 1.01
 
 
 @pytest.mark.parametrize("type_k", ["q8_0", "q4_0"])
@@ -91,7 +90,7 @@ def test_for_kv_limit_counts_quantized_cells(tiny_hd64):
     limit = 4 * 2**20
     f16 = Llama.for_kv_limit(tiny_hd64, limit, prompt_tokens=200, max_tokens=50, budget=None)
     q4 = Llama.for_kv_limit(tiny_hd64, limit, prompt_tokens=200, max_tokens=50, budget=None, type_k="q4_0")
-    assert q4.n_seq_max > f16.n_seq_max and engine(q4).kv_bytes <= limit
+    assert q4.n_seq_max > f16.n_seq_max and q4.stats()["kv_bytes"] <= limit
 
 
 def test_bf16_keys_work_and_refuse_rolling_instead_of_aborting(tiny_hd64):

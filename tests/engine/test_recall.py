@@ -6,7 +6,7 @@ import pytest
 from h2o_local import Llama
 from h2o_local.policies import resolve
 from device_tolerance import assert_logits_close, assert_same_choice, assert_values_close, approximate
-from engine_view import engine
+from engine_view import cell_bytes, entry_bytes, host_store_rows, next_position
 
 PROMPT = ("the keeper of the lighthouse wrote a letter to the harbour master about the storm and the ships that "
           "came in late at night, and the bells that rang until the morning came over the water")
@@ -24,21 +24,21 @@ def make(tiny_model, budget=24, recall=4096, **kwargs):
 def test_evicted_entries_go_to_host_memory_bit_for_bit(tiny_model):
     """Every evicted entry is in the host store, with the K and V bytes its cell held just before it left."""
     llm = make(tiny_model)
-    size = engine(llm).entry_size
+    size = entry_bytes(llm)
     tokens = llm.tokenize(PROMPT)
     llm.eval(tokens)
     st = llm.kv_state()
-    host, blob = engine(llm).host_kv(0)
+    host, blob = host_store_rows(llm, 0)
     assert st.n_cells <= 24 and len(host) == st.n_evicted == st.n_spilled == len(tokens) - st.n_cells
     assert sorted(list(host) + st.positions.tolist()) == list(range(len(tokens)))
     assert size > 0 and st.host_bytes == len(blob) == size * len(host)
     for step in range(30):  # generation evicts one entry per token: compare it with what its cell held
         resident = llm.kv_state().positions.tolist()
-        held = engine(llm).kv_entries(0, resident)
+        held = cell_bytes(llm, 0, resident)
         before = {p: held[i * size:(i + 1) * size] for i, p in enumerate(resident)}
-        n_host = len(engine(llm).host_kv(0)[0])
+        n_host = len(host_store_rows(llm, 0)[0])
         llm.eval([40 + step % 50])
-        host, blob = engine(llm).host_kv(0)
+        host, blob = host_store_rows(llm, 0)
         assert len(host) == n_host + 1
         assert blob[-size:] == before[host[-1]], host[-1]
 
@@ -50,7 +50,7 @@ def test_with_room_for_everything_recall_gives_the_full_caches_logits(tiny_model
     tokens = full.tokenize(PROMPT)
     q = full.tokenize(QUESTION, add_bos=False)
     full.eval(tokens)
-    full_bytes = engine(full).kv_entries(0, list(range(len(tokens))))
+    full_bytes = cell_bytes(full, 0, list(range(len(tokens))))
     full.eval(q)
     expected = full.last_logits()
 
@@ -62,7 +62,7 @@ def test_with_room_for_everything_recall_gives_the_full_caches_logits(tiny_model
     st = llm.kv_state()
     assert st.positions.tolist() == list(range(len(tokens) + len(q))) and st.n_recalled == len(tokens) - 24
     assert len(st.host_positions) == 0
-    assert engine(llm).kv_entries(0, list(range(len(tokens)))) == full_bytes
+    assert cell_bytes(llm, 0, list(range(len(tokens)))) == full_bytes
     got = llm.last_logits()
     assert_logits_close(got, expected, device=approximate(llm), cpu_atol=1e-4 * float(np.ptp(expected)))
     assert int(np.argmax(got)) == int(np.argmax(expected))
@@ -95,7 +95,7 @@ def test_a_question_brings_back_the_spilled_entries_it_ranks_above_the_kept_ones
     assert n == st.n_recalled == len(came_back) > 0 and st.n_cells <= 24
     assert came_back <= set(st0.host_positions.tolist())
     assert sorted(st.positions.tolist() + st.host_positions.tolist()) == list(range(len(tokens)))
-    assert st.n_seen == st0.n_seen and engine(llm).next_pos(0) == len(tokens)
+    assert st.n_seen == st0.n_seen and next_position(llm, 0) == len(tokens)
     # a question always finds the same entries from the same state (deterministic)
     other = make(tiny_model, budget=24)
     other.eval(tokens)
@@ -113,15 +113,15 @@ def test_snapshots_and_session_bytes_carry_the_host_store(tiny_model):
     other = make(tiny_model)
     other.load_state(again)
     assert other.kv_state().host_positions.tolist() == st.host_positions.tolist()
-    assert engine(other).host_kv(0) == engine(llm).host_kv(0)
+    assert host_store_rows(other, 0) == host_store_rows(llm, 0)
     q = llm.tokenize(QUESTION, add_bos=False)
     assert other.generate(q, max_tokens=6, temperature=0, reset=False) == \
         llm.generate(q, max_tokens=6, temperature=0, reset=False)
 
 
-def host_rows(llm):
+def host_values(llm):
     """What the store puts back: positions, and per entry its F16 values as float32 (the tiny model's cache is F16)."""
-    positions, blob = engine(llm).host_kv(0)
+    positions, blob = host_store_rows(llm, 0)
     return list(positions), np.frombuffer(blob, dtype=np.float16).astype(np.float32).reshape(len(positions), -1)
 
 
@@ -144,20 +144,20 @@ def test_a_q8_0_host_copy_keeps_about_half_the_bytes_and_puts_back_what_it_kept(
     tokens = exact.tokenize(PROMPT)
     exact.eval(tokens)
     q8.eval(tokens)
-    size = engine(exact).entry_size
+    size = entry_bytes(exact)
     n_host = len(q8.kv_state().host_positions)
     assert q8.host_entry_bytes == _engine.q8_0_entry_bytes(size) == size // 64 * 34 and exact.host_entry_bytes == size
     assert q8.kv_state().host_bytes == n_host * q8.host_entry_bytes and n_host > 0
     assert q8.kv_state().host_bytes / exact.kv_state().host_bytes == pytest.approx(34 / 64)
-    positions, rows = host_rows(q8)
-    exact_positions, exact_rows = host_rows(exact)
+    positions, rows = host_values(q8)
+    exact_positions, exact_rows = host_values(exact)
     assert positions == exact_positions  # the store's encoding does not change what is evicted
     assert_within_q8_0_rounding(exact_rows, rows)
 
     q8.set_policy(default_policy(400))  # room for everything: the next prompt brings every entry back
     q8.eval(q8.tokenize(QUESTION, add_bos=False))
     assert len(q8.kv_state().host_positions) == 0
-    back = np.frombuffer(engine(q8).kv_entries(0, positions), dtype=np.float16).astype(np.float32)
+    back = np.frombuffer(cell_bytes(q8, 0, positions), dtype=np.float16).astype(np.float32)
     np.testing.assert_array_equal(back.reshape(rows.shape), rows)
 
 
@@ -177,9 +177,9 @@ def test_a_saved_store_loads_into_either_encoding(tiny_model):
         st = other.kv_state()
         assert st.host_bytes == len(st.host_positions) * other.host_entry_bytes > 0
         if expect is not None:
-            assert engine(other).host_kv(0) == engine(expect).host_kv(0)
+            assert host_store_rows(other, 0) == host_store_rows(expect, 0)
         else:
-            assert_within_q8_0_rounding(host_rows(exact)[1], host_rows(other)[1])
+            assert_within_q8_0_rounding(host_values(exact)[1], host_values(other)[1])
 
 
 def test_what_recall_cannot_do_is_refused_clearly(tiny_model):
@@ -277,7 +277,7 @@ def test_the_cli_takes_recall_and_the_server_reports_the_store(chat_model):
     assert llm.recall == 500
     assert load_llama(ap, ap.parse_args(["--model", chat_model, "--budget", "48", "--recall"])).recall == 4096
     q8 = load_llama(ap, ap.parse_args(["--model", chat_model, "--budget", "48", "--recall", "--recall-type", "q8_0"]))
-    assert q8.recall_type == "q8_0" and q8.host_entry_bytes < engine(q8).entry_size
+    assert q8.recall_type == "q8_0" and q8.host_entry_bytes < entry_bytes(q8)
     with pytest.raises(SystemExit):
         ap.parse_args(["--model", chat_model, "--recall-type", "q4_0"])
     with pytest.raises(SystemExit):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from h2o_local import Llama
-from engine_view import engine
+from engine_view import position_range
 from tiny_model import write_tiny_llama
 
 PROMPT = "A long story begins here and goes on and on."
@@ -21,7 +21,7 @@ def test_positions_stay_contiguous_from_zero(tiny_model):
     for i in range(40):
         st = llm.kv_state()
         assert st.positions.tolist() == list(range(st.n_cells))
-        assert engine(llm).seq_pos_range(0) == (0, st.n_cells - 1)  # llama.cpp's own view agrees
+        assert position_range(llm, 0) == (0, st.n_cells - 1)  # llama.cpp's own view agrees
         llm.eval([65 + i % 26])
     assert llm.kv_state().n_cells == 16
 
@@ -79,7 +79,7 @@ def test_a_roll_interval_bounds_the_drift_of_positions(tiny_model):
         assert st.n_cells == 16
         drift = int(st.positions.max()) + 1 - st.n_cells
         assert 0 <= drift < 8
-        assert engine(llm).seq_pos_range(0) == (int(st.positions.min()), int(st.positions.max()))
+        assert position_range(llm, 0) == (int(st.positions.min()), int(st.positions.max()))
         drifts.append(drift)
     assert 0 in drifts and 7 in drifts  # it both drifts the whole interval and rolls back to contiguous
     assert sum(1 for a, b in zip(drifts, drifts[1:]) if b < a) >= 60 // 8 - 1  # a roll every 8 evictions

@@ -4,7 +4,7 @@ import pytest
 
 from attention_reference import LlamaReference
 from h2o_local import Llama
-from engine_view import engine
+from engine_view import sums_rows
 from device_tolerance import CPU_BACKEND
 
 # the CPU backend's own export without flash attention (its flash kernel's sums: tests/engine/test_flash_attn.py; a
@@ -55,7 +55,7 @@ def test_sum_rows_path_gives_the_same_scores(tiny_model):
     """The Metal path (transpose + sum_rows), forced on the CPU, against the out_prod path."""
     a = Llama(tiny_model, policy="h2o", budget=1000, **CPU)
     b = Llama(tiny_model, policy="h2o", budget=1000, _scores_sum_rows=True, **CPU)
-    assert not engine(a).scores_sum_rows and engine(b).scores_sum_rows  # which reduction the engine chose
+    assert not sums_rows(a) and sums_rows(b)  # which reduction the engine chose
     tokens = a.tokenize(TEXT)
     for llm in (a, b):
         llm.eval(tokens)

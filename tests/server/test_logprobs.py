@@ -10,7 +10,7 @@ import pytest
 from h2o_local import Llama
 from h2o_local.responses import ShownLogprobs, TokenLogprob, shown_logprobs, token_logprob
 from h2o_local.sampling import CHAT_SURFACE
-from engine_view import engine
+from engine_view import take_prompt_logits
 from test_server import CHATML, USER, get, post, serving
 from tiny_model import write_tiny_llama
 
@@ -158,9 +158,9 @@ def test_a_prompts_logits_are_handed_over_once_without_a_copy(llm):
     copied = llm.eval(tokens, logits_all=True).copy()
     llm.reset()
     llm.eval(tokens, logits_all=True)
-    taken = engine(llm).take_logits_all(0)
+    taken = take_prompt_logits(llm, 0)
     assert taken.shape == (len(tokens), llm.n_vocab()) and np.array_equal(taken, copied)
-    assert engine(llm).take_logits_all(0).shape == (0, llm.n_vocab()) and llm.prompt_logits().size == 0
+    assert take_prompt_logits(llm, 0).shape == (0, llm.n_vocab()) and llm.prompt_logits().size == 0
 
 
 # ---------------------------------------------------------------------------------------------------- server

@@ -14,7 +14,7 @@ from h2o_local import Llama
 from h2o_local.sampling import CHAT_SURFACE
 from h2o_local.server import create_app, serve_in_background
 from tiny_model import write_tiny_llama
-from engine_view import engine
+from engine_view import eval_with_riders
 from device_tolerance import CPU_BACKEND
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -491,11 +491,11 @@ def test_the_running_slots_tokens_are_decoded_with_the_prompts_chunks(chat_model
     with slots.owned():
         slots.start(0, [1, 5, 6, 7], params)
         got += [e.token for e in slots.step()]
-        before = engine(llm).n_decode
+        before = llm.stats()["decodes"]
         long_prompt = list(range(10, 10 + 15 * 12))  # 12 chunks of 15 tokens (n_batch 16 leaves one for a rider);
         # without riders: 12 chunks of 16 and less, and 11 decodes of the running slot between them
         slots.start(1, long_prompt, SamplingParams(max_tokens=1, temperature=0), between_chunks=between_chunks)
-        assert engine(llm).n_decode - before == 12  # the 11 riders went with the chunks
+        assert llm.stats()["decodes"] - before == 12  # the 11 riders went with the chunks
         got += [e.token for e in slots.step() if e.index == 0]
     assert got == expected[:len(got)] and len(got) == 13
     assert llm.kv_state(1).n_seen == len(long_prompt) and llm.kv_state(0).n_seen == 4 + len(got)  # every token fed
@@ -715,13 +715,13 @@ def test_riders_that_cannot_ride_are_refused_and_leave_the_sequences_usable(chat
         llm.reset()
         llm.eval([1, 5, 6], seq_id=1)
         with pytest.raises(ValueError, match=message):
-            engine(llm).eval({0: long_prompt}, False, lambda: riders)
+            eval_with_riders(llm, {0: long_prompt}, lambda: riders)
         llm.eval([7], seq_id=1)  # both sequences go on
         llm.eval([8, 9], seq_id=0)
     unified = Llama(chat_model, policy="h2o", budget=32, n_seq_max=2, n_batch=16, n_threads=1)
     unified.eval([1, 5, 6], seq_id=1)
     with pytest.raises(ValueError, match="a stream of its own"):
-        engine(unified).eval({0: long_prompt}, False, lambda: {1: [5]})
+        eval_with_riders(unified, {0: long_prompt}, lambda: {1: [5]})
 
 
 def test_a_batch_of_prompts_and_n_samples_give_a_choice_each_as_separate_requests_would(server):

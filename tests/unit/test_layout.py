@@ -172,3 +172,14 @@ def test_the_function_length_rule_sees_long_functions(tmp_path):
     py = tmp_path / "a.py"
     py.write_text('def g(\n    a,\n):\n    """doc."""\n' + "    a += 1\n" * 85 + "\n\ndef h():\n    return 1\n")
     assert python_function_lengths(py) == [("g", 85), ("h", 1)]
+
+
+def test_tests_read_the_engine_through_named_views_only():
+    """engine_view has one function per fact; none hands out the engine itself (a raw handle lets a test read
+    anything below the surface, unnamed)."""
+    import ast
+
+    path = ROOT / "tests" / "support" / "engine_view.py"
+    raw = [node.lineno for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+           if isinstance(node, ast.Return) and isinstance(node.value, ast.Attribute) and node.value.attr == "_engine"]
+    assert not raw, f"engine_view hands out the engine at lines {raw}"
