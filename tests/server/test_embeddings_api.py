@@ -150,7 +150,7 @@ def test_serve_s_pooling_option_reaches_the_embedding_routes(chat_model, monkeyp
 def test_the_embedding_thread_holds_one_running_and_max_waiting_waiting_then_refuses_with_429():
     import asyncio
 
-    from h2o_local.server.embeddings import EmbeddingWork
+    from h2o_local.server.preparing import EmbeddingWork
     from h2o_local.server.protocol import APIError
 
     async def scenario():

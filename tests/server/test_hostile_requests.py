@@ -256,7 +256,7 @@ def test_a_body_nested_past_the_json_parser_is_a_400_on_every_route(server, path
 
 
 def test_a_json_value_nests_as_deep_as_its_deepest_branch():
-    from h2o_local.server.routes import nests_deeper_than
+    from h2o_local.server.answers import nests_deeper_than
 
     assert not nests_deeper_than({"a": [1, {"b": []}]}, 4) and nests_deeper_than({"a": [1, {"b": []}]}, 3)
     assert not nests_deeper_than([[]] * 10_000, 2)  # wide is not deep

@@ -3,7 +3,9 @@
 Needs the server extra: `pip install "h2o_local[server]"` (FastAPI, uvicorn, sse-starlette, pydantic-settings).
 Layout: `settings` (ServerSettings: every option, once), `protocol` (request models, errors), `requests` (a
 request translated into engine values: sampling, its own policy and recall, limits), `state` (what the routes share),
-`routes` (the module-level router: the handlers), `scheduler` (the decoding thread, saved sessions), `app`
+`answers` (what every route module shares: a request made a job, submitted, answered whole or streamed), one route
+module per API dialect (`routes`: OpenAI's and llama-server's handlers on the module-level router; `ollama`,
+`anthropic_messages`, `openai_responses`, `embeddings`), `scheduler` (the decoding thread, saved sessions), `app`
 (create_app puts them together).
 """
 from .app import create_app

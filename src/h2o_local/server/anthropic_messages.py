@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import reasoning
-from . import routes
+from . import answers
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
 from .state import ServerState
@@ -57,16 +57,16 @@ class CountTokensRequest(BaseModel):
 
 
 @router.post("/v1/messages")
-async def create_message(request: Request, state: ServerState = Depends(routes.server_state)):
+async def create_message(request: Request, state: ServerState = Depends(answers.server_state)):
     """A message in answer to `messages`, whole or as events."""
     try:
         body = await _parse(request, MessagesRequest)
         chat = _chat_request(state, body)
-        job, plan, _, thinking = await routes.chat_job(state, chat, request)
+        job, plan, _, thinking = await answers.chat_job(state, chat, request)
         head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model or state.model_id}
         if body.stream and not plan.parses:
-            return routes.event_stream(state, _events(state, job, head, thinking))
-        answer = await routes.chat_answer(state, job, request, plan, thinking, chat.parallel_tool_calls)
+            return answers.event_stream(state, _events(state, job, head, thinking))
+        answer = await answers.chat_answer(state, job, request, plan, thinking, chat.parallel_tool_calls)
         thought, text, calls = answer.reasoning, answer.content, answer.calls
         blocks = ([{"type": "thinking", "thinking": thought, "signature": ""}] if thought is not None else []) + \
             ([{"type": "text", "text": text or ""}] if text or not (calls or thought is not None) else []) + \
@@ -74,27 +74,27 @@ async def create_message(request: Request, state: ServerState = Depends(routes.s
               "input": json.loads(c["function"]["arguments"])} for c in calls]
         whole = _message(job, head, blocks, "tool_use" if calls else _stop_reason(job, answer.finish))
         if body.stream:  # with tools the answer is parsed whole, then sent as its events
-            return routes.event_stream(state, _whole_events(whole))
+            return answers.event_stream(state, _whole_events(whole))
         return whole
     except APIError as e:
         return _error(e)
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(request: Request, state: ServerState = Depends(routes.server_state)):
+async def count_tokens(request: Request, state: ServerState = Depends(answers.server_state)):
     """The prompt's tokens as `/v1/messages` would read it (its template, system prompt and tools)."""
     try:
         body = await _parse(request, CountTokensRequest)
         chat = _chat_request(state, validated(MessagesRequest, {**body.model_dump(exclude_none=True),
                                                                  **(body.model_extra or {}), "max_tokens": 1}))
-        _, tokens, _ = await routes.chat_prompt(state, chat)
+        _, tokens, _ = await answers.chat_prompt(state, chat)
         return {"input_tokens": len(tokens)}
     except APIError as e:
         return _error(e)
 
 
 async def _parse(request: Request, model: type) -> Any:
-    return validated(model, await routes.json_body(request))
+    return validated(model, await answers.json_body(request))
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -222,7 +222,7 @@ def _stop_reason(job: Job, finish: Optional[str]) -> str:
 
 def _message(job: Job, head: Dict[str, Any], blocks: List[Dict[str, Any]],
              stop_reason: Optional[str]) -> Dict[str, Any]:
-    use = routes.job_usage(job)
+    use = answers.job_usage(job)
     cached = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     usage = {"input_tokens": use["prompt_tokens"] - cached, "output_tokens": use["completion_tokens"],
              "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
@@ -280,7 +280,7 @@ async def _events(state: ServerState, job: Job, head: Dict[str, Any],
     open_kind: Optional[str] = None
     index = -1
     try:
-        async for step in routes.job_steps(state, job):
+        async for step in answers.job_steps(state, job):
             e = step.event
             for kind, text in zip(("thinking", "text"), reasoning.pieces(splitter, e.text, end=e.token is None)):
                 if not text:
@@ -299,5 +299,5 @@ async def _events(state: ServerState, job: Job, head: Dict[str, Any],
                 for event in _end(_message(job, head, [], _stop_reason(job, e.finish_reason))):
                     yield event
     except Exception as error:  # noqa: BLE001 - a started stream ends with an error event, as Anthropic's
-        e_ = routes.as_api_error(error)
+        e_ = answers.as_api_error(error)
         yield _event("error", error={"type": _ERROR_TYPES.get(e_.status, "api_error"), "message": e_.message})

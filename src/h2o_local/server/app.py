@@ -22,7 +22,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama import Llama
-from .preparing import CLIENT, GrammarChecks, WorkPool
+from .preparing import CLIENT, EmbeddingWork, GrammarChecks, WorkPool
 from .protocol import APIError, error_response
 from . import anthropic_messages, embeddings, ollama, openai_responses
 from .routes import STATIC_DIR, router
@@ -44,7 +44,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     settings = (settings or ServerSettings()).model_copy(update=overrides) if overrides else (settings or ServerSettings())
     ServerSettings.model_validate(settings.model_dump())  # overrides are checked as the fields are
     scheduler = Scheduler(llm, max_waiting=settings.max_waiting, session_bytes=int(settings.session_mib * 2**20))
-    max_prompt_tokens = settings.max_prompt_tokens or max(llm.n_ctx_train(), scheduler.slots.cells_per_slot)
+    max_prompt_tokens = settings.max_prompt_tokens or max(llm.n_ctx_train(), scheduler.cells_per_slot)
     state = ServerState(
         llm=llm, scheduler=scheduler, settings=settings, model_id=settings.model_id or os.path.basename(llm.model_path),
         max_prompt_tokens=max_prompt_tokens,
@@ -53,7 +53,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
         default_keep=llm.keep if isinstance(llm.keep, int) else 0,
         prepare=WorkPool("preparing", workers=2, max_held=settings.slots + settings.max_waiting),
         grammars=GrammarChecks(WorkPool("checking grammars for", workers=1, max_held=settings.slots)),
-        embedding=embeddings.EmbeddingWork(settings.max_waiting))
+        embedding=EmbeddingWork(settings.max_waiting))
     # what the chat template takes (its tool-call format, system role, argument form, call ids), probed once now
     # rather than inside the first request that needs it
     template = llm.chat_template

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
-import threading
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import numpy as np
@@ -18,38 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import embeddings
 from . import requests
 from .protocol import APIError
-from .routes import json_body, server_state
+from .answers import json_body, ollama_error, server_state
 from .state import ServerState
 from .translated import validated
 
 router = APIRouter()
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
-
-
-class EmbeddingWork:
-    """The embedding thread and how many requests it holds (running and waiting)."""
-
-    def __init__(self, max_waiting: int):
-        self.max_held = max_waiting + 1
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="h2o-local-embed")
-        self._held = 0
-        self._lock = threading.Lock()
-
-    async def run(self, fn: Any) -> Any:
-        with self._lock:
-            if self._held >= self.max_held:
-                raise APIError(429, "too many embedding requests are waiting; try again shortly",
-                               kind="rate_limit_error")
-            self._held += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
-        finally:
-            with self._lock:
-                self._held -= 1
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class OpenAIEmbeddingRequest(BaseModel):
@@ -160,6 +133,17 @@ async def llama_server_embeddings(request: Request, state: ServerState = Depends
     rows_of = (lambda v: v) if state.llm.pooling_type() == 0 else (lambda v: [v])
     return [{"index": i, "embedding": [embeddings.normalized(r, body.embd_normalize) for r in rows_of(v)]}
             for i, v in enumerate(vectors)]
+
+
+@router.post("/api/embed")
+@router.post("/api/embeddings")
+async def ollama_embed_route(request: Request, state: ServerState = Depends(server_state)):
+    """Texts' embeddings: /api/embed's (`input`, each of length 1) and the older /api/embeddings' (`prompt`, one
+    text's vector as it is); ollama_embed below."""
+    try:
+        return await ollama_embed(request, state, legacy=request.url.path.endswith("/embeddings"))
+    except APIError as e:
+        return ollama_error(e)
 
 
 async def ollama_embed(request: Request, state: ServerState, *, legacy: bool) -> Dict[str, Any]:

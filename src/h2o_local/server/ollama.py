@@ -20,14 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__, reasoning
 from ..completions import infill_prompt
-from . import embeddings, routes
+from . import answers
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
 from .translated import validated
 from .state import ServerState
 
 router = APIRouter()
-server_state = routes.server_state
+server_state = answers.server_state
 
 # Ollama's options that sample, by the chat request's field names
 SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -84,7 +84,7 @@ async def chat(request: Request, state: ServerState = Depends(server_state)):
         messages = [openai_message(i, m) for i, m in enumerate(body.messages)]
         return await _answer(state, request, body, messages, body.tools)
     except APIError as e:
-        return _error(e)
+        return answers.ollama_error(e)
 
 
 @router.post("/api/generate")
@@ -112,18 +112,7 @@ async def generate(request: Request, state: ServerState = Depends(server_state))
                 [{"role": "user", "content": body.prompt}]
         return await _answer(state, request, body, messages, None, prefix=body.context or ())
     except APIError as e:
-        return _error(e)
-
-
-@router.post("/api/embed")
-@router.post("/api/embeddings")
-async def embed(request: Request, state: ServerState = Depends(server_state)):
-    """Texts' embeddings: /api/embed's (`input`, each of length 1) and the older /api/embeddings' (`prompt`, one
-    text's vector as it is); server/embeddings.py."""
-    try:
-        return await embeddings.ollama_embed(request, state, legacy=request.url.path.endswith("/embeddings"))
-    except APIError as e:
-        return _error(e)
+        return answers.ollama_error(e)
 
 
 class OllamaPull(BaseModel):
@@ -148,7 +137,7 @@ async def pull(request: Request, state: ServerState = Depends(server_state)):
             return _Lines(_one({"status": "success"}), state.settings.stream_send_timeout_s)
         return {"status": "success"}
     except APIError as e:
-        return _error(e)
+        return answers.ollama_error(e)
 
 
 @router.post("/api/create", include_in_schema=False)
@@ -159,7 +148,7 @@ async def pull(request: Request, state: ServerState = Depends(server_state)):
 @router.head("/api/blobs/{digest}", include_in_schema=False)
 async def manage(state: ServerState = Depends(server_state)) -> JSONResponse:
     """Ollama's model management: refused here (the server runs the one model it was started with)."""
-    return _error(APIError(403, f"this server runs the one model it was started with ({state.model_id}); it does "
+    return answers.ollama_error(APIError(403, f"this server runs the one model it was started with ({state.model_id}); it does "
                                 f"not create, copy, push or delete models"))
 
 
@@ -195,7 +184,7 @@ async def version() -> Dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------- helpers
 async def _parse(request: Request, model: type) -> Any:
     """The body as `model`."""
-    return validated(model, await routes.json_body(request))
+    return validated(model, await answers.json_body(request))
 
 
 def openai_message(i: int, m: Dict[str, Any]) -> Dict[str, Any]:
@@ -290,11 +279,11 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
     chat = validated(ChatCompletionRequest, _chat_request(body, messages, tools), OPTION_OF_FIELD)
     thinking = None
     if messages is None:
-        job = await routes.prompt_job(state, chat, request, body.prompt if prompt is None else prompt, prefix=prefix,
+        job = await answers.prompt_job(state, chat, request, body.prompt if prompt is None else prompt, prefix=prefix,
                                       max_tokens=chat.max_tokens)
         plan = None
     else:
-        job, plan, _, thinking = await routes.chat_job(state, chat, request, prefix=prefix)
+        job, plan, _, thinking = await answers.chat_job(state, chat, request, prefix=prefix)
     read = time.perf_counter()
     head = {"model": body.model or state.model_id}
     generating = isinstance(body, OllamaGenerate)
@@ -302,7 +291,7 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
         return _Lines(_stream(state, job, head, generating, started, read, thinking),
                       state.settings.stream_send_timeout_s)
     tokens: List[int] = []
-    said = await routes.chat_answer(state, job, request, None if generating else plan, thinking, tokens=tokens)
+    said = await answers.chat_answer(state, job, request, None if generating else plan, thinking, tokens=tokens)
     if generating:
         answer = {"response": said.content, **({"thinking": said.reasoning} if said.reasoning is not None else {})}
     else:
@@ -328,7 +317,7 @@ async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating
     tokens: List[int] = []
     splitter = None if thinking is None else thinking.splitter()
     try:
-        async for step in routes.job_steps(state, job):
+        async for step in answers.job_steps(state, job):
             e = step.event
             tokens += step.tokens
             thought, text = reasoning.pieces(splitter, e.text, end=e.token is None)
@@ -342,7 +331,7 @@ async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating
                 counts = _counts(job, tokens, generating, started, read)
                 yield json.dumps(_done(head["model"], empty, e.finish_reason, counts)) + "\n"
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error line, as Ollama's
-        yield json.dumps({"error": routes.as_api_error(e).message}) + "\n"
+        yield json.dumps({"error": answers.as_apianswers.ollama_error(e).message}) + "\n"
 
 
 async def _one(final: Dict[str, Any]) -> AsyncIterator[str]:
@@ -367,11 +356,6 @@ def _done(model: str, answer: Dict[str, Any], reason: Optional[str], counts: Opt
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def _error(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 429 else None
-    return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
 
 
 def _model_card(state: ServerState) -> Dict[str, Any]:

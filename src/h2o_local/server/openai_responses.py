@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import reasoning
-from . import routes
+from . import answers
 from .protocol import APIError, ChatCompletionRequest
 from .scheduler import Job
 from .state import ServerState
@@ -50,20 +50,20 @@ class ResponsesRequest(BaseModel):
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request,
-                          state: ServerState = Depends(routes.server_state)):
+                          state: ServerState = Depends(answers.server_state)):
     """A response to `input` (a text, or message and function-call items), whole or as events."""
     chat = _chat_request(state, body)
-    job, plan, _, thinking = await routes.chat_job(state, chat, request)
+    job, plan, _, thinking = await answers.chat_job(state, chat, request)
     head = _head(state, body)
     if body.stream and not plan.parses:
-        return routes.event_stream(state, _events(state, job, head, thinking))
-    answer = await routes.chat_answer(state, job, request, plan, thinking, body.parallel_tool_calls)
+        return answers.event_stream(state, _events(state, job, head, thinking))
+    answer = await answers.chat_answer(state, job, request, plan, thinking, body.parallel_tool_calls)
     thought = [_reasoning_item(answer.reasoning)] if answer.reasoning is not None else []
     said = [_message_item(answer.content or "")] if answer.content or not (answer.calls or thought) else []
     items = thought + said + [_call_item(c) for c in answer.calls]
     whole = _done(head, items, answer.finish, job)
     if body.stream:  # with tools the answer is parsed whole, then sent as its events
-        return routes.event_stream(state, _whole_events(head, whole))
+        return answers.event_stream(state, _whole_events(head, whole))
     return whole
 
 
@@ -207,7 +207,7 @@ def _head(state: ServerState, body: ResponsesRequest) -> Dict[str, Any]:
 
 
 def _done(head: Dict[str, Any], items: List[Dict[str, Any]], finish: Optional[str], job: Job) -> Dict[str, Any]:
-    use = routes.job_usage(job)
+    use = answers.job_usage(job)
     cached = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     out = {**head, "status": "incomplete" if finish == "length" else "completed", "output": items,
            "usage": {"input_tokens": use["prompt_tokens"], "output_tokens": use["completion_tokens"],
@@ -323,7 +323,7 @@ async def _events(state: ServerState, job: Job, head: Dict[str, Any],
     for event in _opening(say, head):
         yield event
     try:
-        async for step in routes.job_steps(state, job):
+        async for step in answers.job_steps(state, job):
             e = step.event
             for kind, text in zip(("reasoning", "message"), reasoning.pieces(splitter, e.text, end=e.token is None)):
                 if not text:
@@ -348,7 +348,7 @@ async def _events(state: ServerState, job: Job, head: Dict[str, Any],
                     yield event
                 yield _closing(say, _done(head, items, e.finish_reason, job))
     except Exception as error:  # noqa: BLE001 - a started stream ends with an error event, as OpenAI's
-        body = routes.as_api_error(error).body()["error"]
+        body = answers.as_api_error(error).body()["error"]
         yield say("error", code=body.get("code"), message=body.get("message"), param=body.get("param"))
 
 

@@ -138,3 +138,28 @@ class GrammarChecks:
             return outcome
         finally:
             del self._running[key]
+
+
+class EmbeddingWork:
+    """The embedding thread and how many requests it holds (running and waiting)."""
+
+    def __init__(self, max_waiting: int):
+        self.max_held = max_waiting + 1
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="h2o-local-embed")
+        self._held = 0
+        self._lock = threading.Lock()
+
+    async def run(self, fn: Any) -> Any:
+        with self._lock:
+            if self._held >= self.max_held:
+                raise APIError(429, "too many embedding requests are waiting; try again shortly",
+                               kind="rate_limit_error")
+            self._held += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        finally:
+            with self._lock:
+                self._held -= 1
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

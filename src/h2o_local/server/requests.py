@@ -62,7 +62,7 @@ def conversation_policy(state: ServerState, body: RequestFields) -> Tuple[Option
     limit = max_budget(state, value)
     if limit < 1:
         raise APIError(400, f"kv_cache.policy: its probe takes {state.llm.probe_cells(value)} cells, more "
-                            f"than a slot of this server has ({state.scheduler.slots.cells_per_slot})",
+                            f"than a slot of this server has ({state.scheduler.cells_per_slot})",
                        param="kv_cache.policy")
     if value.budget > limit:
         raise APIError(400, f"kv_cache.budget: {value.budget} entries do not fit in a slot of this server; at most "
@@ -75,7 +75,7 @@ def conversation_policy(state: ServerState, body: RequestFields) -> Tuple[Option
 
 def max_budget(state: ServerState, policy: Optional[Policy] = None) -> int:
     """The largest budget a conversation can take in a slot (with `policy`'s probe; default: the server's)."""
-    return state.scheduler.slots.cells_per_slot - 1 - state.llm.probe_cells(policy)
+    return state.scheduler.cells_per_slot - 1 - state.llm.probe_cells(policy)
 
 
 def text_bytes(content: Any) -> int:

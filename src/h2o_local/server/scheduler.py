@@ -243,6 +243,15 @@ class Scheduler:
         self._thread.start()
 
     # ------------------------------------------------------------------ called from the server
+    @property
+    def cells_per_slot(self) -> int:
+        """KV cells each slot has (its sequence's share of the context)."""
+        return self.slots.cells_per_slot
+
+    @property
+    def n_slots(self) -> int:
+        return self.slots.n_slots
+
     def holds_slot(self, job: Job) -> bool:
         """Whether `job` has a slot now (admitted, not finished)."""
         with self._cv:

@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable
+from typing import Any, Awaitable
 
 from ..llama import Llama
-from .preparing import GrammarChecks, WorkPool
+from .preparing import EmbeddingWork, GrammarChecks, WorkPool
 from .scheduler import Scheduler
 from .settings import ServerSettings
-
-if TYPE_CHECKING:
-    from .embeddings import EmbeddingWork
 
 
 @dataclass
@@ -29,7 +26,7 @@ class ServerState:
     # rendered, prompts tokenized, answers parsed (server/preparing.py)
     prepare: WorkPool
     grammars: GrammarChecks                           # grammars parsed and checked, in a pool of their own
-    embedding: "EmbeddingWork"                        # the embedding routes' thread
+    embedding: EmbeddingWork                        # the embedding routes' thread
 
     def prepared(self, fn, *args: Any, **kwargs: Any) -> Awaitable[Any]:
         """`fn(*args, **kwargs)` in the server's preparing threads, off the event loop (await it); 429 when their
