@@ -18,6 +18,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sstream>
+#include <variant>
+
 namespace py = pybind11;
 using namespace pybind11::literals;
 using namespace h2o;
@@ -394,33 +397,37 @@ PYBIND11_MODULE(_engine, m) {
     def_vocab(model);
 
     // the engine's settings with their defaults, in one place (llama.cpp's llama_context_params pattern)
-    py::class_<EngineParams>(m, "EngineParams")
+    py::class_<EngineParams> params(m, "EngineParams");
+    params
         .def(py::init<>())
         .def_property("policy", [](const EngineParams & p) { return std::const_pointer_cast<Policy>(p.policy); },
                       [](EngineParams & p, std::shared_ptr<Policy> v) { p.policy = std::move(v); })
-        .def_readwrite("position_rolling", &EngineParams::position_rolling)
-        .def_readwrite("roll_interval", &EngineParams::roll_interval)
-        .def_readwrite("n_ctx", &EngineParams::n_ctx)
-        .def_readwrite("n_batch", &EngineParams::n_batch)
-        .def_readwrite("n_ubatch", &EngineParams::n_ubatch)
-        .def_readwrite("probe_rides", &EngineParams::probe_rides)
-        .def_readwrite("n_seq_max", &EngineParams::n_seq_max)
         .def_readwrite("n_keep", &EngineParams::n_keep)
-        .def_readwrite("kv_unified", &EngineParams::kv_unified)
         .def_readwrite("n_threads", &EngineParams::n_threads)
-        .def_readwrite("n_gpu_layers", &EngineParams::n_gpu_layers)
         .def_readwrite("scores_sum_rows", &EngineParams::scores_sum_rows)
-        .def_readwrite("export_scores", &EngineParams::export_scores)
-        .def_readwrite("kv_f32", &EngineParams::kv_f32)
         .def_readwrite("type_k", &EngineParams::type_k)
         .def_readwrite("type_v", &EngineParams::type_v)
         .def_readwrite("flash_attn", &EngineParams::flash_attn, "-1: auto (on where the layers run on a GPU), 0: off, 1: on")
-        .def_readwrite("op_offload", &EngineParams::op_offload)
         .def_readwrite("rpc_servers", &EngineParams::rpc_servers)
-        .def_readwrite("compact_cells", &EngineParams::compact_cells)
         .def_readwrite("host_entries", &EngineParams::host_entries)
-        .def_readwrite("host_q8_0", &EngineParams::host_q8_0)
-        .def_readwrite("verbose", &EngineParams::verbose);
+        .def_readwrite("host_q8_0", &EngineParams::host_q8_0);
+    // the plain settings, from their rows (engine_params.cpp)
+    py::list settings;
+    const EngineParams defaults;
+    for (const EngineSetting & s : engine_settings()) {
+        std::visit([&](auto field) {
+            params.def_readwrite(s.name, field, s.help);
+            std::vector<std::string> flags;
+            std::istringstream words(s.flags);
+            for (std::string f; words >> f; ) {
+                flags.push_back(f);
+            }
+            settings.append(py::dict("name"_a = s.name, "flags"_a = flags,
+                                     "minimum"_a = s.minimum ? py::cast(*s.minimum) : py::none(), "unit"_a = s.unit,
+                                     "help"_a = s.help, "default"_a = defaults.*field));
+        }, s.field);
+    }
+    m.attr("ENGINE_SETTINGS") = settings;
 
     // declared before their methods: each one's signatures name the other
     py::class_<Engine> engine(m, "Engine");

@@ -7,7 +7,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace h2o {
@@ -53,5 +55,21 @@ struct EngineParams {
     // sequences with what was fed so far
     std::function<void()> check_interrupt;
 };
+
+// The engine's plain settings, one row each: the EngineParams field, the CLI's flags and help. The binding of the
+// field, Llama's check of its keyword and the CLI's argument are made from the row (a new setting is one field above
+// and one row in engine_params.cpp; tests/unit/test_engine_settings.py checks Llama's signature and README's table
+// against the rows). The settings with a meaning of their own in Python (policy, threads, types, flash attention,
+// RPC, recall) are not rows.
+struct EngineSetting {
+    const char *           name;    // the EngineParams field and Llama's keyword
+    const char *           flags;   // the CLI's flags, space-separated, llama.cpp's first; "": not on the CLI
+    std::optional<int64_t> minimum; // an int's lowest value (none: any int); a bool has none
+    const char *           unit;    // what an int counts ("tokens", "layers", ...); "" for a bool
+    const char *           help;    // what it does, for the CLI's help (its default is added there)
+    std::variant<bool EngineParams::*, int32_t EngineParams::*, uint32_t EngineParams::*> field;
+};
+
+const std::vector<EngineSetting> & engine_settings();
 
 } // namespace h2o

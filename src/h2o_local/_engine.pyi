@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['DEFAULT_QUESTION_TOKENS', 'Embedder', 'Engine', 'EngineParams', 'GrammarError', 'GrammarWorkExceeded', 'LLAMA_CPP_COMMIT', 'Model', 'POLICY_OPTIONS', 'PROBE_TEXTS', 'Policy', 'PolicyConfig', 'RPC_PROTO_VERSION', 'RankedPolicy', 'Sampler', 'SeqSnapshot', 'apply_label_suffix', 'backend_devices', 'bounded_cells', 'check_device_memory', 'check_host_memory', 'choose_kv_types', 'context_size', 'default_policy_config', 'flash_attn_type', 'kv_type_bytes', 'padded_cells', 'parse_policy_label', 'plain_run', 'plan_prefill', 'policy_names', 'q8_0_entry_bytes', 'rpc_serve']
+__all__: list[str] = ['DEFAULT_QUESTION_TOKENS', 'ENGINE_SETTINGS', 'Embedder', 'Engine', 'EngineParams', 'GrammarError', 'GrammarWorkExceeded', 'LLAMA_CPP_COMMIT', 'Model', 'POLICY_OPTIONS', 'PROBE_TEXTS', 'Policy', 'PolicyConfig', 'RPC_PROTO_VERSION', 'RankedPolicy', 'Sampler', 'SeqSnapshot', 'apply_label_suffix', 'backend_devices', 'bounded_cells', 'check_device_memory', 'check_host_memory', 'choose_kv_types', 'context_size', 'default_policy_config', 'flash_attn_type', 'kv_type_bytes', 'padded_cells', 'parse_policy_label', 'plain_run', 'plan_prefill', 'policy_names', 'q8_0_entry_bytes', 'rpc_serve']
 class GrammarError(ValueError):
     pass
 class GrammarWorkExceeded(GrammarError):
@@ -189,20 +189,28 @@ class Model:
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         ...
 class EngineParams:
-    compact_cells: bool
-    export_scores: bool
     host_q8_0: bool
-    kv_f32: bool
-    kv_unified: bool
-    op_offload: bool
     policy: Policy
-    position_rolling: bool
-    probe_rides: bool
     scores_sum_rows: bool
     type_k: str
     type_v: str
-    verbose: bool
     def __init__(self) -> None:
+        ...
+    @property
+    def compact_cells(self) -> bool:
+        """
+        after a prompt evicted, move the kept cells to the bottom
+        """
+    @compact_cells.setter
+    def compact_cells(self, arg0: bool) -> None:
+        ...
+    @property
+    def export_scores(self) -> bool:
+        """
+        export scores even when the policy does not use them
+        """
+    @export_scores.setter
+    def export_scores(self, arg0: bool) -> None:
         ...
     @property
     def flash_attn(self) -> int:
@@ -219,20 +227,42 @@ class EngineParams:
     def host_entries(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     @property
-    def n_batch(self) -> int:
+    def kv_f32(self) -> bool:
+        """
+        F32 instead of F16 K/V cells (exact K shifts, twice the bytes)
+        """
+    @kv_f32.setter
+    def kv_f32(self, arg0: bool) -> None:
         ...
+    @property
+    def kv_unified(self) -> bool:
+        """
+        one cell space for all sequences (else a stream each)
+        """
+    @kv_unified.setter
+    def kv_unified(self, arg0: bool) -> None:
+        ...
+    @property
+    def n_batch(self) -> int:
+        """
+        tokens per decode; the cache holds budget + n-batch cells
+        """
     @n_batch.setter
     def n_batch(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     @property
     def n_ctx(self) -> int:
-        ...
+        """
+        the full cache's context, with --budget 0 (0: the model's trained context); a bounded cache needs none: it holds --budget entries and a conversation runs past any length
+        """
     @n_ctx.setter
     def n_ctx(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     @property
     def n_gpu_layers(self) -> int:
-        ...
+        """
+        layers offloaded to the GPU or RPC servers (-1: all; 0: none; a CPU build runs all on the CPU)
+        """
     @n_gpu_layers.setter
     def n_gpu_layers(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -244,7 +274,9 @@ class EngineParams:
         ...
     @property
     def n_seq_max(self) -> int:
-        ...
+        """
+        sequences in one context, each with its own budget and scores
+        """
     @n_seq_max.setter
     def n_seq_max(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -256,13 +288,41 @@ class EngineParams:
         ...
     @property
     def n_ubatch(self) -> int:
-        ...
+        """
+        tokens per ubatch, llama.cpp's physical batch (its compute buffers); a prompt is evicted after each whole batch (0: the batch size)
+        """
     @n_ubatch.setter
     def n_ubatch(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     @property
-    def roll_interval(self) -> int:
+    def op_offload(self) -> bool:
+        """
+        large batches' products of CPU-held weights run on the GPU (llama.cpp's)
+        """
+    @op_offload.setter
+    def op_offload(self, arg0: bool) -> None:
         ...
+    @property
+    def position_rolling(self) -> bool:
+        """
+        renumber a bounded cache's kept positions so that a conversation runs past the trained context (on: only when needed; --no-position-rolling keeps them as fed)
+        """
+    @position_rolling.setter
+    def position_rolling(self, arg0: bool) -> None:
+        ...
+    @property
+    def probe_rides(self) -> bool:
+        """
+        a prompt's probe decoded with the chunk before the eviction it ranks for
+        """
+    @probe_rides.setter
+    def probe_rides(self, arg0: bool) -> None:
+        ...
+    @property
+    def roll_interval(self) -> int:
+        """
+        with rolling, renumber positions once they drifted this many tokens (0: only near the trained context)
+        """
     @roll_interval.setter
     def roll_interval(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -271,6 +331,14 @@ class EngineParams:
         ...
     @rpc_servers.setter
     def rpc_servers(self, arg0: collections.abc.Sequence[str]) -> None:
+        ...
+    @property
+    def verbose(self) -> bool:
+        """
+        llama.cpp's log on stderr
+        """
+    @verbose.setter
+    def verbose(self, arg0: bool) -> None:
         ...
 class Engine:
     def __init__(self, model_path: str, params: EngineParams) -> None:
@@ -566,6 +634,7 @@ def rpc_serve(endpoint: str, n_threads: typing.SupportsInt | typing.SupportsInde
     Serve this machine's CPU backend to ggml RPC clients at host:port (blocks; never returns on success).
     """
 DEFAULT_QUESTION_TOKENS: int = 32
+ENGINE_SETTINGS: list = [{'name': 'position_rolling', 'flags': ['--position-rolling'], 'minimum': None, 'unit': '', 'help': "renumber a bounded cache's kept positions so that a conversation runs past the trained context (on: only when needed; --no-position-rolling keeps them as fed)", 'default': True}, {'name': 'roll_interval', 'flags': ['--roll-interval'], 'minimum': 0, 'unit': 'tokens', 'help': 'with rolling, renumber positions once they drifted this many tokens (0: only near the trained context)', 'default': 0}, {'name': 'n_ctx', 'flags': ['-c', '--ctx-size'], 'minimum': 0, 'unit': 'tokens', 'help': "the full cache's context, with --budget 0 (0: the model's trained context); a bounded cache needs none: it holds --budget entries and a conversation runs past any length", 'default': 0}, {'name': 'n_batch', 'flags': ['-b', '--n-batch', '--batch-size'], 'minimum': 1, 'unit': 'tokens', 'help': 'tokens per decode; the cache holds budget + n-batch cells', 'default': 512}, {'name': 'n_ubatch', 'flags': ['-ub', '--ubatch-size'], 'minimum': 0, 'unit': 'tokens', 'help': "tokens per ubatch, llama.cpp's physical batch (its compute buffers); a prompt is evicted after each whole batch (0: the batch size)", 'default': 0}, {'name': 'n_seq_max', 'flags': list(), 'minimum': 1, 'unit': 'sequences', 'help': 'sequences in one context, each with its own budget and scores', 'default': 1}, {'name': 'kv_unified', 'flags': list(), 'minimum': None, 'unit': '', 'help': 'one cell space for all sequences (else a stream each)', 'default': True}, {'name': 'n_gpu_layers', 'flags': ['-ngl', '--n-gpu-layers', '--gpu-layers'], 'minimum': None, 'unit': 'layers', 'help': 'layers offloaded to the GPU or RPC servers (-1: all; 0: none; a CPU build runs all on the CPU)', 'default': -1}, {'name': 'kv_f32', 'flags': list(), 'minimum': None, 'unit': '', 'help': 'F32 instead of F16 K/V cells (exact K shifts, twice the bytes)', 'default': False}, {'name': 'op_offload', 'flags': list(), 'minimum': None, 'unit': '', 'help': "large batches' products of CPU-held weights run on the GPU (llama.cpp's)", 'default': True}, {'name': 'compact_cells', 'flags': list(), 'minimum': None, 'unit': '', 'help': 'after a prompt evicted, move the kept cells to the bottom', 'default': True}, {'name': 'export_scores', 'flags': list(), 'minimum': None, 'unit': '', 'help': 'export scores even when the policy does not use them', 'default': False}, {'name': 'verbose', 'flags': list(), 'minimum': None, 'unit': '', 'help': "llama.cpp's log on stderr", 'default': False}, {'name': 'probe_rides', 'flags': list(), 'minimum': None, 'unit': '', 'help': "a prompt's probe decoded with the chunk before the eviction it ranks for", 'default': True}]
 LLAMA_CPP_COMMIT: str = '0c1e57098bba43ac29e6e3b677cdceebdd22334f'
 POLICY_OPTIONS: list = [{'name': 'pool', 'suffix': 'p', 'unset': 1, 'minimum': 1, 'maximum': 2147483647, 'unit': 'entries', 'flag': False, 'help': "rank each entry by the best of the N entries centred on it, so that a fact's neighbours go with it"}, {'name': 'follow', 'suffix': 'f', 'unset': 0, 'minimum': 0, 'maximum': 2147483647, 'unit': 'entries', 'flag': False, 'help': 'and by the best of the N entries before it: what follows an entry a probe found (a value after its key) is kept with it'}, {'name': 'block', 'suffix': 'b', 'unset': 1, 'minimum': 1, 'maximum': 2147483647, 'unit': 'positions', 'flag': False, 'help': 'and by the best entry of its block of N positions, so that what is kept (and recalled) comes in whole blocks, as the pages of paged caches do'}, {'name': 'probe_share', 'suffix': 'm', 'unset': 100, 'minimum': 0, 'maximum': 100, 'unit': 'percent', 'flag': False, 'help': "with a probe: the percent of the heavy entries the probe's ranking chooses; the rest by the scorer's own rank (tova: what the newest query looks at)"}, {'name': 'per_head', 'suffix': 'ph', 'unset': 0, 'minimum': 0, 'maximum': 1, 'unit': '', 'flag': True, 'help': "H2O's published rule: every layer and KV head keeps its own entries by its own scores, inside the same budget of cells (attention scorers only, no probe, no position rolling)"}, {'name': 'reply', 'suffix': 'reply', 'unset': 0, 'minimum': 0, 'maximum': 1, 'unit': '', 'flag': True, 'help': "with a probe: the last exchange (the previous prompt's question, its last `question` tokens, and the answer generated after it) is kept before what a new prompt's probe ranks, until another answer follows, so that a conversation's next answer still reads the last one"}, {'name': 'handoff', 'suffix': 'handoff', 'unset': 0, 'minimum': 0, 'maximum': 1, 'unit': '', 'flag': True, 'help': "with recall: while a new prompt's question ranks what comes back, the recent window protects only what the prompt will not replace (recent - the prompt's tokens, at least 1): its place goes to what the question finds, as the prompt's own tokens are the recent window after it"}, {'name': 'recall_pages', 'suffix': 'd', 'unset': 8, 'minimum': 0, 'maximum': 2147483647, 'unit': 'pages', 'flag': False, 'help': "with recall: past N pages (a batch of entries each; at least the budget's worth) of host memory, a new prompt's question probes only the N pages whose entries its queries lift most against the stored keys, so that the step does not grow with the history; 0: every page"}]
 PROBE_TEXTS: dict = {'catalyst': '\n\nSummarize the previous context highlighting the most important parts.', 'repeat': '\n\nRepeat the previous context exactly.\n\n'}

@@ -40,18 +40,15 @@ RECALL_DEFAULT_BYTES = 256 * 2**20
 
 # the engine's own defaults (cpp/engine_params.h): declared there once, read here for Llama's signature
 ENGINE_DEFAULTS = _engine.EngineParams()
-# Llama keywords that are EngineParams fields of the same name and meaning, with an int's minimum (None: any; a bool
-# is checked as one): checked and copied in one loop. Adding one: the C++ field and its binding, an entry here, the
-# keyword (its default read from ENGINE_DEFAULTS) and README's row (tests/unit/test_docs.py checks it).
 # the warnings said once per process (Llama._warn_surprises)
 _WARNED: set = set()
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: more crashed in its thread pool
 
-_ENGINE_KEYWORDS: Dict[str, Optional[int]] = {
-    "position_rolling": None, "roll_interval": 0, "n_ctx": 0, "n_batch": 1, "n_ubatch": 0, "n_seq_max": 1,
-    "kv_unified": None, "n_gpu_layers": None, "kv_f32": None, "op_offload": None, "compact_cells": None,
-    "export_scores": None, "verbose": None, "probe_rides": None,
-}
+# Llama keywords that are EngineParams fields of the same name and meaning, with an int's minimum (None: any; a bool
+# is checked as one): the engine's setting rows (cpp/engine_params.cpp), checked and copied in one loop. Adding one:
+# the C++ field and its row, the keyword (its default read from ENGINE_DEFAULTS) and README's row
+# (tests/unit/test_engine_settings.py checks them against the rows).
+_ENGINE_KEYWORDS: Dict[str, Optional[int]] = {s["name"]: s["minimum"] for s in _engine.ENGINE_SETTINGS}
 
 
 def _handed_to_completions(name: str) -> Callable[..., Any]:

@@ -10,7 +10,7 @@ from typing import Any, Dict, NoReturn, Optional, Sequence
 
 from .. import __version__, _engine
 from ..backends import devices
-from ..llama import ENGINE_DEFAULTS, Llama
+from ..llama import Llama
 from ..cpu import physical_cores
 from ..models import default_model_path
 from ..policies import OPTION_NAMES, OPTIONS, PROBE_FIELDS, PROBES, REGISTRY, parse, resolve
@@ -75,6 +75,36 @@ def add_llama_cpp_compat_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--jinja", action="store_true", help=argparse.SUPPRESS)
 
 
+# the CLI's own defaults where they differ from Llama's: a smaller batch than Llama's n_batch (ENGINE_DEFAULTS) on
+# purpose: the cache holds budget + n-batch cells, 640 rather than 1,024 at the chat's budget of 512
+CLI_ENGINE_DEFAULTS = {"n_batch": 128}
+# the settings a bounded cache does not take from the CLI (-c sizes the full cache: load_llama refuses it beside one)
+_NOT_GIVEN_UNLESS_SET = {"n_ctx"}
+
+
+def add_engine_args(g: Any) -> None:
+    """The engine's settings that have CLI flags, from their rows (cpp/engine_params.cpp): a bool as --name and
+    --no-name, an int with its unit; each defaults to Llama's (or CLI_ENGINE_DEFAULTS')."""
+    for row in _engine.ENGINE_SETTINGS:
+        if not row["flags"]:
+            continue
+        name = row["name"]
+        default = None if name in _NOT_GIVEN_UNLESS_SET else CLI_ENGINE_DEFAULTS.get(name, row["default"])
+        shown = CLI_ENGINE_DEFAULTS.get(name, row["default"])
+        if isinstance(row["default"], bool):
+            g.add_argument(*row["flags"], dest=name, action=argparse.BooleanOptionalAction, default=default,
+                           help=f"{row['help']} (default: {'on' if shown else 'off'})")
+        else:
+            g.add_argument(*row["flags"], dest=name, type=int, metavar="N", default=default,
+                           help=f"{row['help']} (N in {row['unit']}; default: {shown})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """Llama's keywords for the engine settings the CLI has flags for (those given, and the CLI's defaults)."""
+    return {row["name"]: getattr(args, row["name"]) for row in _engine.ENGINE_SETTINGS
+            if row["flags"] and getattr(args, row["name"]) is not None}
+
+
 def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_default: Any = None,
                    recall_default: bool = False, seed_flag: bool = True) -> None:
     """--model, the policy and its split, --keep, threads, GPU layers, batch size."""
@@ -107,20 +137,9 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--keep", default=keep_default, type=_keep_value,
                    help="protected prefix inside the budget: N tokens, 'system' (the system prompt) or 'none'"
                         + (f" (default: {keep_default})" if keep_default else ""))
-    g.add_argument("--position-rolling", action=argparse.BooleanOptionalAction, default=ENGINE_DEFAULTS.position_rolling,
-                   help="renumber a bounded cache's kept positions so that a conversation runs past the trained "
-                        "context (default: on, only when needed; --no-position-rolling keeps them as fed)")
-    g.add_argument("--roll-interval", type=int, default=ENGINE_DEFAULTS.roll_interval,
-                   help="with rolling, renumber positions once they drifted this many tokens (default: 0, only near "
-                        "the trained context)")
-    g.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, metavar="N",
-                   help="the full cache's context in tokens, with --budget 0 (default: the model's trained context); "
-                        "a bounded cache needs none: it holds --budget entries and a conversation runs past any length")
+    add_engine_args(g)
     g.add_argument("--chat-template", help="Jinja source, @FILE with it, or a llama.cpp built-in name (chatml, llama3, ...)")
     g.add_argument("-t", "--threads", type=int, help=f"CPU threads (default: the physical cores, {physical_cores()} here)")
-    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=ENGINE_DEFAULTS.n_gpu_layers,
-                   help="layers offloaded to the GPU or RPC servers (default %(default)s: all; 0: none; a CPU build runs "
-                        "all on the CPU)")
     g.add_argument("--rpc", action="append", metavar="HOST:PORT",
                    help="an `h2o-local rpc-server` that takes the offloaded layers (repeat for several)")
     g.add_argument("-fa", "--flash-attn", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
@@ -138,13 +157,6 @@ def add_model_args(ap: argparse.ArgumentParser, *, budget: int = 256, keep_defau
     g.add_argument("--recall-type", choices=["q8_0"],
                    help="how host memory keeps what recall spilled: the cache's own rows, bit for bit (default), or "
                         "q8_0 blocks of them (0.53x the bytes, twice the tokens in 256 MiB, not exact; an F16 cache)")
-    # smaller than Llama's n_batch (ENGINE_DEFAULTS.n_batch) on purpose: the cache holds budget + n-batch cells, 640
-    # rather than 1,024 at the chat's budget of 512
-    g.add_argument("-b", "--n-batch", "--batch-size", dest="n_batch", type=int, default=128, help="tokens per decode; the cache holds budget + n-batch cells "
-                                                           "(default: %(default)s)")
-    g.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=int, default=ENGINE_DEFAULTS.n_ubatch,
-                   help="tokens per ubatch, llama.cpp's physical batch (its compute buffers); a prompt is evicted after "
-                   "each whole batch (default 0: the batch size)")
     if seed_flag:
         g.add_argument("-s", "--seed", type=int, default=0, help="the sampler's seed (default: %(default)s)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -259,9 +271,7 @@ def load_llama(ap: argparse.ArgumentParser, args: argparse.Namespace, **extra: A
             policy = "full" if budget is None else resolve(args.policy, budget,
                                                            **{k: getattr(args, k) for k in _POLICY_OPTIONS})
         llm = Llama(args.model or default_model_path(), policy=policy, keep=None if budget is None else args.keep,
-                    position_rolling=args.position_rolling, roll_interval=args.roll_interval, n_batch=args.n_batch,
-                    **({} if args.n_ctx is None else {"n_ctx": args.n_ctx}),
-                    n_ubatch=args.n_ubatch, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                    **engine_kwargs(args), n_threads=args.threads,
                     rpc_servers=args.rpc, seed=args.seed if args.seed is not None else 0,
                     chat_template=template, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                     type_v=args.cache_type_v, recall=args.recall if args.recall != "auto" and budget else False,

@@ -248,10 +248,6 @@ class Scheduler:
         """KV cells each slot has (its sequence's share of the context)."""
         return self.slots.cells_per_slot
 
-    @property
-    def n_slots(self) -> int:
-        return self.slots.n_slots
-
     def holds_slot(self, job: Job) -> bool:
         """Whether `job` has a slot now (admitted, not finished)."""
         with self._cv:
