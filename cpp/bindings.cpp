@@ -77,6 +77,9 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["head_scores"] = to_numpy(st.scores.head.data(), {n, (py::ssize_t) e.n_head()});
     d["queries"]     = to_numpy(st.scores.queries.data(), {n});
     d["probe_scores"] = to_numpy(st.scores.probe.data(), {n});
+    std::vector<uint8_t> reply = st.scores.reply;
+    reply.resize(n, 0);
+    d["reply_marks"] = py::array_t<bool>(py::array::ShapeContainer{(py::ssize_t) n}, (const bool *) reply.data());
     d["tokens"]      = to_numpy(st.tokens.data(), {n});
     d["next_pos"]    = st.next_pos;
     d["n_seen"]      = st.n_seen;
@@ -335,22 +338,30 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("budget", [](const Policy & p) { return p.bounded() ? p.split().total() : -1; })
         .def("select", [](const Policy & p, const std::vector<llama_pos> & positions, const std::vector<float> & total,
                         py::array_t<float, py::array::c_style | py::array::forcecast> head,
-                        const std::vector<int64_t> & queries, std::vector<float> probe, int32_t incoming) {
+                        const std::vector<int64_t> & queries, std::vector<float> probe, int32_t incoming,
+                        const std::vector<bool> & reply) {
             SeqScores s;
             s.n_head  = head.ndim() == 2 ? (int32_t) head.shape(1) : 0;
             s.total   = total;
             s.head.assign(head.data(), head.data() + head.size());
             s.queries = queries;
             s.probe   = probe.empty() ? std::vector<float>(positions.size(), 0.0f) : std::move(probe);
+            s.reply.assign(reply.begin(), reply.end());
             if (total.size() != positions.size() || queries.size() != positions.size() ||
-                s.head.size() != positions.size()*(size_t) s.n_head || s.probe.size() != positions.size()) {
-                throw std::invalid_argument("positions, total, head [n, n_head], queries and probe must describe n entries");
+                s.head.size() != positions.size()*(size_t) s.n_head || s.probe.size() != positions.size() ||
+                !(reply.empty() || reply.size() == positions.size())) {
+                throw std::invalid_argument("positions, total, head [n, n_head], queries, probe and reply must describe n "
+                                            "entries");
+            }
+            if (std::any_of(s.probe.begin(), s.probe.end(), [](float v) { return v < 0.0f; })) {
+                throw std::invalid_argument("a probe's lift is >= 0 (mark the last exchange with reply=)");
             }
             return p.select(positions, s, p.split_before(incoming));
         }, py::arg("positions"), py::arg("total"), py::arg("head"), py::arg("queries"),
-           py::arg("probe") = std::vector<float>(), py::arg("incoming") = 0,
+           py::arg("probe") = std::vector<float>(), py::arg("incoming") = 0, py::arg("reply") = std::vector<bool>(),
            "The indices the policy keeps of n entries with these scores (its rule alone, on synthetic scores); "
-           "incoming: as recall ranks before a prompt of that many tokens (the handoff option).");
+           "incoming: as recall ranks before a prompt of that many tokens (the handoff option); reply: the last exchange's "
+           "entries (the reply option).");
 
     py::class_<RankedPolicy, PyRankedPolicy, Policy, std::shared_ptr<RankedPolicy>>(
         m, "RankedPolicy", "Subclass it and define rank(total, head, queries) to score entries in Python.")

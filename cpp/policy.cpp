@@ -333,6 +333,22 @@ BudgetSplit RankedPolicy::split_before(int32_t incoming) const {
     return split;
 }
 
+std::vector<float> probe_order(const std::vector<llama_pos> & positions, const SeqScores & scores, int32_t pool,
+                               int32_t follow, int32_t block) {
+    std::vector<float> first = pool > 1 || follow > 0 ? max_pool(scores.probe, pool, follow) : scores.probe;
+    if (block > 1) {
+        first = block_max(first, positions, block);
+    }
+    for (size_t i = 0; i < first.size(); ++i) {
+        if (scores.marked(i)) { // the last exchange (the reply option)
+            first[i] = std::numeric_limits<float>::max();
+        } else if (scores.probe[i] == 0.0f) { // not judged by a probe yet (generated tokens): before all of them
+            first[i] = std::numeric_limits<float>::infinity();
+        }
+    }
+    return first;
+}
+
 std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & positions, const SeqScores & scores,
                                        const BudgetSplit & split) const {
     const size_t n = positions.size();
@@ -345,23 +361,7 @@ std::vector<size_t> RankedPolicy::select(const std::vector<llama_pos> & position
     std::vector<float> first; // the probe's scores come before rank() when there is a probe
     const int32_t pool = options_.pool, follow = options_.follow, block = options_.block;
     if (probe_.source != ProbeSource::none) {
-        std::vector<float> unmarked; // the last exchange's entries (reply) are marked by a negative lift
-        if (options_.reply > 0) {
-            unmarked.resize(n);
-            std::transform(scores.probe.begin(), scores.probe.end(), unmarked.begin(), [](float v) { return std::fabs(v); });
-        }
-        const std::vector<float> & lift = options_.reply > 0 ? unmarked : scores.probe;
-        first = pool > 1 || follow > 0 ? max_pool(lift, pool, follow) : lift;
-        if (block > 1) {
-            first = block_max(first, positions, block);
-        }
-        for (size_t i = 0; i < n; ++i) {
-            if (scores.probe[i] == 0.0f) { // not judged by a probe yet (generated tokens): kept before the judged
-                first[i] = std::numeric_limits<float>::infinity();
-            } else if (scores.probe[i] < 0.0f) { // the last answer (the reply option): then
-                first[i] = std::numeric_limits<float>::max();
-            }
-        }
+        first = probe_order(positions, scores, pool, follow, block);
     } else if (pool > 1 || follow > 0 || block > 1) {
         s = max_pool(s, pool, follow);
         s = block > 1 ? block_max(s, positions, block) : s;

@@ -101,17 +101,20 @@ struct SeqScores {
     std::vector<float>   total;   // [n]: the score the policy ranks by
     std::vector<float>   head;    // [n][n_head]: per query head
     std::vector<int64_t> queries; // [n]: queries that have attended the entry so far (its own included)
-    std::vector<float>   probe;   // [n]: the largest lift a probe gave the entry (observe_probe); 0: never probed;
-                                  // negative (-lift): the last answer, kept first (the reply option)
+    std::vector<float>   probe;   // [n]: the largest lift a probe gave the entry (observe_probe); 0: never probed
+    std::vector<uint8_t> reply;   // [n] or empty (none marked): 1 for the last exchange's entries, kept before what a
+                                  // probe ranks (the reply option; marked at each probe)
     std::vector<float>   seen;    // [n][n_head]: attention accumulated over the queries, per head, as if every query
                                   // gave the mean of those observed (the question probe's own tokens are not): the
                                   // probe's baseline (kept only for a policy with a probe; empty otherwise)
 
     size_t size() const { return total.size(); }
+    bool marked(size_t i) const { return !reply.empty() && reply[i] != 0; }
     // every array covers n entries (what a snapshot's scores must do)
     bool covers(size_t n) const {
         return n_head >= 0 && total.size() == n && queries.size() == n && probe.size() == n &&
-               head.size() == n*n_head && (seen.empty() || seen.size() == n*n_head);
+               head.size() == n*n_head && (seen.empty() || seen.size() == n*n_head) &&
+               (reply.empty() || reply.size() == n);
     }
 
     // n_new entries fed after the others: each older one is attended by their n_new queries, new one i by the
@@ -126,6 +129,9 @@ struct SeqScores {
         total.resize(queries.size(), 0.0f);
         probe.resize(queries.size(), 0.0f);
         head.resize(queries.size()*n_head, 0.0f);
+        if (!reply.empty()) {
+            reply.resize(queries.size(), 0);
+        }
     }
 
     // keep only the entries at `indices` (ascending), in place
@@ -137,6 +143,9 @@ struct SeqScores {
         if (!seen.empty()) {
             keep_rows(seen, (size_t) n_head, indices);
         }
+        if (!reply.empty()) {
+            keep_rows(reply, 1, indices);
+        }
     }
 
     // remove_rows_unordered over every array
@@ -147,6 +156,9 @@ struct SeqScores {
         remove_rows_unordered(probe, 1, indices);
         if (!seen.empty()) {
             remove_rows_unordered(seen, (size_t) n_head, indices);
+        }
+        if (!reply.empty()) {
+            remove_rows_unordered(reply, 1, indices);
         }
     }
 
@@ -160,6 +172,9 @@ struct SeqScores {
         out.probe   = gather_rows(probe, 1, indices);
         if (!seen.empty()) {
             out.seen = gather_rows(seen, (size_t) n_head, indices);
+        }
+        if (!reply.empty()) {
+            out.reply = gather_rows(reply, 1, indices);
         }
         return out;
     }
@@ -175,6 +190,11 @@ struct SeqScores {
             seen.resize(n0*n_head, 0.0f);
             seen.insert(seen.end(), other.seen.begin(), other.seen.end());
             seen.resize(size()*n_head, 0.0f);
+        }
+        if (!reply.empty() || !other.reply.empty()) {
+            reply.resize(n0, 0);
+            reply.insert(reply.end(), other.reply.begin(), other.reply.end());
+            reply.resize(size(), 0);
         }
     }
 };
@@ -219,6 +239,8 @@ public:
     // a probe (see ProbeSource) ranks the entries before a prompt's evictions; its scores go to SeqScores::probe
     // (observe_probe), never through observe()
     virtual ProbeSpec probe() const { return {}; }
+    // the last exchange's entries are kept before what a probe ranks (the reply option)
+    virtual bool keeps_reply() const { return false; }
 
     // fold one decode's exported scores into the sequence's scores; the default is H2O's accumulation (the raw
     // probabilities added up, summed over heads in head order, no decay)
@@ -243,6 +265,7 @@ public:
 
     std::string name() const override { return name_; }
     ProbeSpec probe() const override { return probe_; }
+    bool keeps_reply() const override { return options_.reply > 0; }
     // the options (policy_options()), each resolved: as given, or its unset value
     const PolicyConfig & options() const { return options_; }
     bool per_head() const override { return options_.per_head > 0; }
@@ -317,6 +340,10 @@ std::vector<float> probe_baseline(const SeqScores & scores);
 std::vector<float> max_pool(const std::vector<float> & v, int32_t width, int32_t follow = 0);
 // out[i] = the largest v[j] with positions[j] / block == positions[i] / block (positions ascending)
 std::vector<float> block_max(const std::vector<float> & v, const std::vector<llama_pos> & positions, int32_t block);
+// the order a probe gives: its lift, pooled, followed and blocked as asked; then the entries no probe judged yet
+// (infinity: the answer being generated) and the last exchange's marked ones (the reply option) before every other
+std::vector<float> probe_order(const std::vector<llama_pos> & positions, const SeqScores & scores, int32_t pool,
+                               int32_t follow, int32_t block);
 
 using PolicyFactory = std::unique_ptr<Policy> (*)(const PolicyConfig & cfg);
 

@@ -70,19 +70,15 @@ void SeqCache::observe_probe(const Policy & policy, const std::vector<float> & h
     if (head_sums.size() != (size_t) size()*st_.scores.n_head) {
         throw std::logic_error("probe scores of sequence " + std::to_string(seq_) + " do not cover its entries");
     }
-    std::vector<float> & probe = st_.scores.probe;
-    for (float & v : probe) { // the lift itself for the probe's max
-        v = std::fabs(v);
-    }
     h2o::observe_probe(st_.scores, head_sums.data(), n_queries, keep_best);
-    const auto * ranked = dynamic_cast<const RankedPolicy *>(&policy);
-    if (ranked == nullptr || ranked->options().reply <= 0) {
+    std::vector<uint8_t> & reply = st_.scores.reply;
+    if (!policy.keeps_reply()) {
+        reply.clear();
         return;
     }
-    for (size_t i = 0; i < probe.size(); ++i) {
-        if (st_.origins[i] >= exchange_.reply_from && st_.origins[i] < exchange_.reply_to) {
-            probe[i] = -std::max(probe[i], std::numeric_limits<float>::min());
-        }
+    reply.assign(st_.origins.size(), 0);
+    for (size_t i = 0; i < reply.size(); ++i) {
+        reply[i] = st_.origins[i] >= exchange_.reply_from && st_.origins[i] < exchange_.reply_to;
     }
 }
 

@@ -1,7 +1,9 @@
 #include "snapshot_format.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 
 namespace h2o {
@@ -51,7 +53,13 @@ struct ByteWriter {
         array(s.total);
         array(s.head);
         array(s.queries);
-        array(s.probe);
+        std::vector<float> probe = s.probe; // the reply option's marks ride in the sign, as format 5 has them
+        for (size_t i = 0; i < probe.size(); ++i) {
+            if (s.marked(i)) {
+                probe[i] = -std::max(probe[i], std::numeric_limits<float>::min());
+            }
+        }
+        array(probe);
         array(s.seen);
     }
     void host(const HostStore & h) {
@@ -103,6 +111,13 @@ struct ByteReader {
         s.queries = array<int64_t>();
         s.probe   = array<float>();
         s.seen    = array<float>();
+        if (std::any_of(s.probe.begin(), s.probe.end(), [](float v) { return v < 0.0f; })) {
+            s.reply.resize(s.probe.size());
+            for (size_t i = 0; i < s.probe.size(); ++i) {
+                s.reply[i] = s.probe[i] < 0.0f;
+                s.probe[i] = std::fabs(s.probe[i]);
+            }
+        }
         return s;
     }
     HostStore host() {

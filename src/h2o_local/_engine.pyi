@@ -119,9 +119,9 @@ class Policy:
         """
         An option's value (policy_options()), resolved: its unset value when not given.
         """
-    def select(self, positions: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], total: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex], head: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], queries: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], probe: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] = [], incoming: typing.SupportsInt | typing.SupportsIndex = 0) -> list[int]:
+    def select(self, positions: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], total: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex], head: typing.Annotated[numpy.typing.ArrayLike, numpy.float32], queries: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], probe: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] = [], incoming: typing.SupportsInt | typing.SupportsIndex = 0, reply: collections.abc.Sequence[bool] = []) -> list[int]:
         """
-        The indices the policy keeps of n entries with these scores (its rule alone, on synthetic scores); incoming: as recall ranks before a prompt of that many tokens (the handoff option).
+        The indices the policy keeps of n entries with these scores (its rule alone, on synthetic scores); incoming: as recall ranks before a prompt of that many tokens (the handoff option); reply: the last exchange's entries (the reply option).
         """
     @property
     def bounded(self) -> bool:

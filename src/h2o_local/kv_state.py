@@ -29,6 +29,8 @@ class KVState:
     n_keep: int = 0          # the oldest entries protected from eviction (`keep`)
     tokens: Optional[np.ndarray] = None        # int32 [n]: the token of each kept entry
     probe_scores: Optional[np.ndarray] = None  # float32 [n]: the most attention a probe gave each (0: none yet)
+    reply_marks: Optional[np.ndarray] = None   # bool [n]: the last exchange's entries, kept before what a probe ranks
+                                               # (the reply option; marked at each probe)
     # a per-head policy (`per_head=True`): int32 [n_layers, n_head_kv, n], the position whose K and V cell i holds
     # in that layer and KV head (`positions[i]` is where the cell was written, what the attention mask reads);
     # None when every cell holds its own position everywhere

@@ -668,6 +668,7 @@ class Llama:
                        queries=st["queries"], n_evicted=st["n_evicted"], n_seen=st["n_seen"],
                        peak_cells=st["peak_cells"], kv_bytes=self._engine.kv_bytes, kv_cells=self._engine.n_ctx,
                        n_keep=st["n_keep"], tokens=st["tokens"], probe_scores=st["probe_scores"],
+                       reply_marks=st["reply_marks"],
                        head_positions=st["head_positions"], head_layers=st["head_layers"],
                        evict_seconds=st["evict_seconds"], n_head_moves=st["n_head_moves"],
                        probe_seconds=st["probe_seconds"], n_probes=st["n_probes"],

@@ -369,16 +369,20 @@ def test_the_probes_run_and_their_time_are_counted(tiny_model):
 
 
 def test_the_last_answer_is_kept_before_what_a_new_prompts_probe_ranks():
-    """The reply option: an entry marked as the last answer (a negative probe score) ranks after the entries no probe
-    has judged (the answer being generated) and before every judged one, whatever its lift; its lift still pools."""
+    """The reply option: an entry marked as the last answer (`reply`, beside its probe score) ranks after the entries
+    no probe has judged (the answer being generated) and before every judged one, whatever its lift; its lift still
+    pools. A lift is never negative."""
     cpp = _engine.Policy("tova", 4, heavy=3, recent=1, probe="question", reply=1)
-    probe = [0.9, 0.8, -0.01, -0.02, 0.7, 0.0, 0.5]
-    keep = cpp.select(list(range(7)), [0.0] * 7, np.zeros((7, 1), np.float32), [1] * 7, probe=probe)
-    assert keep == [2, 3, 5, 6]  # the two marked, the unjudged one, the newest; 0.9 and 0.8 go
+    probe = [0.9, 0.8, 0.01, 0.02, 0.7, 0.0, 0.5]
+    marks = [False, False, True, True, False, False, False]
+    args = (list(range(7)), [0.0] * 7, np.zeros((7, 1), np.float32), [1] * 7)
+    assert cpp.select(*args, probe=probe, reply=marks) == [2, 3, 5, 6]  # the marked, the unjudged, the newest
+    assert cpp.select(*args, probe=probe) == [0, 1, 5, 6]  # unmarked: 0.9 and 0.8 stay
     pooled = _engine.Policy("tova", 4, heavy=3, recent=1, probe="question", reply=1, pool=3)
-    keep = pooled.select(list(range(7)), [0.0] * 7, np.zeros((7, 1), np.float32), [1] * 7,
-                         probe=[0.1, 0.1, -0.9, 0.1, 0.2, 0.1, 0.1])
+    keep = pooled.select(*args, probe=[0.1, 0.1, 0.9, 0.1, 0.2, 0.1, 0.1], reply=[False, False, True] + [False] * 4)
     assert keep == [1, 2, 3, 6]  # its neighbours take its lift (0.9, before 0.2), not its mark
+    with pytest.raises(ValueError, match="lift"):
+        cpp.select(*args, probe=[-0.5] + probe[1:])
 
 
 def test_handoff_gives_the_recent_window_to_what_the_question_finds_before_a_prompt():
@@ -433,14 +437,14 @@ def test_a_conversation_keeps_its_last_exchange_when_the_next_question_is_probed
         exchange = (st.positions >= answer_from - 8) & (st.positions < answer_from + 24)
         kept[reply] = int(exchange.sum())
         if reply:
-            assert kept[reply] == held and (st.probe_scores[exchange] < 0).all()
+            assert kept[reply] == held and st.reply_marks[exchange].all()
             assert (st.probe_scores[~exchange] >= 0).all()
             for i in range(4):  # another answer: the first exchange is ranked as the rest again
                 llm.eval([5 + (13*i) % 250])
             llm.eval([5 + (17*i) % 250 for i in range(20)])
             st = llm.kv_state()
             old = (st.positions >= answer_from - 8) & (st.positions < answer_from + 24)
-            assert (st.probe_scores[old] > 0).all()
+            assert (st.probe_scores[old] > 0).all() and not st.reply_marks[old].any()
     assert kept[None] < kept[True]
 
 
@@ -468,7 +472,7 @@ def test_the_last_exchange_outlives_the_cells_moving_together(tiny_model, how):
     st = llm.kv_state()
     exchange = (st.positions >= answer_from - 8) & (st.positions < answer_from + 24)
     # recall brings back the question's tokens generation had evicted: the whole exchange
-    assert exchange.sum() == (32 if how == "recall" else held) and (st.probe_scores[exchange] < 0).all()
+    assert exchange.sum() == (32 if how == "recall" else held) and st.reply_marks[exchange].all()
 
 
 def test_a_restored_conversation_still_keeps_its_last_answer(tiny_model):
@@ -487,5 +491,5 @@ def test_a_restored_conversation_still_keeps_its_last_answer(tiny_model):
         seq.eval([5 + (11*i) % 250 for i in range(40)])
     mine, theirs = llm.kv_state(), restored.kv_state()
     answer = (theirs.positions >= answer_from) & (theirs.positions < answer_from + 24)
-    assert answer.sum() == 24 and (theirs.probe_scores[answer] < 0).all()
+    assert answer.sum() == 24 and theirs.reply_marks[answer].all()
     assert theirs.positions.tolist() == mine.positions.tolist()
