@@ -43,6 +43,7 @@ public:
     Engine(const Engine &) = delete;
     Engine & operator=(const Engine &) = delete;
 
+    // --- feeding: prompts and generated tokens, in one batch for all sequences
     // tokens of other sequences to decode with a long feed's next chunk (a server's running requests: their next
     // tokens ride with the prompt, as in llama-server's continuous batching)
     using Riders   = std::map<llama_seq_id, std::vector<llama_token>>;
@@ -61,6 +62,10 @@ public:
     // forget what seq was fed from its n-th token on (SeqCache::truncate); its last logits go with it
     void truncate(llama_seq_id seq, int64_t n);
 
+    // evict now what the current policy would not keep (after set_policy, say)
+    void compress(llama_seq_id seq);
+
+    // --- per-sequence settings: policy, protected prefix
     // switch the policy of every sequence for what follows (those with a policy of their own too); the engine keeps
     // exporting scores if the new policy needs them
     void set_policy(PolicyPtr policy);
@@ -74,6 +79,8 @@ public:
     // never evict the n_keep oldest entries of seq (a system prompt, say; llama.cpp's --keep): they count inside the
     // budget, and the policy decides over the rest; reset_seq / reset clear it
     void set_keep(llama_seq_id seq, int32_t n_keep);
+
+    // --- recall: evicted entries in host memory, brought back by a question
     // recall on (cap: evicted entries each sequence keeps in host memory) or off (0: the stores are emptied)
     void set_recall(int64_t cap);
     // recall (cap > 0) needs a question probe, no per-head cells, no rolling: throws std::invalid_argument otherwise
@@ -82,18 +89,18 @@ public:
     void set_seq_recall(llama_seq_id seq, int64_t cap);
     // bring back now what `question` ranks above seq's kept entries of what it spilled (the question is not fed)
     void recall_for(llama_seq_id seq, const std::vector<llama_token> & question);
-    // evict now what the current policy would not keep (after set_policy, say)
-    void compress(llama_seq_id seq);
+    // what seq spilled to host memory (recall): positions, tokens, counters; with_kv: the entries' bytes as well
+    HostStore host(llama_seq_id seq, bool with_kv) const;
 
+    // --- snapshots
     std::shared_ptr<SeqSnapshot> snapshot(llama_seq_id seq);
     void restore(llama_seq_id seq, const SeqSnapshot & snap);
 
+    // --- inspection: logits, state, cells, and the context as resolved
     std::vector<float> last_logits(llama_seq_id seq) const;
     std::vector<float> logits_all(llama_seq_id seq) const; // [n_fed][n_vocab] of the last eval
     std::vector<float> take_logits_all(llama_seq_id seq);  // the same, moved out (the engine keeps none)
     SeqState state(llama_seq_id seq) const;
-    // what seq spilled to host memory (recall): positions, tokens, counters; with_kv: the entries' bytes as well
-    HostStore host(llama_seq_id seq, bool with_kv) const;
     // the K and V bytes of seq's cells at positions (llama_kv_entries_get; entry_size() bytes each)
     std::vector<uint8_t> kv_entries(llama_seq_id seq, const std::vector<llama_pos> & positions);
     size_t entry_size() const; // bytes of one entry's K and V (0: this cache cannot keep entries apart)
