@@ -400,10 +400,10 @@ def unwrapped(result):
 
 def recorded_jobs(log):
     """Jobs whose results go to `log` as (name, event or error), in the order the scheduler thread gives them."""
-    from h2o_local.server.scheduler import Job
+    from h2o_local.server.scheduler import Job, JobRequest
 
     def job(name, tokens, params):
-        j = Job(tokens, params)
+        j = Job(JobRequest(tokens, params))
         j.put = lambda item: log.append((name, unwrapped(item)))
         return j
 
@@ -447,7 +447,7 @@ def test_a_long_prompt_is_read_between_the_running_requests_tokens(chat_model):
         def cancel_once_admitted(item):
             log.append(("running", unwrapped(item)))
             if scheduler.holds_slot(leaving):
-                leaving.cancelled = True
+                leaving.progress.cancelled = True
 
         running.put = cancel_once_admitted
         mark = len(log)

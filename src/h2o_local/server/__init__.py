@@ -11,7 +11,7 @@ module per API dialect (`routes`: OpenAI's and llama-server's handlers on the mo
 from .app import create_app
 from .background import serve_in_background
 from .routes import router
-from .scheduler import Job, Scheduler, SessionCache
+from .scheduler import Job, JobProgress, JobRequest, Scheduler, SessionCache
 from .settings import ServerSettings
 
-__all__ = ["create_app", "serve_in_background", "router", "Job", "Scheduler", "ServerSettings", "SessionCache"]
+__all__ = ["create_app", "serve_in_background", "router", "Job", "JobProgress", "JobRequest", "Scheduler", "ServerSettings", "SessionCache"]

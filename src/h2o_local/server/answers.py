@@ -21,7 +21,7 @@ from ..responses import TokenLogprob
 from ..sampling import CHAT_SURFACE, SamplingParams
 from . import requests
 from .protocol import ROLES, APIError, ChatCompletionRequest, RequestFields
-from .scheduler import Busy, Cancelled, Job, Mailbox, ShuttingDown, Step
+from .scheduler import Busy, Cancelled, Job, JobRequest, Mailbox, ShuttingDown, Step
 from .state import ServerState
 
 
@@ -59,11 +59,10 @@ async def chat_job(state: ServerState, body: ChatCompletionRequest, request: Req
     thinking = chat_thinking(state, body, tokens)
     params, sampler = await requests.sampling(state, CHAT_SURFACE, body, limit, tokens,
                                               preserved=answer_markup(state.llm, plan, thinking))
-    job = await submit(state, Job(tokens, params, sampler=sampler,
-                                   n_keep=state.default_keep if n_keep is None else n_keep, policy=policy, view=view,
-                                   recall=recall,
-                                   time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
-                                   logprobs=k), request, history=resent_history(body.messages))
+    asked = JobRequest(tokens, params, sampler=sampler, n_keep=state.default_keep if n_keep is None else n_keep,
+                       policy=policy, view=view, recall=recall, time_limit_s=requests.time_limit(state, body),
+                       cache_salt=body.cache_salt, logprobs=k)
+    job = await submit(state, Job(asked), request, history=resent_history(body.messages))
     return job, plan, k, thinking
 
 
@@ -87,9 +86,10 @@ async def prompt_job(state: ServerState, body: RequestFields, request: Request, 
         raise APIError(400, str(e), param="context" if prefix else "prompt") from None
     policy, view, recall = requests.conversation_cache(state, body)
     params, sampler = await requests.sampling(state, defaults, body, max_tokens, tokens)
-    return await submit(state, Job(tokens, params, sampler=sampler, n_keep=state.default_keep, policy=policy,
-                                    view=view, recall=recall, time_limit_s=requests.time_limit(state, body),
-                                    cache_salt=body.cache_salt, logprobs=logprobs), request)
+    asked = JobRequest(tokens, params, sampler=sampler, n_keep=state.default_keep, policy=policy, view=view,
+                       recall=recall, time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
+                       logprobs=logprobs)
+    return await submit(state, Job(asked), request)
 
 
 def chat_messages(state: ServerState,
@@ -202,7 +202,7 @@ async def submit(state: ServerState, job: Job, request: Request, history: bool =
     --max-history-bytes, checked before it was tokenized)."""
     key = request.scope.get("state", {}).get("api_key_id")
     if key is not None:  # each API key's conversations are its own (BearerAuth)
-        job.cache_salt = f"key{key}:{job.cache_salt or ''}"
+        job.request.cache_salt = f"key{key}:{job.request.cache_salt or ''}"
     check_prompt_length(state, job, history)
     job.mailbox = Mailbox(asyncio.get_running_loop())
     try:
@@ -213,7 +213,7 @@ async def submit(state: ServerState, job: Job, request: Request, history: bool =
         raise APIError(503, str(e), "server_error", code="shutting_down") from None
     watcher = asyncio.ensure_future(disconnected(state, request, job))  # a client may leave while it waits
     try:
-        job.started = await job.mailbox.started()  # the prompt is in (or it failed): only now does the response start
+        job.progress.started = await job.mailbox.started()  # the prompt is in (or it failed): only now does the response start
     except Cancelled:
         raise APIError(499, "the client closed the request", code="client_closed") from None
     except ShuttingDown as e:
@@ -231,9 +231,9 @@ def check_prompt_length(state: ServerState, job: Job, history: bool) -> None:
     """A full cache takes a prompt that fits its slot and --max-prompt-tokens. A bounded one reads what no saved
     conversation holds: at most --max-prompt-tokens of it, or any length where the prompt is a resent conversation
     (the bounded prefill reads it in the same memory; its bytes were checked)."""
-    n = len(job.prompt_tokens)
+    n = len(job.request.prompt_tokens)
     limit = state.max_prompt_tokens
-    policy = job.policy or state.llm.policy
+    policy = job.request.policy or state.llm.policy
     if not policy.bounded:
         cells = state.scheduler.cells_per_slot
         if n > limit:
@@ -342,7 +342,7 @@ def event_stream(state: ServerState, chunks: AsyncIterator[Any]) -> EventSourceR
 
 def job_usage(job: Job):
     """The request's usage, once its end was read (the scheduler counts its tokens as it delivers them)."""
-    return responses.usage(len(job.prompt_tokens), job.n_generated, cached=job.reused_tokens, kv_cache=job.kv_cache)
+    return responses.usage(len(job.request.prompt_tokens), job.progress.n_generated, cached=job.progress.reused_tokens, kv_cache=job.progress.kv_cache)
 
 
 def ollama_error(e: APIError) -> JSONResponse:

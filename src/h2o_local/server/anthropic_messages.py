@@ -215,7 +215,7 @@ def _chat_tool_choice(choice: Dict[str, Any]):
 
 # ------------------------------------------------------------------------------------------ the answer
 def _stop_reason(job: Job, finish: Optional[str]) -> str:
-    if job.stopping_word:
+    if job.progress.stopping_word:
         return "stop_sequence"
     return "max_tokens" if finish == "length" else "end_turn"
 
@@ -227,7 +227,7 @@ def _message(job: Job, head: Dict[str, Any], blocks: List[Dict[str, Any]],
     usage = {"input_tokens": use["prompt_tokens"] - cached, "output_tokens": use["completion_tokens"],
              "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
     return {"id": head["id"], "type": "message", "role": "assistant", "model": head["model"], "content": blocks,
-            "stop_reason": stop_reason, "stop_sequence": job.stopping_word or None, "usage": usage}
+            "stop_reason": stop_reason, "stop_sequence": job.progress.stopping_word or None, "usage": usage}
 
 
 def _event(kind: str, **fields: Any) -> Dict[str, str]:

@@ -342,11 +342,11 @@ def _counts(job: Job, tokens: List[int], generating: bool, started: float, read:
     """Ollama's counts and durations (nanoseconds); a generate answer's `context` goes on from its prompt."""
     end = time.perf_counter()
     out: Dict[str, Any] = {"total_duration": int((end - started) * 1e9), "load_duration": 0,
-                           "prompt_eval_count": len(job.prompt_tokens),
+                           "prompt_eval_count": len(job.request.prompt_tokens),
                            "prompt_eval_duration": int((read - started) * 1e9),
-                           "eval_count": job.n_generated, "eval_duration": int((end - read) * 1e9)}
+                           "eval_count": job.progress.n_generated, "eval_duration": int((end - read) * 1e9)}
     if generating:
-        out["context"] = list(job.prompt_tokens) + tokens
+        out["context"] = list(job.request.prompt_tokens) + tokens
     return out
 
 

@@ -27,7 +27,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
                        RequestFields)
 from .answers import (as_api_error, chat_answer, chat_job, chat_messages, collect_answer, event_stream,
                       job_steps, job_usage, piece_text, prepared_in_time, prompt_job, server_state, submit)
-from .scheduler import Job
+from .scheduler import Job, JobRequest
 from .state import ServerState
 
 View = Optional[Dict[str, Any]]
@@ -155,13 +155,13 @@ async def _completion(state: ServerState, body: CompletionRequest, request: Requ
         requests.check_echo_logprobs(state, len(tokens))
     policy, view, recall = requests.conversation_cache(state, body)
     params, sampler = await requests.sampling(state, COMPLETION, body, body.max_tokens, tokens)
-    job = await submit(state, Job(tokens, params, sampler=sampler,
-                                   n_keep=state.default_keep, policy=policy, view=view, recall=recall,
-                                   time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
-                                   logprobs=body.logprobs, echo_logprobs=echo_logprobs), request)
+    asked = JobRequest(tokens, params, sampler=sampler, n_keep=state.default_keep, policy=policy, view=view,
+                       recall=recall, time_limit_s=requests.time_limit(state, body), cache_salt=body.cache_salt,
+                       logprobs=body.logprobs, echo_logprobs=echo_logprobs)
+    job = await submit(state, Job(asked), request)
     prompt_entries = []
     if echo_logprobs:  # made here, off the decoding thread; the logits are let go at once
-        rows, job.started = job.started.prompt_logits, dataclasses.replace(job.started, prompt_logits=None)
+        rows, job.progress.started = job.progress.started.prompt_logits, dataclasses.replace(job.progress.started, prompt_logits=None)
         prompt_entries = await state.prepared(responses.prompt_logprobs, rows, tokens, body.logprobs or 0)
         del rows
     meta = responses.completion_meta(state.model_id)
@@ -292,21 +292,21 @@ def _llama_server_result(state: ServerState, job: Job, body: Any, content: str, 
     """llama-server's final /completion object (its to_json_non_oaicompat_final): the text, why it stopped, the
     counts, the settings it ran with and its timings (ms)."""
     end = time.perf_counter()
-    n_prompt, n_gen = len(job.prompt_tokens), job.n_generated
-    n_read = n_prompt - job.reused_tokens
+    n_prompt, n_gen = len(job.request.prompt_tokens), job.progress.n_generated
+    n_read = n_prompt - job.progress.reused_tokens
     # as llama-server times them: the prompt until the first token (which its last batch's logits give), the
     # generation after it, its rate over the tokens after the first
-    first = job.first_token_at or end
+    first = job.progress.first_token_at or end
     prompt_ms, predicted_ms = (first - started) * 1e3, (end - first) * 1e3
-    stop_type = "word" if job.stopping_word else {"stop": "eos", "length": "limit"}.get(finish or "", "none")
-    return {"index": 0, "content": content, "tokens": [], "id_slot": job.slot, "stop": True, "model": state.model_id,
-            "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "tokens_cached": job.reused_tokens,
+    stop_type = "word" if job.progress.stopping_word else {"stop": "eos", "length": "limit"}.get(finish or "", "none")
+    return {"index": 0, "content": content, "tokens": [], "id_slot": job.progress.slot, "stop": True, "model": state.model_id,
+            "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "tokens_cached": job.progress.reused_tokens,
             "generation_settings": _generation_settings(state, job, body),
-            "prompt": state.llm.detokenize(job.prompt_tokens, special=True).decode("utf-8", errors="replace"),
+            "prompt": state.llm.detokenize(job.request.prompt_tokens, special=True).decode("utf-8", errors="replace"),
             "has_new_line": "\n" in content, "truncated": False,
-            "stop_type": stop_type, "stopping_word": job.stopping_word, "stopped_eos": stop_type == "eos",
+            "stop_type": stop_type, "stopping_word": job.progress.stopping_word, "stopped_eos": stop_type == "eos",
             "stopped_word": stop_type == "word", "stopped_limit": stop_type == "limit",
-            "timings": {"cache_n": job.reused_tokens, "prompt_n": n_read, "prompt_ms": prompt_ms,
+            "timings": {"cache_n": job.progress.reused_tokens, "prompt_n": n_read, "prompt_ms": prompt_ms,
                         "prompt_per_token_ms": prompt_ms / max(n_read, 1),
                         "prompt_per_second": n_read / max(prompt_ms / 1e3, 1e-9),
                         "predicted_n": n_gen, "predicted_ms": predicted_ms,
@@ -317,7 +317,7 @@ def _llama_server_result(state: ServerState, job: Job, body: Any, content: str, 
 def _generation_settings(state: ServerState, job: Job, body: Any) -> Dict[str, Any]:
     """The sampling a request ran with, in llama-server's names (its generation_settings); `logit_bias` as it
     lists it, with the end-of-generation tokens banned by ignore_eos (a bias of null: -inf)."""
-    p = job.params
+    p = job.request.params
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = dict(p.logit_bias or {})
     if p.ignore_eos:
@@ -328,7 +328,7 @@ def _generation_settings(state: ServerState, job: Job, body: Any) -> Dict[str, A
             "repeat_last_n": p.penalty_last_n, "repeat_penalty": p.repeat_penalty,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
             "mirostat": p.mirostat_mode, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
-            "stop": stop, "n_keep": job.n_keep, "ignore_eos": p.ignore_eos, "stream": bool(body.stream),
+            "stop": stop, "n_keep": job.request.n_keep, "ignore_eos": p.ignore_eos, "stream": bool(body.stream),
             "n_probs": body.n_probs, "grammar": p.grammar or "", "logit_bias": listed}
 
 
@@ -349,8 +349,8 @@ async def _llama_server_stream(state: ServerState, job: Job, body: Any, started:
             e = step.event
             if e.text or step.tokens:
                 chunk = {"index": 0, "content": e.text, "tokens": list(step.tokens), "stop": False,
-                         "id_slot": job.slot, "tokens_predicted": job.n_generated,
-                         "tokens_evaluated": len(job.prompt_tokens)}
+                         "id_slot": job.progress.slot, "tokens_predicted": job.progress.n_generated,
+                         "tokens_evaluated": len(job.request.prompt_tokens)}
                 if body.n_probs:
                     chunk["completion_probabilities"] = [_token_probabilities(state, x) for x in step.logprobs]
                 yield json.dumps(chunk)
@@ -435,7 +435,7 @@ def _piece_json(piece: bytes) -> Any:
 async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any], echo: str,
                              echoed: List[Optional[TokenLogprob]], usage: bool, piece: Callable[[int], str]):
     first = _viewed(responses.completion_chunk(meta, echo, logprobs=responses.completion_logprobs(
-        piece, job.prompt_tokens, echoed) if echoed else None), job.started.view)
+        piece, job.request.prompt_tokens, echoed) if echoed else None), job.progress.started.view)
     if echo or first.get("kv_cache"):
         yield json.dumps(first)
     shown = responses.ShownLogprobs(state.llm.token_to_piece)
@@ -458,7 +458,7 @@ async def _completion_stream(state: ServerState, job: Job, meta: Dict[str, Any],
 async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage: bool,
                        thinking: Optional[reasoning.Thinking]):
     # the role first with no content yet (null, as llama-server sends it); no delta carries empty content
-    yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": None}), job.started.view))
+    yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": None}), job.progress.started.view))
     shown = responses.ShownLogprobs(state.llm.token_to_piece)
     splitter = None if thinking is None else thinking.splitter()
     try:

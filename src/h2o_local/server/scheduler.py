@@ -182,8 +182,8 @@ class _StepFailed(Exception):
 
 
 @dataclass
-class Job:
-    """One request: its prompt, how to sample, and where its events go."""
+class JobRequest:
+    """What a request asks of the scheduler: its prompt, how to sample, its cache settings and limits."""
 
     prompt_tokens: List[int]
     params: SamplingParams
@@ -196,7 +196,12 @@ class Job:
     sampler: Optional[Any] = None       # made beforehand, off the decoding thread (a grammar's), None: at its start
     logprobs: Optional[int] = None      # each generated token's logprobs, with this many top tokens (None: none)
     echo_logprobs: bool = False         # the prompt's own logprobs too (its prompt is read whole: no saved session)
-    mailbox: Optional[Mailbox] = None         # where its events go (set when it is submitted)
+
+
+@dataclass
+class JobProgress:
+    """What became of a request so far: set by the scheduler (and `cancelled` by its route, when its client left)."""
+
     cancelled: bool = False
     reused_tokens: int = 0              # prompt tokens found in a saved session
     submitted: float = field(default_factory=time.perf_counter)
@@ -207,6 +212,16 @@ class Job:
     kv_cache: Optional[Dict[str, Any]] = None  # what the cache did, set before the end event is delivered
     stopping_word: str = ""             # the stop string that ended it ("" if none), set with kv_cache
     started: Optional[Started] = None   # its first event, once delivered
+
+
+@dataclass
+class Job:
+    """One request: what it asks (`request`), where its events go (`mailbox`, set when it is submitted) and what
+    became of it so far (`progress`)."""
+
+    request: JobRequest
+    mailbox: Optional[Mailbox] = None
+    progress: JobProgress = field(default_factory=JobProgress)
 
     def put(self, item: Result) -> None:
         if self.mailbox is not None:
@@ -256,9 +271,9 @@ class Scheduler:
     def held_tokens(self, job: Job) -> int:
         """How many of the job's prompt tokens a saved session holds now (what it need not read, if that session is
         still saved when the job starts)."""
-        if not self.sessions.limit_bytes or job.echo_logprobs:
+        if not self.sessions.limit_bytes or job.request.echo_logprobs:
             return 0
-        return self.sessions.held(job.prompt_tokens, job.n_keep, _label(job))
+        return self.sessions.held(job.request.prompt_tokens, job.request.n_keep, _label(job))
 
     def stop_soon(self) -> None:
         """End every request at its next step or prompt chunk, with ShuttingDown, and take no new one: what a
@@ -277,7 +292,7 @@ class Scheduler:
 
     def cancel(self, job: Job) -> None:
         with self._cv:
-            job.cancelled = True
+            job.progress.cancelled = True
             self._cv.notify()
 
     def stats(self) -> Dict[str, Any]:
@@ -312,13 +327,13 @@ class Scheduler:
                 admitted = []
                 while self._waiting and len(self._active) < self.n_slots:
                     job = self._waiting.popleft()
-                    if job.cancelled:
+                    if job.progress.cancelled:
                         job.fail(Cancelled())
                         continue
                     slot = next(s for s in range(self.n_slots) if s not in self._active)
                     self._active[slot] = job
                     admitted.append((slot, job))
-                cancelled = [s for s, j in self._active.items() if j.cancelled]
+                cancelled = [s for s, j in self._active.items() if j.progress.cancelled]
             if self.stopping and not admitted:
                 with self.slots.owned():
                     self._fail_active(ShuttingDown())
@@ -355,12 +370,12 @@ class Scheduler:
         decoded with the prompt's next chunk (one batch, as llama-server's continuous batching), so that a long
         prompt stalls no stream by more than a step; a prompt whose client left, or read while the server stops,
         stops here."""
-        if job.cancelled:
+        if job.progress.cancelled:
             raise Cancelled()
         if self.stopping or self._stop:
             raise ShuttingDown()
         with self._cv:
-            gone = [s for s, j in self._active.items() if j.cancelled and s in self._started]
+            gone = [s for s, j in self._active.items() if j.progress.cancelled and s in self._started]
         try:
             self._free(gone)
             self.peak_batch = max(self.peak_batch, self.slots.n_live)
@@ -383,19 +398,19 @@ class Scheduler:
 
     def _start(self, slot: int, job: Job) -> None:
         """Fill the slot with the job's prompt (continuing a saved session when one matches) and join the steps."""
-        job.slot, job.prompt_started_at = slot, time.perf_counter()
+        job.progress.slot, job.progress.prompt_started_at = slot, time.perf_counter()
         try:
-            if job.cancelled:
+            if job.progress.cancelled:
                 raise Cancelled()
-            match = self.sessions.longest_prefix(job.prompt_tokens, job.n_keep, _label(job)) \
-                if self.sessions.limit_bytes and not job.echo_logprobs else None
+            match = self.sessions.longest_prefix(job.request.prompt_tokens, job.request.n_keep, _label(job)) \
+                if self.sessions.limit_bytes and not job.request.echo_logprobs else None
             resume = None if match is None else (match.session.snapshot, match.n_held)
-            events = self.slots.start(slot, job.prompt_tokens, job.params, n_keep=job.n_keep, resume=resume,
+            events = self.slots.start(slot, job.request.prompt_tokens, job.request.params, n_keep=job.request.n_keep, resume=resume,
                                       between_chunks=lambda: self._between_prompt_chunks(job),
                                       save_prefix=self._prefix_saver(job) if match is None else None,
-                                      policy=job.policy, time_limit_s=job.time_limit_s, recall=job.recall,
-                                      sampler=job.sampler, logits=job.logprobs is not None,
-                                      prompt_logits=job.echo_logprobs)
+                                      policy=job.request.policy, time_limit_s=job.request.time_limit_s, recall=job.request.recall,
+                                      sampler=job.request.sampler, logits=job.request.logprobs is not None,
+                                      prompt_logits=job.request.echo_logprobs)
         except _StepFailed as e:  # the running requests' step failed inside this prompt: it fails them all
             job.fail(RuntimeError(f"the server failed while reading this prompt: {e.error}"))
             self._release(slot, save=False)
@@ -405,22 +420,22 @@ class Scheduler:
             job.fail(e)
             self._release(slot, save=False)
             return
-        job.reused_tokens = 0 if match is None else match.n_held
+        job.progress.reused_tokens = 0 if match is None else match.n_held
         self._started.add(slot)
         # the prompt alone is saved too: a client whose next request re-tokenizes this answer differently from the
         # tokens generated (BPE sometimes does) still continues the whole conversation before it
-        self._save(slot, job, job.prompt_tokens, len(job.prompt_tokens), answer_from=len(job.prompt_tokens))
-        job.put(Started(job.reused_tokens, self._view(slot, prompt=job.prompt_tokens) if job.view else None,
-                        self.slots.take_prompt_logits(slot) if job.echo_logprobs else None))
+        self._save(slot, job, job.request.prompt_tokens, len(job.request.prompt_tokens), answer_from=len(job.request.prompt_tokens))
+        job.put(Started(job.progress.reused_tokens, self._view(slot, prompt=job.request.prompt_tokens) if job.request.view else None,
+                        self.slots.take_prompt_logits(slot) if job.request.echo_logprobs else None))
         self._deliver(events)
 
     def _prefix_saver(self, job: Job) -> Optional[Any]:
         """For a request with a protected prefix (a chat's system prompt) that no saved session starts: save the
         cache of that prefix alone, so that other conversations with the same system prompt start from it."""
-        if not self.sessions.limit_bytes or not 0 < job.n_keep < len(job.prompt_tokens):
+        if not self.sessions.limit_bytes or not 0 < job.request.n_keep < len(job.request.prompt_tokens):
             return None
-        prefix = job.prompt_tokens[:job.n_keep]
-        return lambda snapshot: self.sessions.put(prefix, len(prefix), job.n_keep, snapshot, _label(job))
+        prefix = job.request.prompt_tokens[:job.request.n_keep]
+        return lambda snapshot: self.sessions.put(prefix, len(prefix), job.request.n_keep, snapshot, _label(job))
 
     def _view(self, slot: int, *, prompt: Optional[List[int]] = None, token: Optional[int] = None) -> Dict[str, Any]:
         """The live view of a slot's cache (`Slots.view`): when its request starts (`prompt`), with the slot's
@@ -448,52 +463,52 @@ class Scheduler:
                 self._release(e.index, save=False)
                 continue
             if e.token is not None:
-                job.n_generated += 1
-                if job.n_generated == 1:
-                    job.first_token_at = time.perf_counter()
-                    self.metrics.ttft.observe(job.first_token_at - job.submitted)
+                job.progress.n_generated += 1
+                if job.progress.n_generated == 1:
+                    job.progress.first_token_at = time.perf_counter()
+                    self.metrics.ttft.observe(job.progress.first_token_at - job.progress.submitted)
             else:
-                job.kv_cache = self.slots.cache_summary(e.index)
-                job.stopping_word = e.stop_word or ""
-                if job.kv_cache["protected"] < job.n_keep:  # a system prompt longer than the budget lets protect
-                    job.kv_cache["protected_asked"] = job.n_keep
+                job.progress.kv_cache = self.slots.cache_summary(e.index)
+                job.progress.stopping_word = e.stop_word or ""
+                if job.progress.kv_cache["protected"] < job.request.n_keep:  # a system prompt longer than the budget lets protect
+                    job.progress.kv_cache["protected_asked"] = job.request.n_keep
                 now = time.perf_counter()
                 self._count_finished(job, now)
                 log.info("slot %d: %s", e.index, request_line(job, now))
             logprobs = ()
             if e.logits is not None:  # only the compact logprobs wait in the mailbox
-                logprobs = (token_logprob(e.logits, e.token, job.logprobs or 0),)
+                logprobs = (token_logprob(e.logits, e.token, job.request.logprobs or 0),)
                 e = dataclasses.replace(e, logits=None)
-            job.put(Step(e, self._view(e.index, token=e.token) if job.view else None, logprobs,
+            job.put(Step(e, self._view(e.index, token=e.token) if job.request.view else None, logprobs,
                          () if e.token is None else (e.token,)))
             if e.token is None:
                 self._release(e.index, save=True)
 
     def _count_finished(self, job: Job, now: float) -> None:
         t = self.totals
-        t.prompt_tokens += len(job.prompt_tokens) - job.reused_tokens
-        t.cached_tokens += job.reused_tokens
-        t.predicted_tokens += job.n_generated
-        if job.first_token_at:  # the first token is the prompt's: the rate counts the tokens after it
-            t.prompt_seconds += job.first_token_at - job.prompt_started_at
-            t.predicted_seconds += now - job.first_token_at
-            t.predicted_after_first += job.n_generated - 1
+        t.prompt_tokens += len(job.request.prompt_tokens) - job.progress.reused_tokens
+        t.cached_tokens += job.progress.reused_tokens
+        t.predicted_tokens += job.progress.n_generated
+        if job.progress.first_token_at:  # the first token is the prompt's: the rate counts the tokens after it
+            t.prompt_seconds += job.progress.first_token_at - job.progress.prompt_started_at
+            t.predicted_seconds += now - job.progress.first_token_at
+            t.predicted_after_first += job.progress.n_generated - 1
         m = self.metrics
         m.requests.labels("ok").inc()
-        m.prompt_tokens.inc(len(job.prompt_tokens))
-        m.cached_tokens.inc(job.reused_tokens)
-        m.completion_tokens.inc(job.n_generated)
-        if job.kv_cache is not None:
-            m.evicted.inc(job.kv_cache["evicted"])
-            m.kept.observe(job.kv_cache["kept"])
+        m.prompt_tokens.inc(len(job.request.prompt_tokens))
+        m.cached_tokens.inc(job.progress.reused_tokens)
+        m.completion_tokens.inc(job.progress.n_generated)
+        if job.progress.kv_cache is not None:
+            m.evicted.inc(job.progress.kv_cache["evicted"])
+            m.kept.observe(job.progress.kv_cache["kept"])
 
     def _release(self, slot: int, *, save: bool) -> None:
         """Free the slot (its cache saved as a session first, when asked)."""
         job = self._active.get(slot)
         if save and job is not None and slot in self._started:
             generated, n_pending = self.slots.generated(slot)
-            held = job.prompt_tokens + generated  # a client that resends other tokens (a cut text) will not match
-            self._save(slot, job, held, len(held) - n_pending, answer_from=len(job.prompt_tokens))
+            held = job.request.prompt_tokens + generated  # a client that resends other tokens (a cut text) will not match
+            self._save(slot, job, held, len(held) - n_pending, answer_from=len(job.request.prompt_tokens))
         self.slots.release(slot)
         self._started.discard(slot)
         with self._cv:
@@ -505,21 +520,21 @@ class Scheduler:
         `answer_from`), when it fits."""
         n_cells = min(n_fed, self.llm.policy_of(slot).budget or n_fed)
         if 0 < n_cells * self.llm.kv_bytes_per_cell <= self.sessions.limit_bytes:
-            self.sessions.put(tokens, n_fed, job.n_keep, self.slots.save(slot), _label(job), answer_from)
+            self.sessions.put(tokens, n_fed, job.request.n_keep, self.slots.save(slot), _label(job), answer_from)
 
 
 def request_line(job: Job, now: float) -> str:
     """A finished request in one line: prompt tokens fed and reused, time to the first token, answer tokens and their
     speed, and what the cache kept, evicted and recalled."""
-    n_prompt = len(job.prompt_tokens)
-    text = f"prompt {n_prompt} tokens ({n_prompt - job.reused_tokens} fed, {job.reused_tokens} reused)"
-    if job.first_token_at:
-        speed = (job.n_generated - 1) / (now - job.first_token_at) if job.n_generated > 1 and now > job.first_token_at \
+    n_prompt = len(job.request.prompt_tokens)
+    text = f"prompt {n_prompt} tokens ({n_prompt - job.progress.reused_tokens} fed, {job.progress.reused_tokens} reused)"
+    if job.progress.first_token_at:
+        speed = (job.progress.n_generated - 1) / (now - job.progress.first_token_at) if job.progress.n_generated > 1 and now > job.progress.first_token_at \
             else 0.0
-        text += f", first token {job.first_token_at - job.submitted:.2f} s, {job.n_generated} tokens at {speed:.1f} tok/s"
+        text += f", first token {job.progress.first_token_at - job.progress.submitted:.2f} s, {job.progress.n_generated} tokens at {speed:.1f} tok/s"
     else:
-        text += f", no tokens generated, {now - job.submitted:.2f} s"
-    kv = job.kv_cache or {}
+        text += f", no tokens generated, {now - job.progress.submitted:.2f} s"
+    kv = job.progress.kv_cache or {}
     if kv:
         budget = "" if kv.get("budget") is None else f"/{kv['budget']}"
         text += f", kv {kv['kept']}{budget} kept, {kv['evicted']} evicted"
@@ -532,6 +547,6 @@ def _label(job: Job) -> str:
     """Saved sessions are continued only under the policy and recall setting that made them ("": the server's), and
     only by requests with the same cache_salt (a client's conversations and system prompts stay its own: without
     a salt, `cached_tokens` would tell one client whether another sent a given prompt)."""
-    salt = "" if job.cache_salt is None else "+salt=" + hashlib.sha256(job.cache_salt.encode()).hexdigest()
-    return ("" if job.policy is None else job.policy.label) + ("" if job.recall is None else f"+recall={job.recall}") \
+    salt = "" if job.request.cache_salt is None else "+salt=" + hashlib.sha256(job.request.cache_salt.encode()).hexdigest()
+    return ("" if job.request.policy is None else job.request.policy.label) + ("" if job.request.recall is None else f"+recall={job.request.recall}") \
         + salt
