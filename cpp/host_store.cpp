@@ -40,6 +40,14 @@ HostStore HostStore::without_kv() const {
     return out;
 }
 
+HostStore HostStore::empty_like() const {
+    HostStore out;
+    out.entry_bytes   = entry_bytes;
+    out.q8_0          = q8_0;
+    out.scores.n_head = scores.n_head;
+    return out;
+}
+
 void HostStore::append_rows(const std::vector<uint8_t> & raw, size_t raw_bytes) {
     const std::vector<uint8_t> rows = q8_0 ? f16_to_q8_0(raw, raw_bytes) : raw;
     kv.insert(kv.end(), rows.begin(), rows.end());

@@ -31,6 +31,10 @@ struct HostStore {
     size_t nbytes() const { return kv.size() + positions.size()*(sizeof(llama_pos) + sizeof(llama_token)); }
     // the same store without its K and V bytes (positions, tokens, scores and counters)
     HostStore without_kv() const;
+    // an empty store that keeps entries as this one does (their size and encoding, the heads of their scores)
+    HostStore empty_like() const;
+    void set_heads(int32_t n_head) { scores.n_head = n_head; }
+    void count_recalled(int64_t n) { n_recalled += n; }
     // keep only the entries at `indices` (ascending)
     void keep_only(const std::vector<size_t> & indices);
     // append n entries of raw_bytes each (the cache's rows), encoded as this store keeps them

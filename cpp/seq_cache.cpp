@@ -362,10 +362,8 @@ void SeqCache::clear() {
     const int32_t n_head = st_.scores.n_head;
     st_ = SeqState();
     st_.scores.n_head = n_head;
-    const size_t entry_bytes = host_.entry_bytes;
-    host_ = HostStore();
-    host_.entry_bytes = entry_bytes;
-    host_.scores.n_head = n_head;
+    host_ = host_.empty_like();
+    host_.set_heads(n_head);
     exchange_ = Exchange();
 }
 

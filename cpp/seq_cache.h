@@ -160,7 +160,7 @@ public:
     // in that order (each key shifted from where it was to its new place); throws std::runtime_error when llama.cpp
     // has no room for them
     void readmit(const HostStore::Entries & taken);
-    void count_recalled(int64_t n) { host_.n_recalled += n; }
+    void count_recalled(int64_t n) { host_.count_recalled(n); }
     // where an entry's keys are (an invalid layout: the host entries are not ranked on the host)
     void set_key_layout(const KeyLayout & layout) { layout_ = layout; }
     bool ranks_host() const { return layout_.valid() && !host_.q8_0; }

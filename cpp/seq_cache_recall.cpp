@@ -26,7 +26,7 @@ void SeqCache::set_spill(int64_t cap, bool q8) {
     check_policy(raw_bytes > 0, "this model's KV cache cannot keep evicted entries apart (SWA layers, or no KV "
                                 "cache): recall is not available");
     host_.set_encoding(q8, raw_bytes);
-    host_.scores.n_head = st_.scores.n_head;
+    host_.set_heads(st_.scores.n_head);
 }
 
 void SeqCache::spill(const std::vector<size_t> & indices) {
