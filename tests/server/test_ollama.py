@@ -192,3 +192,26 @@ def test_a_route_ollama_s_api_lacks_here_answers_in_ollama_s_error_shape(server)
     assert status == 404 and out["error"] == "Not Found: POST /api/no-such-route"
     status, out = get(port, "/api/chat")
     assert status == 405 and "GET /api/chat" in out["error"]
+
+
+def test_a_stream_that_fails_once_started_ends_with_ollama_s_error_line(server, monkeypatch):
+    """An error after the first line (the answer already streaming): the stream's last line is {"error": ...}, as
+    Ollama ends a broken stream, and the server goes on."""
+    from h2o_local.server import answers
+
+    real = answers.job_steps
+
+    async def breaking(state, job):
+        async for step in real(state, job):
+            yield step
+            raise RuntimeError("the device went away")
+
+    port, _, client = server
+    monkeypatch.setattr(answers, "job_steps", breaking)
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/api/generate",
+                      json={"model": "tiny", "prompt": "Once", "raw": True, "options": GREEDY}) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert r.status_code == 200 and "the device went away" in lines[-1]["error"]
+    assert not any(x.get("done") for x in lines)
+    monkeypatch.setattr(answers, "job_steps", real)
+    assert client.generate(model="tiny", prompt="Once", raw=True, options=GREEDY).done

@@ -331,7 +331,7 @@ async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating
                 counts = _counts(job, tokens, generating, started, read)
                 yield json.dumps(_done(head["model"], empty, e.finish_reason, counts)) + "\n"
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error line, as Ollama's
-        yield json.dumps({"error": answers.as_apianswers.ollama_error(e).message}) + "\n"
+        yield json.dumps({"error": answers.as_api_error(e).message}) + "\n"
 
 
 async def _one(final: Dict[str, Any]) -> AsyncIterator[str]:
