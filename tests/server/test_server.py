@@ -285,6 +285,29 @@ def test_busy_slots_give_429_and_a_client_that_leaves_frees_its_slot(chat_model)
         assert client.completions.create(model="tiny", prompt="now", max_tokens=2).choices
 
 
+def test_a_request_whose_client_left_is_cancelled_by_its_watcher():
+    """While a request waits for its slot or for its whole answer, a watcher asks the connection (Starlette's
+    Request.is_disconnected) every half second; once the client is gone, the request is cancelled (a waiting one is
+    then never admitted, a running one frees its slot at its next step)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from h2o_local.sampling import SamplingParams
+    from h2o_local.server import answers
+    from h2o_local.server.scheduler import Job, JobRequest
+
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    cancelled = []
+    state = type("State", (), {"scheduler": type("Scheduler", (), {"cancel": staticmethod(cancelled.append)})()})()
+    job = Job(JobRequest([1, 2], SamplingParams(max_tokens=2)))
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, gone)
+    asyncio.run(asyncio.wait_for(answers.disconnected(state, request, job), timeout=5))
+    assert cancelled == [job]
+
+
 def test_faults_leave_the_server_serving(chat_model):
     """benchmarks/server_faults.py at a small size: malformed and oversized bodies (declared and chunked) get 4xx,
     extreme but valid values are answered, clients that leave mid-stream or while waiting free their slot and end

@@ -329,7 +329,7 @@ def as_api_error(error: Exception) -> APIError:
 
 
 async def disconnected(state: ServerState, request: Request, job: Job) -> None:
-    while not await request.isdisconnected():
+    while not await request.is_disconnected():
         await asyncio.sleep(0.5)
     state.scheduler.cancel(job)
 
