@@ -264,6 +264,16 @@ async def job_steps(state: ServerState, job: Job) -> AsyncIterator[Step]:
         state.scheduler.cancel(job)  # a client that went away frees its slot at the next step
 
 
+async def split_steps(state: ServerState, job: Job, thinking: Optional[reasoning.Thinking]
+                      ) -> AsyncIterator[Tuple[Step, str, str]]:
+    """The job's steps, each with its new text split into reasoning and answer by the template's thinking markers
+    (all answer when the job has no thinking): what every stream loop reads, whatever shape its dialect gives it."""
+    splitter = None if thinking is None else thinking.splitter()
+    async for step in job_steps(state, job):
+        thought, text = reasoning.pieces(splitter, step.event.text, end=step.event.token is None)
+        yield step, thought, text
+
+
 @dataclasses.dataclass
 class ChatAnswer:
     """A chat's answer read whole: its reasoning (None: none), its text outside its calls (None: calls only), its

@@ -275,14 +275,13 @@ async def _whole_events(whole: Dict[str, Any]) -> AsyncIterator[Dict[str, str]]:
 async def _events(state: ServerState, job: Job, head: Dict[str, Any],
                   thinking: Optional[reasoning.Thinking]) -> AsyncIterator[Dict[str, str]]:
     """A streamed answer's events: its thinking block, then its text block, delta by delta."""
-    splitter = None if thinking is None else thinking.splitter()
     yield _start(_message(job, head, [], None))
     open_kind: Optional[str] = None
     index = -1
     try:
-        async for step in answers.job_steps(state, job):
+        async for step, thought, answer in answers.split_steps(state, job, thinking):
             e = step.event
-            for kind, text in zip(("thinking", "text"), reasoning.pieces(splitter, e.text, end=e.token is None)):
+            for kind, text in (("thinking", thought), ("text", answer)):
                 if not text:
                     continue
                 if kind != open_kind:

@@ -315,12 +315,10 @@ def ollama_calls(calls: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 async def _stream(state: ServerState, job: Job, head: Dict[str, Any], generating: bool, started: float,
                   read: float, thinking: Optional[reasoning.Thinking] = None) -> AsyncIterator[str]:
     tokens: List[int] = []
-    splitter = None if thinking is None else thinking.splitter()
     try:
-        async for step in answers.job_steps(state, job):
+        async for step, thought, text in answers.split_steps(state, job, thinking):
             e = step.event
             tokens += step.tokens
-            thought, text = reasoning.pieces(splitter, e.text, end=e.token is None)
             if thought or text:
                 extra = {"thinking": thought} if thought else {}
                 piece = {"response": text, **extra} if generating else \

@@ -317,15 +317,14 @@ async def _events(state: ServerState, job: Job, head: Dict[str, Any],
                   thinking: Optional[reasoning.Thinking]) -> AsyncIterator[Dict[str, str]]:
     """A streamed answer's events: its reasoning item, then its message item, their text delta by delta."""
     say = _Events()
-    splitter = None if thinking is None else thinking.splitter()
     items: List[Dict[str, Any]] = []
     current: Optional[_Open] = None
     for event in _opening(say, head):
         yield event
     try:
-        async for step in answers.job_steps(state, job):
+        async for step, thought, answer in answers.split_steps(state, job, thinking):
             e = step.event
-            for kind, text in zip(("reasoning", "message"), reasoning.pieces(splitter, e.text, end=e.token is None)):
+            for kind, text in (("reasoning", thought), ("message", answer)):
                 if not text:
                     continue
                 if current is None or current.item["type"] != kind:

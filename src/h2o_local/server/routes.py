@@ -26,7 +26,8 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
                        ExtrasTokenizeRequest, InfillRequest, LlamaServerCompletionRequest, TokenizeRequest,
                        RequestFields)
 from .answers import (as_api_error, chat_answer, chat_job, chat_messages, collect_answer, event_stream,
-                      job_steps, job_usage, piece_text, prepared_in_time, prompt_job, server_state, submit)
+                      job_steps, job_usage, piece_text, prepared_in_time, prompt_job, server_state, split_steps,
+                      submit)
 from .scheduler import Job, JobRequest
 from .state import ServerState
 
@@ -460,14 +461,13 @@ async def _chat_stream(state: ServerState, job: Job, meta: Dict[str, Any], usage
     # the role first with no content yet (null, as llama-server sends it); no delta carries empty content
     yield json.dumps(_viewed(responses.chat_chunk(meta, {"role": "assistant", "content": None}), job.progress.started.view))
     shown = responses.ShownLogprobs(state.llm.token_to_piece)
-    splitter = None if thinking is None else thinking.splitter()
     try:
-        async for step in job_steps(state, job):
+        async for step, thought, text in split_steps(state, job, thinking):
             e, view = step.event, step.view
             shown.drawn(step.logprobs)
             out = shown.shown(e.text, end=e.token is None)  # a token's logprobs come with its text
             lp = responses.chat_logprobs(state.llm.token_to_piece, out) if out else None
-            delta = responses.chat_delta(*reasoning.pieces(splitter, e.text, end=e.token is None))
+            delta = responses.chat_delta(thought, text)
             # the view goes with every token; logprobs with their tokens' text (at the end, maybe with none)
             if delta or (view is not None and e.token is not None) or lp is not None:
                 yield json.dumps(_viewed(responses.chat_chunk(meta, delta, logprobs=lp), view))
