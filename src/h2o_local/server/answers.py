@@ -176,7 +176,7 @@ async def chat_prompt(state: ServerState,
 def chat_thinking(state: ServerState, body: ChatCompletionRequest,
                   tokens: Sequence[int]) -> Optional[reasoning.Thinking]:
     """How the request's answer is split into reasoning and content (reasoning_format, "auto" by default)."""
-    return reasoning.thinking(body.reasoning_format or "auto", state.llm.chat_template.source,
+    return reasoning.thinking(body.reasoning_format or "auto", state.template_source,
                               prompt_end(state.llm, tokens))
 
 

@@ -63,10 +63,7 @@ def create_app(llm: Llama, settings: Optional[ServerSettings] = None, **override
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        scheduler.close()
-        state.prepare.close()
-        state.grammars.pool.close()
-        state.embedding.close()
+        state.close()
 
     app = FastAPI(title="h2o_local", description="OpenAI-compatible API with a bounded (H2O) KV cache",
                   lifespan=lifespan)

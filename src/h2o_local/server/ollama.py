@@ -271,7 +271,7 @@ async def _answer(state: ServerState, request: Request, body: _OllamaRequest,
     """The request run as a chat (messages) or a raw prompt (messages None: `prompt`'s tokens, else `body.prompt`
     read as it is)."""
     started = time.perf_counter()
-    source = state.llm.chat_template.source
+    source = state.template_source
     if body.think is not None and not reasoning.thinks(source):
         raise APIError(400, f"{state.model_id} does not think (its chat template has no think tags)", param="think")
     if isinstance(body.think, str) and not reasoning.harmony(source):

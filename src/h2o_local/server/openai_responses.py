@@ -185,7 +185,7 @@ def _effort(state: ServerState, effort: Any) -> Dict[str, Any]:
     if effort not in ("none", "minimal", "low", "medium", "high", "xhigh"):
         raise APIError(400, f"reasoning.effort must be none, minimal, low, medium or high, got {effort!r}",
                        param="reasoning.effort")
-    if reasoning.harmony(state.llm.chat_template.source):
+    if reasoning.harmony(state.template_source):
         return {"reasoning_effort": {"none": "low", "minimal": "low", "xhigh": "high"}.get(effort, effort)}
     return {"enable_thinking": False} if effort in ("none", "minimal") else {}
 

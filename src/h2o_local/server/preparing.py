@@ -104,6 +104,9 @@ class GrammarChecks:
         self._done: "collections.OrderedDict[Hashable, Tuple[Any, Optional[Exception]]]" = collections.OrderedDict()
         self._running: Dict[Hashable, "asyncio.Future[Tuple[Any, Optional[Exception]]]"] = {}
 
+    def close(self) -> None:
+        self.pool.close()
+
     async def sampler(self, llm: Any, params: Any, history: Any) -> Any:
         """`llm.sampler(params, history=history)`, its grammar checked once for all requests that give it."""
         key = (params.grammar, params.grammar_limits)

@@ -90,7 +90,7 @@ def text_bytes(content: Any) -> int:
 def check_prompt_bytes(state: ServerState, n_bytes: int, param: str, history: bool = False) -> None:
     """Text that cannot fit in max_prompt_tokens is refused before anything tokenizes it; a resent conversation
     (`history`) on a bounded cache, which is read whatever its length, within max_history_bytes."""
-    if history and state.llm.policy.bounded:
+    if history and state.llm.budget is not None:
         limit = state.settings.max_history_bytes
         if n_bytes > limit:
             raise APIError(400, f"the conversation's text has {n_bytes} bytes; this server reads at most {limit} "

@@ -28,6 +28,18 @@ class ServerState:
     grammars: GrammarChecks                           # grammars parsed and checked, in a pool of their own
     embedding: EmbeddingWork                        # the embedding routes' thread
 
+    @property
+    def template_source(self) -> str:
+        """The model's chat template as Jinja source (what reasoning and tool formats are read from)."""
+        return self.llm.chat_template.source
+
+    def close(self) -> None:
+        """The decoding thread and every worker pool stopped (the app's shutdown)."""
+        self.scheduler.close()
+        self.prepare.close()
+        self.grammars.close()
+        self.embedding.close()
+
     def prepared(self, fn, *args: Any, **kwargs: Any) -> Awaitable[Any]:
         """`fn(*args, **kwargs)` in the server's preparing threads, off the event loop (await it); 429 when their
         line is full or this client holds its share of it."""
