@@ -51,8 +51,9 @@ namespace {
 
 // the x86-64 baseline has neither AVX2 nor FMA: the kernels below are also compiled for x86-64-v3 (AVX2, FMA),
 // chosen at run time by what the CPU supports (GCC 12 dispatches on the ISA level; "arch=haswell" would ask for
-// that very CPU)
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && !defined(_WIN32)
+// that very CPU); the dispatch is an ifunc: glibc's, on Linux
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && defined(__linux__) && \
+    defined(__GLIBC__)
 #define H2O_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define H2O_VECTOR_CLONES
