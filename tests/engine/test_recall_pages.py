@@ -57,6 +57,7 @@ def test_a_recall_past_its_pages_probes_the_blocks_its_queries_rank_first(tiny_m
     paged.load_state(whole.save_state())
     kept = paged.kv_state().positions.tolist()
     host = sorted(paged.kv_state().host_positions.tolist())
+    everything = sorted(kept + host)
     assert len(host) > 4 * page and len({p // BLOCK for p in host}) >= 3
     paged.recall_for(question)
 
@@ -74,6 +75,8 @@ def test_a_recall_past_its_pages_probes_the_blocks_its_queries_rank_first(tiny_m
     assert_same_choice(st.positions, kept, last_round, device=approximate(paged))
     never = set(host) - set(candidates)
     assert never and not never & set(st.positions.tolist())
+    # the candidates left the store at once and the losers came back: every entry is kept or stored, once
+    assert sorted(st.positions.tolist() + st.host_positions.tolist()) == everything
 
 
 def test_every_page_is_probed_with_recall_pages_0_or_room_for_everything(tiny_model):
