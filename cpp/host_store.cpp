@@ -3,6 +3,7 @@
 #include "ggml.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <stdexcept>
 
@@ -99,11 +100,13 @@ HostStore::Entries HostStore::take(const std::vector<size_t> & indices, size_t r
     Entries out = entries(indices, raw_bytes);
     // the holes filled from the end: a store's order is not the conversation's (origins are), and the step costs
     // what it takes, not what the store holds
-    remove_rows_unordered(positions, 1, indices);
-    remove_rows_unordered(origins, 1, indices);
-    remove_rows_unordered(tokens, 1, indices);
-    scores.remove_unordered(indices);
-    remove_rows_unordered(kv, entry_bytes, indices);
+    std::vector<size_t> descending = indices;
+    std::sort(descending.begin(), descending.end(), std::greater<size_t>());
+    remove_rows_unordered(positions, 1, descending);
+    remove_rows_unordered(origins, 1, descending);
+    remove_rows_unordered(tokens, 1, descending);
+    scores.remove_unordered(descending);
+    remove_rows_unordered(kv, entry_bytes, descending);
     return out;
 }
 
@@ -113,20 +116,6 @@ void HostStore::put_back(const Entries & e, size_t raw_bytes) {
     origins.insert(origins.end(), e.origins.begin(), e.origins.end());
     tokens.insert(tokens.end(), e.tokens.begin(), e.tokens.end());
     scores.extend(e.scores);
-}
-
-void HostStore::remove(const std::vector<size_t> & indices) {
-    std::vector<bool> gone(size(), false);
-    for (const size_t i : indices) {
-        gone[i] = true;
-    }
-    std::vector<size_t> rest;
-    for (size_t i = 0; i < size(); ++i) {
-        if (!gone[i]) {
-            rest.push_back(i);
-        }
-    }
-    keep_only(rest);
 }
 
 HostStore HostStore::adopted(const HostStore & saved, size_t raw_bytes, int32_t n_head) {

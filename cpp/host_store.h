@@ -62,8 +62,6 @@ struct HostStore {
         Entries slice(size_t a, size_t b) const;
     };
     Entries entries(const std::vector<size_t> & indices, size_t raw_bytes) const;
-    // the entries at `indices` (ascending) leave the store (recalled)
-    void remove(const std::vector<size_t> & indices);
     // the entries at `indices` (distinct) leave the store, in that order; the last entries fill their places (what
     // this moves is what it takes, however large the store)
     Entries take(const std::vector<size_t> & indices, size_t raw_bytes);

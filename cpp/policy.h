@@ -81,13 +81,12 @@ void keep_rows(std::vector<T> & rows, size_t width, const std::vector<size_t> & 
     rows.resize(indices.size()*width);
 }
 
-// remove the rows of a [n][width] array at `indices` (distinct), each hole filled by the last row: the others' order
-// changes, but only the removed rows' bytes move
+// remove the rows of a [n][width] array at `descending` (distinct indices, largest first), each hole filled by the
+// last row: the others' order changes, but only the removed rows' bytes move
 template <typename T>
-void remove_rows_unordered(std::vector<T> & rows, size_t width, std::vector<size_t> indices) {
-    std::sort(indices.begin(), indices.end(), std::greater<size_t>());
+void remove_rows_unordered(std::vector<T> & rows, size_t width, const std::vector<size_t> & descending) {
     size_t n = width == 0 ? 0 : rows.size()/width;
-    for (const size_t i : indices) {
+    for (const size_t i : descending) {
         --n;
         if (i != n) {
             std::copy(rows.begin() + n*width, rows.begin() + (n + 1)*width, rows.begin() + i*width);
@@ -134,32 +133,29 @@ struct SeqScores {
         }
     }
 
-    // keep only the entries at `indices` (ascending), in place
-    void keep_only(const std::vector<size_t> & indices) {
-        keep_rows(total, 1, indices);
-        keep_rows(head, (size_t) n_head, indices);
-        keep_rows(queries, 1, indices);
-        keep_rows(probe, 1, indices);
+    // fn(array, width) for every per-entry array held (seen and reply only when they are)
+    template <typename F>
+    void each_array(F && fn) {
+        fn(total, 1);
+        fn(head, (size_t) n_head);
+        fn(queries, 1);
+        fn(probe, 1);
         if (!seen.empty()) {
-            keep_rows(seen, (size_t) n_head, indices);
+            fn(seen, (size_t) n_head);
         }
         if (!reply.empty()) {
-            keep_rows(reply, 1, indices);
+            fn(reply, 1);
         }
     }
 
+    // keep only the entries at `indices` (ascending), in place
+    void keep_only(const std::vector<size_t> & indices) {
+        each_array([&](auto & rows, size_t width) { keep_rows(rows, width, indices); });
+    }
+
     // remove_rows_unordered over every array
-    void remove_unordered(const std::vector<size_t> & indices) {
-        remove_rows_unordered(total, 1, indices);
-        remove_rows_unordered(head, (size_t) n_head, indices);
-        remove_rows_unordered(queries, 1, indices);
-        remove_rows_unordered(probe, 1, indices);
-        if (!seen.empty()) {
-            remove_rows_unordered(seen, (size_t) n_head, indices);
-        }
-        if (!reply.empty()) {
-            remove_rows_unordered(reply, 1, indices);
-        }
+    void remove_unordered(const std::vector<size_t> & descending) {
+        each_array([&](auto & rows, size_t width) { remove_rows_unordered(rows, width, descending); });
     }
 
     // the entries at `indices`, in that order

@@ -84,14 +84,14 @@ inline float exp_nonpositive(float x) {
 }
 
 // logits[r][j] = q[r] . keys_t[.][j] for rows r < n_rows and entries j < n <= kChunk (q: [n_rows][d], keys_t: d rows
-// of ldk, logits: rows of ld), one row at a time
-inline void row_logits(const float * q, size_t n_rows, size_t d, const float * keys_t, size_t ldk, size_t n,
+// of kChunk, logits: rows of ld), one row at a time
+inline void row_logits(const float * q, size_t n_rows, size_t d, const float * keys_t, size_t n,
                        float * logits, size_t ld) {
     for (size_t r = 0; r < n_rows; ++r) {
         float acc[kChunk] = {};
         for (size_t e = 0; e < d; ++e) {
             const float qe = q[r*d + e];
-            const float * k = keys_t + e*ldk;
+            const float * k = keys_t + e*kChunk;
             for (size_t j = 0; j < n; ++j) {
                 acc[j] += qe*k[j];
             }
@@ -101,11 +101,11 @@ inline void row_logits(const float * q, size_t n_rows, size_t d, const float * k
 }
 
 // the same for two rows and 32 entries at a time (what fits the registers: twice as fast as a row at a time)
-inline void tile_logits(const float * q, size_t d, const float * keys_t, size_t ldk, float * logits, size_t ld) {
+inline void tile_logits(const float * q, size_t d, const float * keys_t, float * logits, size_t ld) {
     constexpr size_t kRows = 2, kCols = 32;
     float acc[kRows][kCols] = {};
     for (size_t e = 0; e < d; ++e) {
-        const float * k = keys_t + e*ldk;
+        const float * k = keys_t + e*kChunk;
         for (size_t i = 0; i < kRows; ++i) {
             const float qi = q[i*d + e];
             for (size_t j = 0; j < kCols; ++j) {
@@ -119,17 +119,17 @@ inline void tile_logits(const float * q, size_t d, const float * keys_t, size_t 
 }
 
 H2O_VECTOR_CLONES
-void chunk_logits(const float * q, size_t n_rows, size_t d, const float * keys_t, size_t ldk, size_t n, float * logits,
+void chunk_logits(const float * q, size_t n_rows, size_t d, const float * keys_t, size_t n, float * logits,
                   size_t ld) {
     size_t r = 0;
     if (n == kChunk) {
         for (; r + 2 <= n_rows; r += 2) {
             for (size_t j = 0; j < kChunk; j += 32) {
-                tile_logits(q + r*d, d, keys_t + j, ldk, logits + r*ld + j, ld);
+                tile_logits(q + r*d, d, keys_t + j, logits + r*ld + j, ld);
             }
         }
     }
-    row_logits(q + r*d, n_rows - r, d, keys_t, ldk, n, logits + r*ld, ld);
+    row_logits(q + r*d, n_rows - r, d, keys_t, n, logits + r*ld, ld);
 }
 
 // a row of logits as its softmax, in place (the max and the sum in kLanes partial lanes, so that they vectorise)
@@ -286,7 +286,7 @@ std::vector<float> host_lift(const KeyLayout & layout, const Queries & queries,
                         const size_t j0 = c*kChunk;
                         const size_t n = std::min(kChunk, n_all - j0);
                         keys.transposed(g, j0, n, key.data(), keys_t.data());
-                        chunk_logits(q.data(), nr, d, keys_t.data(), kChunk, n, logits.data() + j0, n_all);
+                        chunk_logits(q.data(), nr, d, keys_t.data(), n, logits.data() + j0, n_all);
                     }
                 });
                 parallel_ranges(nr, n_threads, [&](size_t a, size_t b) {
