@@ -23,14 +23,6 @@
 
 namespace h2o {
 
-std::string probe_text(ProbeSource source) {
-    switch (source) {
-        case ProbeSource::catalyst: return "\n\nSummarize the previous context highlighting the most important parts.";
-        case ProbeSource::repeat:   return "\n\nRepeat the previous context exactly.\n\n";
-        default:                    return "";
-    }
-}
-
 namespace {
 
 // elements per key head (GGUF's attention.key_length, else n_embd / n_head)
@@ -120,25 +112,25 @@ bool sum_rows_on_vulkan(llama_context * ctx, const Model::Offload & offload) {
 
 Engine::Engine(const std::string & model_path, const EngineParams & params) : params_(params) {
     check_params(params);
-    policy_ = params.policy;
-    check_per_head(*policy_);
+    settings_ = SeqSettings(params.policy, params.host_entries);
+    const Policy & policy = settings_.policy();
+    check_per_head(policy);
 
     model_ = std::make_unique<Model>(model_path, params.n_gpu_layers, false, params.verbose, params.rpc_servers);
-    catalyst_      = model_->tokenize(probe_text(ProbeSource::catalyst), false, false);
-    repeat_prefix_ = model_->tokenize(probe_text(ProbeSource::repeat), false, false);
+    prober_ = Prober(*model_, params.n_batch);
 
-    const ProbeSource probe_source = policy_->probe().source;
+    const ProbeSource probe_source = policy.probe().source;
     const bool probe_can_ride = params.probe_rides &&
                                 (probe_source == ProbeSource::question || probe_source == ProbeSource::catalyst);
-    const ContextSize size = context_size(params, *policy_, llama_model_n_ctx_train(model_->get()),
-                                          probe_cells(*policy_), probe_can_ride ? probe_cells(*policy_) : 0);
+    const ContextSize size = context_size(params, policy, llama_model_n_ctx_train(model_->get()),
+                                          probe_cells(policy), probe_can_ride ? probe_cells(policy) : 0);
     capacity_ = size.n_ctx;
     n_batch_  = size.n_batch;
     n_ubatch_ = size.n_ubatch;
-    check_evictable(*policy_);
-    check_room(*policy_);
-    if (policy_->bounded()) {
-        policy_->split().after_prefix(params.n_keep);
+    check_evictable(policy);
+    check_room(policy);
+    if (policy.bounded()) {
+        policy.split().after_prefix(params.n_keep);
     } else if (params.n_keep < 0) {
         throw std::invalid_argument("keep must be >= 0 tokens");
     }
@@ -166,7 +158,7 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         }
         params_.position_rolling = false;
     }
-    if (policy_->needs_scores() || params.export_scores) {
+    if (policy.needs_scores() || params.export_scores) {
         scores_path_ = llama_attn_scores_enable(ctx_, true, params.scores_sum_rows || sum_rows_on_vulkan(ctx_, offload));
         if (scores_path_ < 0) {
             throw std::invalid_argument("cannot export attention scores for this model" + llama_error_suffix());
@@ -174,10 +166,10 @@ Engine::Engine(const std::string & model_path, const EngineParams & params) : pa
         // the CPU's flash kernel sums all its queries together: a riding probe would take the scores' separate pass
         // there, which costs more on the CPU than the probe's own decode
         const bool on_cpu_kernel = llama_flash_attn_enabled(ctx_) && offload.n_layer < llama_model_n_layer(model_->get());
-        probe_rides_ = size.n_probe_ride > 0 && !on_cpu_kernel;
+        prober_.set_rides(size.n_probe_ride > 0 && !on_cpu_kernel);
     }
-    use_per_head(*policy_);
-    check_recall(*policy_, params_.host_entries);
+    use_per_head(policy);
+    check_recall(policy, settings_.recall());
     key_layout_ = KeyLayout::of(llama_model_n_layer(model_->get()), llama_model_n_head_kv(model_->get()),
                                 facts.key_head, choose_kv_types(params_, facts).k, llama_kv_entry_size(ctx_));
 }
@@ -196,8 +188,8 @@ SeqCache & Engine::seq_cache(llama_seq_id seq) {
     auto it = seqs_.find(seq);
     if (it == seqs_.end()) {
         it = seqs_.emplace(seq, SeqCache(ctx_, seq, n_head_)).first;
-        it->second.set_keep(*policy_, params_.n_keep);
-        it->second.set_spill(recall_of(seq), params_.host_q8_0);
+        it->second.set_keep(settings_.policy(), params_.n_keep);
+        it->second.set_spill(settings_.recall_of(seq), params_.host_q8_0);
         it->second.set_key_layout(key_layout_);
     }
     return it->second;
@@ -671,7 +663,7 @@ void Engine::observe_decoded(llama_seq_id seq, const std::vector<llama_token> & 
         const float * sums = nullptr;
         const int32_t n = llama_attn_scores_get(ctx_, seq, &pos, &sums);
         if (probing) {
-            add_probe_sums(sc, pos, sums, n);
+            prober_.add(sc.state().positions, pos, sums, n);
         } else {
             const Policy & policy = policy_of(seq);
             if (policy.per_head()) { // first: a sequence's first per-head decode starts from the scores before it
@@ -683,12 +675,12 @@ void Engine::observe_decoded(llama_seq_id seq, const std::vector<llama_token> & 
         }
     }
     if (n_ride > 0) {
-        probe_sums_.assign((size_t) sc.size()*n_head_, 0.0f);
+        prober_.start((size_t) sc.size(), n_head_);
         sc.append(*ride);
         const llama_pos * pos = nullptr;
         const float * sums = nullptr;
         const int32_t n = llama_attn_scores_get_probe(ctx_, seq, &pos, &sums);
-        add_probe_sums(sc, pos, sums, n);
+        prober_.add(sc.state().positions, pos, sums, n);
         finish_probe(seq, n_ride, 0.0); // its time is the chunk's decode's
     }
 }

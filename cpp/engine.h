@@ -15,8 +15,10 @@
 #include "model.h"
 #include "policy.h"
 #include "prefill_plan.h"
+#include "prober.h"
 #include "sampler.h"
 #include "seq_cache.h"
+#include "seq_settings.h"
 
 #include "llama.h"
 
@@ -31,10 +33,6 @@
 #include <vector>
 
 namespace h2o {
-
-// the fixed text a probe decodes (InfiniPot's catalyst prompt; KVzip's repeat instruction, before the entries' own
-// tokens); empty for the question probe, whose tokens are the prompt's
-std::string probe_text(ProbeSource source);
 
 class Engine {
 public:
@@ -111,7 +109,7 @@ public:
     void keys(llama_seq_id seq, int32_t il, std::vector<llama_pos> & pos, std::vector<float> & keys, int32_t & n_embd) const;
 
     const Model  & model()  const { return *model_; }
-    const Policy & policy() const { return *policy_; }
+    const Policy & policy() const { return settings_.policy(); }
     const Policy & policy_of(llama_seq_id seq) const; // seq's own policy, or the engine's
     const EngineParams & params() const { return params_; }
     llama_context * ctx()   const { return ctx_; }
@@ -131,7 +129,7 @@ public:
     int32_t  probe_cells(const Policy & policy) const;
     // whether a prompt's question (or catalyst) probe is decoded in the same llama_decode as the chunk before the
     // eviction it ranks for, its queries' attention summed apart (llama_attn_scores_probe), rather than after it
-    bool     probe_rides() const { return probe_rides_; }
+    bool     probe_rides() const { return prober_.rides(); }
     int32_t  cells_used() const;  // KV entries held by all sequences
     int64_t  n_decode() const { return n_decode_; } // llama_decode calls made so far
     int32_t  n_graphs_reused() const { return llama_perf_context(ctx_).n_reused; } // decodes that reused the last graph
@@ -180,10 +178,7 @@ private:
     // decode (the question or catalyst probe, scores exported apart, a batch with room); else none
     std::vector<llama_token> riding_probe(llama_seq_id seq, size_t n_chunk, const std::vector<llama_token> & prompt) const;
     TokenMap riding_probes(const PrefillStep & step, const TokenMap & chunk, const TokenMap & tokens) const;
-    // the probe's tokens seq's policy decodes before an eviction: the prompt's last ones, or the catalyst's; empty
-    // for the repeat probe (its own batches) and where there is no question (compress())
-    std::vector<llama_token> question_or_catalyst(llama_seq_id seq, const std::vector<llama_token> * prompt) const;
-    // a probe's decode done (toks.size() queries, their sums in probe_sums_): remove it, and rank by its attention
+    // a probe's decode done (toks.size() queries, their sums in prober_): remove it, and rank by its attention
     void finish_probe(llama_seq_id seq, int32_t n_toks, double seconds);
     void evict(llama_seq_id seq, int32_t incoming = 0); // incoming: SeqCache::evict's
     // when seq's kept positions are renumbered (EngineParams::position_rolling, roll_interval)
@@ -200,8 +195,6 @@ private:
     // decode toks after what seq holds as a probe, then remove them (cells, positions, scores); its logits are never
     // computed, so the sequence's last logits stay those of its own last token
     void probe(llama_seq_id seq, const std::vector<llama_token> & toks);
-    // add a probe decode's exported sums over the entries it probes to probe_sums_
-    void add_probe_sums(const SeqCache & sc, const llama_pos * pos, const float * sums, int32_t n);
     void compact(llama_seq_id seq);
     // before a new prompt of seq: its spilled entries, a page at a time beside the kept ones, are ranked with the kept
     // ones by the question probe (the prompt's last tokens) and the policy keeps the best within its budget; the rest
@@ -216,7 +209,6 @@ private:
     // where each page ends
     static std::vector<size_t> page_indices(const HostStore & host, const std::vector<llama_pos> & waiting, size_t page,
                                             std::vector<size_t> & page_end);
-    int64_t recall_of(llama_seq_id seq) const; // seq's host store cap: its own or the engine's
     void check_host(const SeqSnapshot & snap) const; // a snapshot's host store fits this cache and its positions
     void check_evictable(const Policy & policy) const; // throws when policy is bounded and the model recurrent
     // throws when policy cannot evict here, needs scores the engine does not export, or its budget and probe leave
@@ -231,7 +223,6 @@ private:
 
     EngineParams params_;
     std::unique_ptr<Model>  model_;
-    PolicyPtr policy_;
     llama_context * ctx_ = nullptr;
     int64_t         n_decode_ = 0;
     llama_batch     batch_ {};
@@ -241,15 +232,11 @@ private:
     int32_t  scores_path_ = -1; // llama_attn_scores_enable: 0 out_prod, 1 sum_rows, -1 off
     uint32_t n_batch_  = 0;
     uint32_t n_ubatch_ = 0;
-    bool     probe_rides_ = false;
     std::string origin_;
-    std::vector<llama_token> catalyst_;      // the catalyst probe's tokens
-    std::vector<llama_token> repeat_prefix_; // the repeat probe's instruction, before the entries' own tokens
-    std::vector<float> probe_sums_;          // [entries probed][n_head]: the running probe's attention so far
+    Prober prober_; // the probes' tokens and the running probe's sums
 
     std::map<llama_seq_id, SeqCache> seqs_;
-    std::map<llama_seq_id, PolicyPtr> seq_policies_; // set_seq_policy
-    std::map<llama_seq_id, int64_t> seq_recall_;     // set_seq_recall
+    SeqSettings settings_; // the default policy and recall cap, and each sequence's own
     std::map<llama_seq_id, std::vector<float>> last_logits_;
     std::map<llama_seq_id, std::vector<float>> logits_all_;
 

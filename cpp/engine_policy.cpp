@@ -16,8 +16,8 @@ void Engine::set_policy(PolicyPtr policy) {
         throw std::invalid_argument("set_policy needs a policy");
     }
     check_fits(*policy);
-    check_recall(*policy, params_.host_entries);
-    for (const auto & kv : seq_recall_) {
+    check_recall(*policy, settings_.recall());
+    for (const auto & kv : settings_.own_recalls()) {
         check_recall(*policy, kv.second);
     }
     if (policy->bounded()) {
@@ -31,21 +31,19 @@ void Engine::set_policy(PolicyPtr policy) {
         check_parts(kv.first, kv.second.state(), *policy);
     }
     use_per_head(*policy);
-    policy_ = std::move(policy);
-    seq_policies_.clear();
+    settings_.set_policy(std::move(policy));
 }
 
 void Engine::set_seq_policy(llama_seq_id seq, PolicyPtr policy) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    const auto own = seq_recall_.find(seq);
-    configure_seq(seq, std::move(policy), own == seq_recall_.end() ? -1 : own->second);
+    configure_seq(seq, std::move(policy), settings_.own_recall(seq));
 }
 
 void Engine::configure_seq(llama_seq_id seq, PolicyPtr policy, int64_t recall_cap) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     SeqCache & sc = seq_cache(seq);
-    const Policy & next = policy == nullptr ? *policy_ : *policy;
-    const int64_t cap = recall_cap < 0 ? params_.host_entries : recall_cap;
+    const Policy & next = policy == nullptr ? settings_.policy() : *policy;
+    const int64_t cap = recall_cap < 0 ? settings_.recall() : recall_cap;
     check_parts(seq, sc.state(), next);
     if (policy != nullptr) {
         check_fits(*policy);
@@ -56,15 +54,8 @@ void Engine::configure_seq(llama_seq_id seq, PolicyPtr policy, int64_t recall_ca
     }
     if (policy != nullptr) {
         use_per_head(*policy);
-        seq_policies_[seq] = std::move(policy);
-    } else {
-        seq_policies_.erase(seq);
     }
-    if (recall_cap < 0) {
-        seq_recall_.erase(seq);
-    } else {
-        seq_recall_[seq] = recall_cap;
-    }
+    settings_.set(seq, std::move(policy), recall_cap);
     sc.set_spill(cap, params_.host_q8_0);
 }
 
@@ -121,12 +112,11 @@ void Engine::check_room(const Policy & policy) const {
 
 bool Engine::has_seq_policy(llama_seq_id seq) const {
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    return seq_policies_.count(seq) > 0;
+    return settings_.has_policy(seq);
 }
 
 const Policy & Engine::policy_of(llama_seq_id seq) const {
-    const auto it = seq_policies_.find(seq);
-    return it == seq_policies_.end() ? *policy_ : *it->second;
+    return settings_.policy_of(seq);
 }
 
 } // namespace h2o

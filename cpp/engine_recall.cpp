@@ -16,19 +16,19 @@ namespace h2o {
 void Engine::set_recall(int64_t cap) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     check_policy(cap >= 0, "recall's host store cap must be >= 0 entries, got " + std::to_string(cap));
-    const int64_t before = params_.host_entries;
-    params_.host_entries = cap;
+    const int64_t before = settings_.recall();
+    settings_.set_recall(cap);
     try {
-        check_recall(*policy_, cap);
-        for (const auto & kv : seq_policies_) {
-            check_recall(*kv.second, recall_of(kv.first));
+        check_recall(settings_.policy(), cap);
+        for (const auto & kv : settings_.own_policies()) {
+            check_recall(*kv.second, settings_.recall_of(kv.first));
         }
     } catch (...) {
-        params_.host_entries = before;
+        settings_.set_recall(before);
         throw;
     }
     for (auto & kv : seqs_) {
-        kv.second.set_spill(recall_of(kv.first), params_.host_q8_0);
+        kv.second.set_spill(settings_.recall_of(kv.first), params_.host_q8_0);
     }
 }
 
@@ -65,15 +65,9 @@ HostStore Engine::host(llama_seq_id seq, bool with_kv) const {
     return out;
 }
 
-int64_t Engine::recall_of(llama_seq_id seq) const {
-    const auto it = seq_recall_.find(seq);
-    return it == seq_recall_.end() ? params_.host_entries : it->second;
-}
-
 void Engine::set_seq_recall(llama_seq_id seq, int64_t cap) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    const auto own = seq_policies_.find(seq);
-    configure_seq(seq, own == seq_policies_.end() ? nullptr : own->second, cap);
+    configure_seq(seq, settings_.own_policy(seq), cap);
 }
 
 void Engine::check_recall(const Policy & policy, int64_t cap) const {
@@ -170,7 +164,7 @@ std::vector<llama_pos> Engine::recall_order(llama_seq_id seq, const std::vector<
             q.layers.emplace_back(rows, rows + (size_t) n*q.n_head*q.head_dim);
         }
         std::vector<llama_pos> chosen = sc.recall_candidates(q, limit, llama_n_threads(ctx_));
-            if (!chosen.empty()) {
+        if (!chosen.empty()) {
             return chosen;
         }
     }
