@@ -94,12 +94,12 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["n_head_moves"]  = st.n_head_moves;
     const HostStore h = without_gil([&] { return e.host(seq, false); });
     const auto n_host = (py::ssize_t) h.size();
-    d["host_positions"] = to_numpy(h.positions.data(), {n_host});
-    d["host_origins"]   = to_numpy(h.origins.data(), {n_host});
-    d["host_bytes"]     = h.size()*h.entry_bytes;
-    d["n_spilled"]      = h.n_spilled;
-    d["n_recalled"]     = h.n_recalled;
-    d["n_dropped"]      = h.n_dropped;
+    d["host_positions"] = to_numpy(h.positions().data(), {n_host});
+    d["host_origins"]   = to_numpy(h.origins().data(), {n_host});
+    d["host_bytes"]     = h.size()*h.entry_bytes();
+    d["n_spilled"]      = h.n_spilled();
+    d["n_recalled"]     = h.n_recalled();
+    d["n_dropped"]      = h.n_dropped();
     // per-head cells: [layer][KV head][cell] the position each cell holds there (None: every cell holds its own)
     const HeadParts & hp = st.parts;
     if (hp.empty()) {
@@ -622,7 +622,7 @@ PYBIND11_MODULE(_engine, m) {
         }, py::arg("seq_id"), py::arg("positions"), "K and V bytes of the cells at these positions (entry_size each).")
         .def("host_kv", [](const Engine & e, llama_seq_id seq) {
             const HostStore h = without_gil([&] { return e.host(seq, true); });
-            return py::make_tuple(h.positions, py::bytes((const char *) h.kv.data(), h.kv.size()));
+            return py::make_tuple(h.positions(), py::bytes((const char *) h.kv().data(), h.kv().size()));
         }, py::arg("seq_id"), "What seq spilled: (positions, K and V bytes, entry_size each, in that order).")
         .def_property_readonly("entry_size", &Engine::entry_size)
         .def("next_pos", &Engine::next_pos, py::arg("seq_id") = 0, py::call_guard<py::gil_scoped_release>())

@@ -56,13 +56,7 @@ HostStore Engine::host(llama_seq_id seq, bool with_kv) const {
         return HostStore();
     }
     const HostStore & h = it->second.host();
-    HostStore out = h.without_kv();
-    if (with_kv) { // as a recall puts them back
-        std::vector<size_t> all(h.size());
-        std::iota(all.begin(), all.end(), 0);
-        out.kv = h.raw_rows(all, entry_size());
-    }
-    return out;
+    return with_kv ? h.with_raw_kv(entry_size()) : h.without_kv();
 }
 
 void Engine::set_seq_recall(llama_seq_id seq, int64_t cap) {
@@ -124,8 +118,8 @@ std::vector<size_t> Engine::page_indices(const HostStore & host, const std::vect
                                          std::vector<size_t> & page_end) {
     // each page's entries in the conversation's order (the store's own order means nothing)
     std::unordered_map<llama_pos, size_t> index;
-    for (size_t i = 0; i < host.origins.size(); ++i) {
-        index.emplace(host.origins[i], i);
+    for (size_t i = 0; i < host.size(); ++i) {
+        index.emplace(host.origins()[i], i);
     }
     std::vector<size_t> out;
     for (size_t a = 0; a < waiting.size(); a += page) {
@@ -168,7 +162,7 @@ std::vector<llama_pos> Engine::recall_order(llama_seq_id seq, const std::vector<
             return chosen;
         }
     }
-    std::vector<llama_pos> all = sc.host().origins;
+    std::vector<llama_pos> all = sc.host().origins();
     std::sort(all.begin(), all.end());
     return all;
 }
@@ -182,15 +176,15 @@ void Engine::check_host(const SeqSnapshot & snap) const {
     const std::set<llama_pos> kept(snap.state.origins.begin(), snap.state.origins.end());
     std::set<llama_pos> seen;
     for (size_t i = 0; i < h.size(); ++i) {
-        const llama_pos o = h.origins[i];
-        if (o < 0 || o >= snap.state.n_seen || kept.count(o) > 0 || !seen.insert(o).second || h.positions[i] < 0) {
+        const llama_pos o = h.origins()[i];
+        if (o < 0 || o >= snap.state.n_seen || kept.count(o) > 0 || !seen.insert(o).second || h.positions()[i] < 0) {
             throw std::invalid_argument("the snapshot's host entries do not match its positions");
         }
     }
     if (!h.fits(llama_kv_entry_size(ctx_), n_head_)) {
         throw std::invalid_argument("the snapshot's host entries do not match this model's cache");
     }
-    for (const llama_token t : h.tokens) {
+    for (const llama_token t : h.tokens()) {
         if (t < 0 || t >= model_->n_vocab()) {
             throw std::invalid_argument("the snapshot's host entries hold a token outside the vocabulary");
         }

@@ -20,72 +20,80 @@ int64_t padded_values(size_t raw_bytes) {
 } // namespace
 
 void HostStore::keep_only(const std::vector<size_t> & indices) {
-    keep_rows(positions, 1, indices);
-    keep_rows(origins, 1, indices);
-    keep_rows(tokens, 1, indices);
-    scores.keep_only(indices);
-    keep_rows(kv, entry_bytes, indices);
+    keep_rows(p_.positions, 1, indices);
+    keep_rows(p_.origins, 1, indices);
+    keep_rows(p_.tokens, 1, indices);
+    p_.scores.keep_only(indices);
+    keep_rows(p_.kv, p_.entry_bytes, indices);
 }
 
 HostStore HostStore::without_kv() const {
     HostStore out;
-    out.entry_bytes = entry_bytes;
-    out.q8_0        = q8_0;
-    out.positions   = positions;
-    out.origins     = origins;
-    out.tokens      = tokens;
-    out.scores      = scores;
-    out.n_spilled   = n_spilled;
-    out.n_recalled  = n_recalled;
-    out.n_dropped   = n_dropped;
+    out.p_.entry_bytes = p_.entry_bytes;
+    out.p_.q8_0        = p_.q8_0;
+    out.p_.positions   = p_.positions;
+    out.p_.origins     = p_.origins;
+    out.p_.tokens      = p_.tokens;
+    out.p_.scores      = p_.scores;
+    out.p_.n_spilled   = p_.n_spilled;
+    out.p_.n_recalled  = p_.n_recalled;
+    out.p_.n_dropped   = p_.n_dropped;
+    return out;
+}
+
+HostStore HostStore::with_raw_kv(size_t raw_bytes) const {
+    HostStore out = without_kv();
+    std::vector<size_t> all(size());
+    std::iota(all.begin(), all.end(), 0);
+    out.p_.kv = raw_rows(all, raw_bytes);
     return out;
 }
 
 HostStore HostStore::empty_like() const {
     HostStore out;
-    out.entry_bytes   = entry_bytes;
-    out.q8_0          = q8_0;
-    out.scores.n_head = scores.n_head;
+    out.p_.entry_bytes   = p_.entry_bytes;
+    out.p_.q8_0          = p_.q8_0;
+    out.p_.scores.n_head = p_.scores.n_head;
     return out;
 }
 
 void HostStore::append_rows(const std::vector<uint8_t> & raw, size_t raw_bytes) {
-    const std::vector<uint8_t> rows = q8_0 ? f16_to_q8_0(raw, raw_bytes) : raw;
-    kv.insert(kv.end(), rows.begin(), rows.end());
+    const std::vector<uint8_t> rows = p_.q8_0 ? f16_to_q8_0(raw, raw_bytes) : raw;
+    p_.kv.insert(p_.kv.end(), rows.begin(), rows.end());
 }
 
 std::vector<uint8_t> HostStore::raw_rows(const std::vector<size_t> & indices, size_t raw_bytes) const {
-    const std::vector<uint8_t> rows = gather_rows(kv, entry_bytes, indices);
-    return q8_0 ? q8_0_to_f16(rows, raw_bytes) : rows;
+    const std::vector<uint8_t> rows = gather_rows(p_.kv, p_.entry_bytes, indices);
+    return p_.q8_0 ? q8_0_to_f16(rows, raw_bytes) : rows;
 }
 
 void HostStore::set_encoding(bool q8, size_t raw_bytes) {
-    if (q8 != q8_0) {
-        kv = q8 ? f16_to_q8_0(kv, raw_bytes) : q8_0_to_f16(kv, raw_bytes);
+    if (q8 != p_.q8_0) {
+        p_.kv = q8 ? f16_to_q8_0(p_.kv, raw_bytes) : q8_0_to_f16(p_.kv, raw_bytes);
     }
-    q8_0 = q8;
-    entry_bytes = q8 ? q8_0_entry_bytes(raw_bytes) : raw_bytes;
+    p_.q8_0 = q8;
+    p_.entry_bytes = q8 ? q8_0_entry_bytes(raw_bytes) : raw_bytes;
 }
 
 void HostStore::spill(const std::vector<llama_pos> & pos, const std::vector<llama_pos> & orig,
                       const std::vector<llama_token> & toks, const SeqScores & entry_scores,
                       const std::vector<uint8_t> & raw, size_t raw_bytes, size_t cap) {
     put_back({pos, orig, toks, entry_scores, raw}, raw_bytes);
-    n_spilled += (int64_t) pos.size();
+    p_.n_spilled += (int64_t) pos.size();
     if (size() > cap) { // the oldest text goes first
         std::vector<size_t> order(size());
         std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return origins[a] > origins[b]; });
+        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p_.origins[a] > p_.origins[b]; });
         order.resize(cap);
         std::sort(order.begin(), order.end());
-        n_dropped += (int64_t) (size() - order.size());
+        p_.n_dropped += (int64_t) (size() - order.size());
         keep_only(order);
     }
 }
 
 HostStore::Entries HostStore::entries(const std::vector<size_t> & indices, size_t raw_bytes) const {
-    return {gather_rows(positions, 1, indices), gather_rows(origins, 1, indices), gather_rows(tokens, 1, indices),
-            scores.gather(indices), raw_rows(indices, raw_bytes)};
+    return {gather_rows(p_.positions, 1, indices), gather_rows(p_.origins, 1, indices),
+            gather_rows(p_.tokens, 1, indices), p_.scores.gather(indices), raw_rows(indices, raw_bytes)};
 }
 
 HostStore::Entries HostStore::Entries::slice(size_t a, size_t b) const {
@@ -102,47 +110,47 @@ HostStore::Entries HostStore::take(const std::vector<size_t> & indices, size_t r
     // what it takes, not what the store holds
     std::vector<size_t> descending = indices;
     std::sort(descending.begin(), descending.end(), std::greater<size_t>());
-    remove_rows_unordered(positions, 1, descending);
-    remove_rows_unordered(origins, 1, descending);
-    remove_rows_unordered(tokens, 1, descending);
-    scores.remove_unordered(descending);
-    remove_rows_unordered(kv, entry_bytes, descending);
+    remove_rows_unordered(p_.positions, 1, descending);
+    remove_rows_unordered(p_.origins, 1, descending);
+    remove_rows_unordered(p_.tokens, 1, descending);
+    p_.scores.remove_unordered(descending);
+    remove_rows_unordered(p_.kv, p_.entry_bytes, descending);
     return out;
 }
 
 void HostStore::put_back(const Entries & e, size_t raw_bytes) {
     append_rows(e.raw, raw_bytes);
-    positions.insert(positions.end(), e.positions.begin(), e.positions.end());
-    origins.insert(origins.end(), e.origins.begin(), e.origins.end());
-    tokens.insert(tokens.end(), e.tokens.begin(), e.tokens.end());
-    scores.extend(e.scores);
+    p_.positions.insert(p_.positions.end(), e.positions.begin(), e.positions.end());
+    p_.origins.insert(p_.origins.end(), e.origins.begin(), e.origins.end());
+    p_.tokens.insert(p_.tokens.end(), e.tokens.begin(), e.tokens.end());
+    p_.scores.extend(e.scores);
 }
 
 HostStore HostStore::adopted(const HostStore & saved, size_t raw_bytes, int32_t n_head) {
     // a saved store says how it kept its entries by their size: the cache's own rows, or their q8_0 blocks
     HostStore h = saved.without_kv();
     // with room to grow: the next spills append without first copying the whole store (one entry per decode step)
-    h.kv.reserve(saved.kv.size() + saved.kv.size()/2);
-    h.kv.assign(saved.kv.begin(), saved.kv.end());
+    h.p_.kv.reserve(saved.p_.kv.size() + saved.p_.kv.size()/2);
+    h.p_.kv.assign(saved.p_.kv.begin(), saved.p_.kv.end());
     if (h.size() > 0) {
-        if (h.entry_bytes != raw_bytes && h.entry_bytes != q8_0_entry_bytes(raw_bytes)) {
+        if (h.p_.entry_bytes != raw_bytes && h.p_.entry_bytes != q8_0_entry_bytes(raw_bytes)) {
             throw std::invalid_argument("the snapshot's host entries have another size than this cache's");
         }
-        h.q8_0 = h.entry_bytes != raw_bytes;
+        h.p_.q8_0 = h.p_.entry_bytes != raw_bytes;
     }
-    h.scores.n_head = n_head;
+    h.p_.scores.n_head = n_head;
     return h;
 }
 
 bool HostStore::fits(size_t raw_bytes, int32_t n_head) const {
-    return consistent() && scores.n_head == n_head &&
-           (size() == 0 || entry_bytes == raw_bytes || entry_bytes == q8_0_entry_bytes(raw_bytes));
+    return consistent() && p_.scores.n_head == n_head &&
+           (size() == 0 || p_.entry_bytes == raw_bytes || p_.entry_bytes == q8_0_entry_bytes(raw_bytes));
 }
 
 bool HostStore::consistent() const {
     const size_t n = size();
-    return tokens.size() == n && origins.size() == n && scores.covers(n) && (n == 0 || (entry_bytes > 0 && kv.size() == n*entry_bytes)) &&
-           n_spilled >= 0 && n_recalled >= 0 && n_dropped >= 0;
+    return p_.tokens.size() == n && p_.origins.size() == n && p_.scores.covers(n) && (n == 0 || (p_.entry_bytes > 0 && p_.kv.size() == n*p_.entry_bytes)) &&
+           p_.n_spilled >= 0 && p_.n_recalled >= 0 && p_.n_dropped >= 0;
 }
 
 size_t q8_0_entry_bytes(size_t raw_bytes) {

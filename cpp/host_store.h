@@ -14,31 +14,51 @@ namespace h2o {
 // Each entry's K and V of every layer as llama_kv_entries_get wrote them (raw_bytes each), or, with q8_0, those F16
 // values as ggml's q8_0 blocks (32 values and one F16 scale a block, the last block padded with zeros); its
 // position (the one its keys were rotated for when it left), its origin (its place in the conversation), token and
-// scores.
-struct HostStore {
-    size_t entry_bytes = 0;             // bytes of one stored entry
-    bool   q8_0 = false;                // stored as q8_0 blocks of F16 rows
-    std::vector<llama_pos>   positions; // (in no order of meaning) where each key was rotated for
-    std::vector<llama_pos>   origins;   // each entry's place in the conversation (SeqState::origins)
-    std::vector<llama_token> tokens;
-    SeqScores                scores;
-    std::vector<uint8_t>     kv;        // [n][entry_bytes]
-    int64_t n_spilled  = 0;             // entries ever spilled (a recalled entry spilled again counts again)
-    int64_t n_recalled = 0;             // entries brought back that the policy kept
-    int64_t n_dropped  = 0;             // entries dropped for the store's cap (gone for good)
+// scores. Its parts change only through its operations, so that they always agree (consistent()).
+class HostStore {
+public:
+    // every part as it is: what a snapshot writes, and reads back (HostStore(parts), then consistent())
+    struct Parts {
+        size_t entry_bytes = 0;             // bytes of one stored entry
+        bool   q8_0 = false;                // stored as q8_0 blocks of F16 rows
+        std::vector<llama_pos>   positions; // (in no order of meaning) where each key was rotated for
+        std::vector<llama_pos>   origins;   // each entry's place in the conversation (SeqState::origins)
+        std::vector<llama_token> tokens;
+        SeqScores                scores;
+        std::vector<uint8_t>     kv;        // [n][entry_bytes]
+        int64_t n_spilled  = 0;             // entries ever spilled (a recalled entry spilled again counts again)
+        int64_t n_recalled = 0;             // entries brought back that the policy kept
+        int64_t n_dropped  = 0;             // entries dropped for the store's cap (gone for good)
+    };
 
-    size_t size() const { return positions.size(); }
-    size_t nbytes() const { return kv.size() + positions.size()*(sizeof(llama_pos) + sizeof(llama_token)); }
+    HostStore() = default;
+    explicit HostStore(Parts parts) : p_(std::move(parts)) {}
+    const Parts & parts() const { return p_; }
+
+    size_t size() const { return p_.positions.size(); }
+    size_t nbytes() const { return p_.kv.size() + p_.positions.size()*(sizeof(llama_pos) + sizeof(llama_token)); }
+    size_t entry_bytes() const { return p_.entry_bytes; }
+    bool q8_0() const { return p_.q8_0; }
+    const std::vector<llama_pos> & positions() const { return p_.positions; }
+    const std::vector<llama_pos> & origins() const { return p_.origins; }
+    const std::vector<llama_token> & tokens() const { return p_.tokens; }
+    const SeqScores & scores() const { return p_.scores; }
+    const std::vector<uint8_t> & kv() const { return p_.kv; }
+    int64_t n_spilled() const { return p_.n_spilled; }
+    int64_t n_recalled() const { return p_.n_recalled; }
+    int64_t n_dropped() const { return p_.n_dropped; }
+
     // the same store without its K and V bytes (positions, tokens, scores and counters)
     HostStore without_kv() const;
+    // the same store with its K and V bytes as the cache's rows (raw_bytes each: a q8_0 copy decoded), as a recall
+    // puts them back
+    HostStore with_raw_kv(size_t raw_bytes) const;
     // an empty store that keeps entries as this one does (their size and encoding, the heads of their scores)
     HostStore empty_like() const;
-    void set_heads(int32_t n_head) { scores.n_head = n_head; }
-    void count_recalled(int64_t n) { n_recalled += n; }
+    void set_heads(int32_t n_head) { p_.scores.n_head = n_head; }
+    void count_recalled(int64_t n) { p_.n_recalled += n; }
     // keep only the entries at `indices` (ascending)
     void keep_only(const std::vector<size_t> & indices);
-    // append n entries of raw_bytes each (the cache's rows), encoded as this store keeps them
-    void append_rows(const std::vector<uint8_t> & raw, size_t raw_bytes);
     // the entries at `indices` as the cache's rows (raw_bytes each)
     std::vector<uint8_t> raw_rows(const std::vector<size_t> & indices, size_t raw_bytes) const;
     // keep the entries as q8_0 blocks or as the cache's rows from now on, converting those held
@@ -75,6 +95,12 @@ struct HostStore {
     // consistent, and its entries are what a cache of raw_bytes entries and n_head heads keeps (its rows or their
     // q8_0 blocks)
     bool fits(size_t raw_bytes, int32_t n_head) const;
+
+private:
+    // append n entries of raw_bytes each (the cache's rows), encoded as this store keeps them
+    void append_rows(const std::vector<uint8_t> & raw, size_t raw_bytes);
+
+    Parts p_;
 };
 
 // bytes of one entry of raw_bytes F16 bytes as q8_0 blocks

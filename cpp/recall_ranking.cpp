@@ -223,7 +223,7 @@ struct LayerKeys {
     size_t size() const { return n_kept + store.size(); }
 
     const uint8_t * host_row(size_t j) const {
-        return store.kv.data() + (j - n_kept)*store.entry_bytes + (size_t) il*layout.layer_bytes;
+        return store.kv().data() + (j - n_kept)*store.entry_bytes() + (size_t) il*layout.layer_bytes;
     }
 
     // the keys (every KV head's) of entries [j0, j0 + n) as n rows of n_key floats in out, zeros after them up to
@@ -330,8 +330,8 @@ std::vector<float> host_lift(const KeyLayout & layout, const Queries & queries,
                              int32_t n_threads) {
     const size_t n_host = store.size();
     const std::vector<int32_t> layers = ranking_layers(layout.n_layer);
-    if (n_host == 0 || store.q8_0 || !queries.fits(layout) || kept_keys.size() != layers.size() ||
-        store.entry_bytes != layout.layer_bytes*layout.n_layer || store.scores.n_head != queries.n_head) {
+    if (n_host == 0 || store.q8_0() || !queries.fits(layout) || kept_keys.size() != layers.size() ||
+        store.entry_bytes() != layout.layer_bytes*layout.n_layer || store.scores().n_head != queries.n_head) {
         return {};
     }
     const size_t d = (size_t) layout.head_dim;
@@ -391,7 +391,7 @@ std::vector<float> host_lift(const KeyLayout & layout, const Queries & queries,
             });
         }
     }
-    const std::vector<float> base = probe_baseline(store.scores); // as observe_probe divides by it
+    const std::vector<float> base = probe_baseline(store.scores()); // as observe_probe divides by it
     std::vector<float> lift(n_host, 0.0f);
     for (size_t i = 0; i < n_host; ++i) {
         for (size_t h = 0; h < n_head; ++h) {

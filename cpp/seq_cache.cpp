@@ -188,7 +188,7 @@ void SeqCache::keep_entries(const std::vector<size_t> & keep) {
 }
 
 bool SeqCache::rolled() const {
-    return st_.positions != st_.origins || host_.positions != host_.origins;
+    return st_.positions != st_.origins || host_.positions() != host_.origins();
 }
 
 std::vector<size_t> SeqCache::select(const Policy & policy, const std::vector<llama_pos> & positions,
@@ -334,7 +334,7 @@ void SeqCache::truncate(int64_t n) {
     keep_oldest(kept);
     std::vector<size_t> stored;
     for (size_t i = 0; i < host_.size(); ++i) {
-        if (host_.origins[i] < n) {
+        if (host_.origins()[i] < n) {
             stored.push_back(i);
         }
     }

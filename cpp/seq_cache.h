@@ -163,7 +163,7 @@ public:
     void count_recalled(int64_t n) { host_.count_recalled(n); }
     // where an entry's keys are (an invalid layout: the host entries are not ranked on the host)
     void set_key_layout(const KeyLayout & layout) { layout_ = layout; }
-    bool ranks_host() const { return layout_.valid() && !host_.q8_0; }
+    bool ranks_host() const { return layout_.valid() && !host_.q8_0(); }
     // the origins of the host entries a question with these queries should probe, at most `limit`: the blocks whose
     // best member the queries lift most (recall_ranking.h), best first; empty when they cannot be ranked so
     std::vector<llama_pos> recall_candidates(const Queries & queries, size_t limit, int32_t n_threads);

@@ -70,7 +70,7 @@ std::vector<llama_pos> SeqCache::recall_candidates(const Queries & queries, size
         }
         kept.emplace_back(keys, keys + (size_t) n*n_embd);
     }
-    return best_blocks(host_.origins, host_lift(layout_, queries, kept, host_, n_threads), limit);
+    return best_blocks(host_.origins(), host_lift(layout_, queries, kept, host_, n_threads), limit);
 }
 
 HostStore::Entries SeqCache::take_host(const std::vector<size_t> & indices) {

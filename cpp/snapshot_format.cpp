@@ -62,7 +62,7 @@ struct ByteWriter {
         array(probe);
         array(s.seen);
     }
-    void host(const HostStore & h) {
+    void host(const HostStore::Parts & h) {
         value<uint64_t>(h.entry_bytes);
         array(h.positions);
         array(h.tokens);
@@ -120,8 +120,8 @@ struct ByteReader {
         }
         return s;
     }
-    HostStore host() {
-        HostStore h;
+    HostStore::Parts host() {
+        HostStore::Parts h;
         h.entry_bytes = (size_t) value<uint64_t>();
         h.positions   = array<llama_pos>();
         h.tokens      = array<llama_token>();
@@ -206,9 +206,9 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.value(st.n_keep);
     w.array(snap.logits);
     w.array(snap.pending);
-    w.host(snap.host);
+    w.host(snap.host.parts());
     w.array(st.origins);
-    w.array(snap.host.origins);
+    w.array(snap.host.origins());
     w.value<uint32_t>(crc32(w.out.data(), w.out.size()));
     return w.out;
 }
@@ -242,16 +242,18 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     st.n_keep     = r.value<int32_t>();
     snap.logits   = r.array<float>();
     snap.pending  = r.array<llama_token>();
+    HostStore::Parts host;
     if (format != kFormatWithoutChecksum) { // format 4 on: what the sequence spilled (recall)
-        snap.host = r.host();
+        host = r.host();
     }
     if (format != kFormatWithoutChecksum && format != kFormatWithoutOrigins) {
-        st.origins        = r.array<llama_pos>();
-        snap.host.origins = r.array<llama_pos>();
+        st.origins   = r.array<llama_pos>();
+        host.origins = r.array<llama_pos>();
     } else { // saved before origins: no entry came back after a roll, so the kept ones' order is their positions'
-        st.origins        = st.positions;
-        snap.host.origins = snap.host.positions;
+        st.origins   = st.positions;
+        host.origins = host.positions;
     }
+    snap.host = HostStore(std::move(host));
     if (!snap.host.consistent()) {
         throw std::invalid_argument("not a session snapshot: its host entries do not agree");
     }
