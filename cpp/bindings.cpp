@@ -434,7 +434,8 @@ PYBIND11_MODULE(_engine, m) {
                 flags.push_back(f);
             }
             settings.append(py::dict("name"_a = s.name, "flags"_a = flags,
-                                     "minimum"_a = s.minimum ? py::cast(*s.minimum) : py::none(), "unit"_a = s.unit,
+                                     "minimum"_a = s.minimum ? py::cast(*s.minimum) : py::none(),
+                                     "maximum"_a = s.maximum ? py::cast(*s.maximum) : py::none(), "unit"_a = s.unit,
                                      "help"_a = s.help, "default"_a = defaults.*field));
         }, s.field);
     }
@@ -642,6 +643,7 @@ PYBIND11_MODULE(_engine, m) {
         .def_property_readonly("n_batch", &Engine::n_batch)
         .def_property_readonly("n_ubatch", &Engine::n_ubatch)
         .def_property_readonly("n_threads", &Engine::n_threads)
+        .def_property_readonly("n_threads_batch", &Engine::n_threads_batch)
         .def_property_readonly("position_rolling", [](const Engine & e) { return e.params().position_rolling; },
                                "Whether bounded sequences' positions are renumbered (off where this cache cannot shift "
                                "them, with roll_interval 0).")

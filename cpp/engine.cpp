@@ -83,6 +83,9 @@ llama_context_params context_params(const EngineParams & params, const ContextSi
         cp.n_threads       = params.n_threads;
         cp.n_threads_batch = params.n_threads;
     }
+    if (params.n_threads_batch > 0) {
+        cp.n_threads_batch = params.n_threads_batch;
+    }
     return cp;
 }
 

@@ -117,6 +117,7 @@ public:
     uint32_t n_batch()  const { return n_batch_; }  // tokens a prompt is read in per chunk
     uint32_t n_ubatch() const { return n_ubatch_; } // and per ubatch (llama.cpp's are larger by a riding probe)
     int32_t n_threads() const { return llama_n_threads(ctx_); }
+    int32_t n_threads_batch() const { return llama_n_threads_batch(ctx_); }
     uint32_t capacity() const { return capacity_; } // cells the engine fills: n_ctx as asked, before llama.cpp pads it
     uint32_t stream_capacity() const;               // cells of one stream: all of them, or a sequence's share
     int32_t  room(llama_seq_id seq) const;          // cells still free for seq (shared by all in a unified cache)

@@ -18,6 +18,9 @@ const std::vector<EngineSetting> & engine_settings() {
         {"n_ubatch", "-ub --ubatch-size", 0, "tokens",
          "tokens per ubatch, llama.cpp's physical batch (its compute buffers); a prompt is evicted after each whole "
          "batch (0: the batch size)", &EngineParams::n_ubatch},
+        {"n_threads_batch", "-tb --threads-batch", 0, "threads",
+         "CPU threads for prompts (batches of more than one token; llama.cpp's --threads-batch); 0: as the threads "
+         "for generation", &EngineParams::n_threads_batch, 512}, // ggml's GGML_MAX_N_THREADS
         {"n_seq_max", "", 1, "sequences", "sequences in one context, each with its own budget and scores",
          &EngineParams::n_seq_max},
         {"kv_unified", "", std::nullopt, "", "one cell space for all sequences (else a stream each)",

@@ -30,6 +30,7 @@ struct EngineParams {
     int32_t  n_keep    = 0;          // every sequence starts with its first n_keep tokens protected (see set_keep)
     bool     kv_unified = true;      // one cell space for all sequences; false: a stream of n_ctx / n_seq_max cells each
     int32_t  n_threads = 0;          // 0: llama.cpp's default
+    int32_t  n_threads_batch = 0;    // threads for batches of more than one token (prompts); 0: as n_threads
     int32_t  n_gpu_layers = -1;      // layers on the GPU (llama.cpp's count: the output layer is one); -1: all of them
     bool     scores_sum_rows = false; // force the portable score paths on any backend: the sum_rows reduction
                                       // (Metal's) and, with flash attention, the separate KQ softmax pass (a GPU's)
@@ -68,6 +69,7 @@ struct EngineSetting {
     const char *           unit;    // what an int counts ("tokens", "layers", ...); "" for a bool
     const char *           help;    // what it does, for the CLI's help (its default is added there)
     std::variant<bool EngineParams::*, int32_t EngineParams::*, uint32_t EngineParams::*> field;
+    std::optional<int64_t> maximum = std::nullopt; // an int's highest value (none: the type's)
 };
 
 const std::vector<EngineSetting> & engine_settings();

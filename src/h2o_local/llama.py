@@ -48,7 +48,9 @@ MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: more crashed in its thread pool
 # is checked as one): the engine's setting rows (cpp/engine_params.cpp), checked and copied in one loop. Adding one:
 # the C++ field and its row, the keyword (its default read from ENGINE_DEFAULTS) and README's row
 # (tests/unit/test_engine_settings.py checks them against the rows).
-_ENGINE_KEYWORDS: Dict[str, Optional[int]] = {s["name"]: s["minimum"] for s in _engine.ENGINE_SETTINGS}
+# each setting's lowest and highest value (None: any, the type's)
+_ENGINE_KEYWORDS: Dict[str, Tuple[Optional[int], Optional[int]]] = {
+    s["name"]: (s["minimum"], s["maximum"]) for s in _engine.ENGINE_SETTINGS}
 
 
 def _handed_to_completions(name: str) -> Callable[..., Any]:
@@ -64,14 +66,16 @@ def _handed_to_completions(name: str) -> Callable[..., Any]:
 
 def _check_settings(given: Dict[str, Any], *, n_threads, seed, rpc_servers, type_k, type_v, pooling_type,
                     recall_type, keep) -> None:
-    """Llama's settings checked before anything is loaded: the engine's (`given`, by _ENGINE_KEYWORDS' minimums)
+    """Llama's settings checked before anything is loaded: the engine's (`given`, by _ENGINE_KEYWORDS' ranges)
     and the others'; TypeError or ValueError naming the first that is wrong."""
-    for name, minimum in _ENGINE_KEYWORDS.items():
+    for name, (minimum, maximum) in _ENGINE_KEYWORDS.items():
         if isinstance(getattr(ENGINE_DEFAULTS, name), bool):
             if not isinstance(given[name], (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {given[name]!r}")
-        else:
+        elif maximum is None:
             check_int(name, given[name], minimum)
+        else:
+            check_int(name, given[name], minimum, maximum)
     check_int("n_threads", n_threads, 0, MAX_THREADS)
     check_int("seed", seed, maximum=None)  # seeds Python's generator: any int
     for endpoint in rpc.parse_endpoints(rpc_servers):
@@ -139,6 +143,8 @@ class Llama:
             sequence attends only its own cells, as in llama.cpp's parallel server slots.
         n_threads: CPU threads (None: the physical cores this process may use, `h2o_local.cpu.physical_cores()`;
             at most 512, ggml's limit).
+        n_threads_batch: CPU threads for prompts (batches of more than one token), as llama.cpp's --threads-batch
+            and llama-cpp-python's n_threads_batch; 0 (the default): as n_threads. At most 512.
         n_gpu_layers: layers whose weights and KV cache go to the GPU (-1, the default: all, as llama.cpp's own
             default and Ollama do; 0: none). Only a build with a GPU backend has a GPU to offload to (README,
             "GPU backends"); on a CPU build every value runs on the CPU. `layer_devices` says where each layer went.
@@ -199,8 +205,8 @@ class Llama:
             0.53x the bytes, and twice the tokens in recall=True's 256 MiB; a recalled entry differs from the one
             that left by q8_0's rounding). "q8_0" needs an F16 cache (no kv_f32, type_k or type_v).
 
-    llama-cpp-python's other keywords are taken where they ask for what this `Llama` does anyway: `n_threads_batch`
-    equal to n_threads, `type_k` / `type_v` as ggml type numbers (8: "q8_0"), `logits_all` and `no_perf` (ignored:
+    llama-cpp-python's other keywords are taken where they ask for what this `Llama` does anyway: `type_k` / `type_v`
+    as ggml type numbers (8: "q8_0"), `logits_all` and `no_perf` (ignored:
     logprobs need no logits_all here), and at their defaults the settings this library does not offer
     (`use_mmap=True`, `use_mlock=False`, `embedding=False`, `offload_kqv=True`, `lora_path=None`,
     `rope_freq_base=0.0`, ...; `h2o_local.llama_cpp_python`); any other value is a ValueError naming it, an unknown
@@ -224,6 +230,7 @@ class Llama:
         n_seq_max: int = ENGINE_DEFAULTS.n_seq_max,
         kv_unified: bool = ENGINE_DEFAULTS.kv_unified,
         n_threads: Optional[int] = None,
+        n_threads_batch: int = ENGINE_DEFAULTS.n_threads_batch,
         n_gpu_layers: int = ENGINE_DEFAULTS.n_gpu_layers,
         seed: int = 0,
         kv_f32: bool = ENGINE_DEFAULTS.kv_f32,
@@ -396,8 +403,13 @@ class Llama:
 
     @property
     def n_threads(self) -> int:
-        """CPU threads of each decode."""
+        """CPU threads of each decode of one token (generation)."""
         return self._engine.n_threads
+
+    @property
+    def n_threads_batch(self) -> int:
+        """CPU threads of each decode of more tokens (prompts)."""
+        return self._engine.n_threads_batch
 
     @property
     def n_batch(self) -> int:

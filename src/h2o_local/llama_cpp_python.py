@@ -58,13 +58,8 @@ def without_not_done(params: Mapping[str, Any], not_done: Mapping[str, Tuple[Any
 
 def check_constructor(keywords: Mapping[str, Any], *, n_threads: Optional[int]) -> None:
     """llama-cpp-python's `Llama(...)` keywords that this library's `Llama` has no parameter for: a name it does not
-    know is a TypeError (as Python's own), one that asks for something not done here a ValueError;
-    `n_threads_batch` may repeat n_threads."""
+    know is a TypeError (as Python's own), one that asks for something not done here a ValueError."""
     rest = dict(keywords)
-    n_threads_batch = rest.pop("n_threads_batch", None)
-    if n_threads_batch is not None and n_threads_batch != n_threads:
-        raise ValueError(f"n_threads_batch: h2o_local reads prompts with n_threads threads; give n_threads alone "
-                         f"(got n_threads_batch={n_threads_batch!r}, n_threads={n_threads!r})")
     unknown = sorted(rest.keys() - CONSTRUCTOR_NOT_DONE.keys() - set(CONSTRUCTOR_IGNORED))
     if unknown:
         raise TypeError(f"Llama.__init__() got an unexpected keyword argument {unknown[0]!r}")

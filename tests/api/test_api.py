@@ -366,7 +366,7 @@ def test_llama_cpp_python_s_constructor_keywords_are_taken_where_they_ask_for_wh
     assert numbered.kv_bytes_per_cell == named.kv_bytes_per_cell > plain.kv_bytes_per_cell
     for keywords, name in ((dict(use_mmap=False), "use_mmap"), (dict(pooling_type=4), "pooling_type"),
                            (dict(lora_path="adapter.gguf"), "lora_path"),
-                           (dict(n_threads_batch=2), "n_threads_batch"), (dict(rope_freq_base=1e6), "rope_freq_base"),
+                           (dict(rope_freq_base=1e6), "rope_freq_base"),
                            (dict(type_k=12), "type_k")):
         with pytest.raises(ValueError, match=name):
             Llama(tiny_model, budget=24, n_batch=32, n_threads=1, **keywords)

@@ -67,13 +67,27 @@ def test_the_cli_has_each_rows_flags_and_passes_what_they_say():
     assert all(given[row["name"]] == 3 for row in ints) and given["position_rolling"] is False
 
 
-def test_llamas_check_refuses_a_value_under_a_rows_minimum(tiny_model):
+def test_llamas_check_refuses_a_value_outside_a_rows_range(tiny_model):
     import pytest
 
     for row in ROWS:
         if row["minimum"] is not None:
             with pytest.raises(ValueError, match=re.escape(row["name"])):
                 Llama(tiny_model, **{row["name"]: row["minimum"] - 1})
+        if row["maximum"] is not None:
+            with pytest.raises(ValueError, match=re.escape(row["name"]) + ".*<= " + str(row["maximum"])):
+                Llama(tiny_model, **{row["name"]: row["maximum"] + 1})
         elif isinstance(row["default"], bool):
             with pytest.raises(TypeError, match=re.escape(row["name"])):
                 Llama(tiny_model, **{row["name"]: "yes"})
+
+
+def test_n_threads_batch_is_one_field_and_one_row_and_reaches_llama_cpp(tiny_model):
+    """The setting added as the rows say (a field, a row, Llama's keyword): prompts get their own threads, as
+    llama.cpp's -tb; 0 means the generation's."""
+    assert [r["flags"] for r in ROWS if r["name"] == "n_threads_batch"] == [["-tb", "--threads-batch"]]
+    assert engine_kwargs(parser().parse_args(["-tb", "2"]))["n_threads_batch"] == 2
+    llm = Llama(tiny_model, n_threads=1, n_threads_batch=2)
+    assert (llm.n_threads, llm.n_threads_batch) == (1, 2)
+    same = Llama(tiny_model, n_threads=1)
+    assert (same.n_threads, same.n_threads_batch) == (1, 1)
