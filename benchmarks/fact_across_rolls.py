@@ -1,7 +1,9 @@
 """A fact given in a chat's first turn, asked after the history passed twice the model's trained context: does the
 chat still know it? ChatSession with the defaults `h2o-local chat` runs (the default policy, recall, position rolling
-near the trained context, the system prompt kept), beside two controls on the same rows: the same long chat without
-recall (what rolling alone keeps), and the question asked right after the fact (what the model can answer at all).
+near the trained context, the system prompt kept), beside controls on the same rows: the same long chat without
+recall (what rolling alone keeps), the question asked right after the fact (what the model can answer at all), and
+recall with a store that holds the whole history (`store-all`: whether recall across rolls finds the fact when its
+entries are still stored; the default's store holds 256 MiB and drops the oldest text first past it).
 
 Each row is one fact of several kinds and phrasings (a code, a name, a password, a place, a date), then turns of news
 text (`--words` words each, the 0-shot XSum articles) until the history passes `--times` x the trained context,
@@ -21,6 +23,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 SYSTEM = "You are a patient assistant. Answer in one short sentence."
+# at-once: the question right after the fact; default: as `h2o-local chat` (recall's store 256 MiB, the oldest text
+# dropped first past it); no-recall: rolling alone; store-all: recall with a store that holds the whole history
+SETTINGS = ["at-once", "default", "no-recall", "store-all"]
 # (the fact, the question, the value the answer must hold): the values differ per row
 FACTS: List[Tuple[str, str, str]] = [
     ("Remember this: the code of the blue door is {n4}.", "What is the code of the blue door?", "{n4}"),
@@ -55,16 +60,31 @@ def filler(articles: List[str], turn: int, n_words: int, row: int) -> str:
     return " ".join(words[start:start + n_words]) + " What is this about?"
 
 
+def value_origins(llm, first_turn: str, value: str) -> List[int]:
+    """The places in the conversation of the tokens that spell the fact's value in the first turn (the first match
+    of its tokens, with or without a leading space)."""
+    toks, _ = llm.chat_tokens([{"role": "system", "content": SYSTEM}, {"role": "user", "content": first_turn}])
+    for text in (" " + value, value):
+        want = llm.tokenize(text, add_bos=False)
+        for a in range(len(toks) - len(want) + 1):
+            if toks[a:a + len(want)] == want:
+                return list(range(a, a + len(want)))
+    return []
+
+
 def run_row(make_llm, i: int, setting: str, articles: List[str], args) -> Dict[str, Any]:
     from h2o_local.chat_session import ChatSession
 
     row = fact_row(i)
     llm = make_llm(setting)
-    chat = ChatSession(llm, system=SYSTEM, max_tokens=args.max_tokens, temperature=0,
-                       recall=setting != "no-recall")
     n_train = llm.n_ctx_train()
+    # the default's store: 256 MiB, the oldest text dropped first; store-all: room for the whole history
+    recall = {"no-recall": False, "store-all": int(args.times * n_train * 1.25)}.get(setting, True)
+    chat = ChatSession(llm, system=SYSTEM, max_tokens=args.max_tokens, temperature=0, recall=recall)
     t0 = time.perf_counter()
     turn, history = 0, 0
+    first = row["fact"] if setting == "at-once" else row["fact"] + " " + filler(articles, 0, args.words, i)
+    fact_at = value_origins(llm, first, row["value"])
     if setting == "at-once":
         "".join(chat.send(row["fact"]))
     else:
@@ -76,11 +96,14 @@ def run_row(make_llm, i: int, setting: str, articles: List[str], args) -> Dict[s
                   flush=True)
     answer = "".join(chat.send(row["question"]))
     st = llm.kv_state(0)
+    kept, stored = set(st.origins.tolist()), set(st.host_origins.tolist())
     return {"row": i, "setting": setting, "fact": row["fact"], "question": row["question"], "value": row["value"],
             "answer": answer, "right": int(row["value"].lower() in answer.lower()), "turns": turn,
             "history_tokens": chat.last.prompt_tokens + chat.last.reused_tokens,
             "x_trained": round((chat.last.prompt_tokens + chat.last.reused_tokens) / n_train, 2),
             "max_position": int(st.positions.max()) if st.n_cells else 0, "n_recalled": int(st.n_recalled),
+            "value_tokens": len(fact_at), "value_kept": sum(o in kept for o in fact_at),
+            "value_stored": sum(o in stored for o in fact_at),
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -88,16 +111,21 @@ def report(rows: List[Dict[str, Any]], settings: List[str], args, n_train: int) 
     lines = [f"A fact in the first turn, asked after the history passed {args.times}x the trained context "
              f"({n_train} tokens); turns of {args.words} words, {args.max_tokens}-token greedy answers; right: the "
              f"answer holds the fact's value. Rows: one fact each ({len(FACTS)} kinds and phrasings).", "",
+             "The value's tokens in the cache at the answer: those of its tokens (their places in the "
+             "conversation) that the cache holds after the question's recall, over all rows' value tokens.", "",
              "| setting | rows | right | s.e. | history x trained (median) | largest position | entries recalled "
-             "(median) |", "|---|---|---|---|---|---|---|"]
+             "(median) | value's tokens in the cache |", "|---|---|---|---|---|---|---|---|"]
     for s in settings:
         part = [r for r in rows if r["setting"] == s]
         if not part:
             continue
         p = sum(r["right"] for r in part) / len(part)
         med = lambda k: sorted(r[k] for r in part)[len(part) // 2]
+        tracked = [r for r in part if "value_kept" in r]
+        held = (f"{sum(r['value_kept'] for r in tracked)} of {sum(r['value_tokens'] for r in tracked)}"
+                if tracked else "-")
         lines.append(f"| {s} | {len(part)} | {p:.2f} | {math.sqrt(p * (1 - p) / len(part)):.2f} | {med('x_trained')} "
-                     f"| {max(r['max_position'] for r in part)} | {med('n_recalled')} |")
+                     f"| {max(r['max_position'] for r in part)} | {med('n_recalled')} | {held} |")
     lines += ["", "| row | question | value | " + " | ".join(settings) + " |", "|---|---|---|" + "---|" * len(settings)]
     for i in sorted({r["row"] for r in rows}):
         by = {r["setting"]: r for r in rows if r["row"] == i}
@@ -120,8 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--settings", nargs="+", default=["at-once", "default", "no-recall"],
-                    choices=["at-once", "default", "no-recall"])
+                    choices=SETTINGS)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--report", action="store_true", help="only write OUT.md from the rows OUT.jsonl holds")
     args = ap.parse_args(argv)
 
     from h2o_local import Llama, ModelInfo
@@ -136,7 +165,7 @@ def main(argv=None) -> int:
     make = lambda setting: Llama(model, budget=args.budget, keep="system", recall=setting != "no-recall",
                                  n_threads=args.threads, verbose=False)
     with open(path, "a") as log:
-        for i in range(args.rows):
+        for i in range(0 if args.report else args.rows):
             for s in args.settings:
                 if (i, s) in done:
                     continue

@@ -90,8 +90,8 @@ inline float exp_nonpositive(float x) {
 }
 
 // logits[j][r] = keys[j] . qt[.][r] for kTileEntries entries and rp rows (qt: d rows of rp, rp a multiple of
-// kRowStep; keys: kTileEntries rows of d, ks apart; logits: kTileEntries rows of ld). The rows are the vector lanes: a key
-// element times 16 rows at once, the 12 sums in registers (the keys need no transposing)
+// kRowStep; keys: kTileEntries rows of d, ks apart; logits: kTileEntries rows of ld). The rows are the vector lanes:
+// a key element times 16 rows at once, the 12 sums in registers (the keys need no transposing)
 H2O_VECTOR_CLONES
 void tile_logits(const float * qt, size_t rp, size_t d, const float * keys, size_t ks, float * logits, size_t ld) {
 #if defined(__GNUC__)
@@ -233,7 +233,9 @@ struct LayerKeys {
         const size_t key_bytes = n_key*(layout.type_k == GGML_TYPE_F32 ? 4 : 2);
         for (size_t j = std::max(j0 + kTileEntries, n_kept); j < std::min(j0 + 2*kTileEntries, size()); ++j) {
             for (size_t b = 0; b < key_bytes; b += 64) {
+#if defined(__GNUC__)
                 __builtin_prefetch(host_row(j) + b);
+#endif
             }
         }
         for (size_t jj = 0; jj < n; ++jj) {

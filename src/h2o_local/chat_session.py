@@ -59,8 +59,9 @@ class ChatSession:
         asks about (`Llama(recall=...)`, docs/recall.md), on the conversation's sequence: "auto" (the default, as
         `h2o-local chat`) where the Llama's policy can recall and the Llama keeps no recall setting of its own, True
         (ValueError where the policy cannot), an int (that many tokens), False (evicted entries are gone). Host
-        memory: up to `Llama.kv_bytes_per_cell` bytes per evicted token, at most 256 MiB (RECALL_DEFAULT_BYTES)
-        with "auto" or True (SmolLM2-135M: 22.5 KiB a token, about 11,600 tokens).
+        memory: up to `Llama.kv_bytes_per_cell` bytes per evicted token, with "auto" or True at most the trained
+        context's worth of tokens and 256 MiB (RECALL_DEFAULT_BYTES; SmolLM2-135M: 22.5 KiB a token, 8,192 tokens),
+        the oldest dropped first beyond it.
     reasoning_format: how `send_split` tells a thinking model's reasoning from its answer, as the server's option:
         "auto" (the default) by the template's think tags or gpt-oss's channels, "none" not at all.
     chat_template_kwargs: more variables the template reads at every turn (`{"enable_thinking": False}` for Qwen3).
@@ -359,18 +360,19 @@ class ChatSession:
                     raise TypeError("system is not a string")
                 check_text("system", meta["system"])
             tokens = meta.get("tokens") if meta["format"] == SESSION_FORMAT else None  # format 1: fed again
-            n_vocab = self.llm.n_vocab()
             if tokens is not None:
-                if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < n_vocab for t in tokens):
+                if not isinstance(tokens, list):
                     raise TypeError("tokens is not a list of token ids")
+                tokens = self.llm.check_token_ids(tokens, "a saved token")
                 if type(meta.get("n_keep")) is not int or meta["n_keep"] < 0 or len(tokens) < len(snap.pending):
                     raise TypeError("n_keep is not a number of tokens")
             prompt = None
             if prompt_snap is not None and meta["format"] == SESSION_FORMAT:
                 p_tokens, p_keep = meta.get("prompt_tokens"), meta.get("prompt_n_keep")
-                if not isinstance(p_tokens, list) or not all(type(t) is int and 0 <= t < n_vocab for t in p_tokens) \
-                        or type(p_keep) is not int or p_keep < 0 or prompt_snap.origin != snap.origin:
+                if not isinstance(p_tokens, list) or type(p_keep) is not int or p_keep < 0 \
+                        or prompt_snap.origin != snap.origin:
                     raise TypeError("the saved prompt's tokens do not match it")
+                p_tokens = self.llm.check_token_ids(p_tokens, "a saved prompt's token")
                 prompt = Session(tuple(p_tokens), len(p_tokens), p_keep, prompt_snap, int(prompt_snap.nbytes))
         except (TypeError, ValueError) as e:
             raise bad(str(e)) from None

@@ -919,11 +919,16 @@ class Llama:
         llama-server parse them; token ids from `tokenize(text, special=False)` feed such text literally."""
         if isinstance(prompt, (str, bytes)):
             return self.tokenize(prompt, add_bos=self.info.add_bos if add_bos is None else add_bos, special=True)
-        tokens, n_vocab = _token_list(prompt), self.n_vocab()
-        outside = next((t for t in tokens if t >= n_vocab), None)
+        return self.check_token_ids(prompt, "prompt token id")
+
+    def check_token_ids(self, tokens: Sequence[int], what: str = "token id") -> List[int]:
+        """`tokens` as a list of ints, each one of this model's tokens: TypeError for one that is not an int,
+        ValueError naming the first outside [0, n_vocab) ("{what} N is outside this model's ... tokens")."""
+        out, n_vocab = _token_list(tokens), self.n_vocab()
+        outside = next((t for t in out if t >= n_vocab), None)
         if outside is not None:
-            raise ValueError(f"prompt token id {outside} is outside this model's {n_vocab} tokens")
-        return tokens
+            raise ValueError(f"{what} {outside} is outside this model's {n_vocab} tokens")
+        return out
 
     def _answer_limit(self, params: SamplingParams) -> Optional[int]:
         """Tokens a generation may make: `max_tokens`, or with none a bounded cache's trained context (it never fills

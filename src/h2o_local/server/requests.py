@@ -171,13 +171,14 @@ async def sampling(state: ServerState, defaults: SamplingParams, body: RequestFi
 
 def token_bias(state: ServerState, pairs: List[Tuple[Any, float]]) -> Dict[int, float]:
     """A request's logit_bias (`RequestFields`'s pairs) by token id: a text's bias on each of its tokens."""
-    n_vocab = state.llm.n_vocab()
     bias: Dict[int, float] = {}
     for key, value in pairs:
-        for token in [key] if isinstance(key, int) else state.llm.tokenize(key, add_bos=False, special=False):
-            if token >= n_vocab:
-                raise APIError(400, f"logit_bias names token {token}, outside this model's {n_vocab} tokens",
-                               param="logit_bias")
+        tokens = [key] if isinstance(key, int) else state.llm.tokenize(key, add_bos=False, special=False)
+        try:
+            tokens = state.llm.check_token_ids(tokens, "logit_bias token")
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="logit_bias") from None
+        for token in tokens:
             bias[token] = value
     return bias
 

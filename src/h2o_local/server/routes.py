@@ -416,10 +416,10 @@ async def _tokenized(state: ServerState, text: str, add_bos: bool, special: bool
 
 
 async def _detokenized(state: ServerState, tokens: List[int], special: bool) -> str:
-    n_vocab = state.llm.n_vocab()
-    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
-    if bad is not None:
-        raise APIError(400, f"token ids must be in [0, {n_vocab}), got {bad}", param="tokens")
+    try:
+        tokens = state.llm.check_token_ids(tokens)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), param="tokens") from None
     text = await state.prepared(state.llm.detokenize, tokens, special=special)
     return text.decode("utf-8", errors="replace")
 
