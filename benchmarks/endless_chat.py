@@ -24,6 +24,7 @@ FACT = "Remember this: the code of the blue door is 4712."
 QUESTION = "What is the code of the blue door?"
 ANSWER = "4712"
 SURFACES = ("chatsession", "openai", "ollama", "anthropic")
+ARTICLES = Path(__file__).resolve().parents[2] / "shared" / "data" / "xsum_0shot_dev.jsonl"  # the 0-shot XSum news
 
 
 def turn_text(articles: List[str], turn: int, n_words: int) -> str:
@@ -133,8 +134,7 @@ def summary(surface: str, rows: List[Dict[str, Any]], n_train: int) -> Dict[str,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--articles", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" /
-                                              "xsum_0shot_dev.jsonl"), help="JSONL with an 'article' per line")
+    ap.add_argument("--articles", default=str(ARTICLES), help="JSONL with an 'article' per line")
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--words", type=int, default=100, help="words of text per turn")
     ap.add_argument("--max-tokens", type=int, default=8)

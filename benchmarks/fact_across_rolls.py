@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-SYSTEM = "You are a patient assistant. Answer in one short sentence."
+from benchmarks.endless_chat import ARTICLES, SYSTEM, turn_text
+
 # at-once: the question right after the fact; default: as `h2o-local chat` (recall's store 256 MiB, the oldest text
 # dropped first past it); no-recall: rolling alone; store-all: recall with a store that holds the whole history
 SETTINGS = ["at-once", "default", "no-recall", "store-all"]
@@ -55,9 +56,8 @@ def fact_row(i: int) -> Dict[str, str]:
 
 
 def filler(articles: List[str], turn: int, n_words: int, row: int) -> str:
-    words = " ".join(articles).split()
-    start = ((turn + 37 * row) * n_words) % max(1, len(words) - n_words)
-    return " ".join(words[start:start + n_words]) + " What is this about?"
+    """A turn of news text, each row's from its own place (endless_chat's turns, shifted by 37 turns a row)."""
+    return turn_text(articles, turn + 37 * row, n_words)
 
 
 def value_origins(llm, first_turn: str, value: str) -> List[int]:
@@ -139,8 +139,7 @@ def report(rows: List[Dict[str, Any]], settings: List[str], args, n_train: int) 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--articles", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" /
-                                              "xsum_0shot_dev.jsonl"), help="JSONL with an 'article' per line")
+    ap.add_argument("--articles", default=str(ARTICLES), help="JSONL with an 'article' per line")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--times", type=float, default=2.2, help="ask once the history passes this x the trained context")
     ap.add_argument("--words", type=int, default=600, help="words of text per turn")
