@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <numeric>
 #include <unordered_map>
 #include <stdexcept>
 
