@@ -144,6 +144,7 @@ def test_a_thinking_models_reasoning_is_shown_apart_or_hidden(tmp_path):
     hidden.sendline("think")
     hidden.expect_exact("[kv ")
     assert "Thinking" not in hidden.before and "8 tokens" in hidden.readline()
+    hidden.expect_exact(PROMPT)  # Ctrl-D typed before readline holds the terminal would be lost
     hidden.sendeof()
     assert finish(hidden) == 0
 
@@ -213,5 +214,6 @@ def test_ctrl_c_while_a_long_prompt_is_read_stops_within_a_chunk(chat_model, tmp
     child.expect_exact(PROMPT)
     child.sendline("/stats")     # the session is still usable
     child.expect(r"kv_entries: \d+")
+    child.expect_exact(PROMPT)  # Ctrl-D typed before readline holds the terminal would be lost
     child.sendeof()
     assert finish(child) == 0

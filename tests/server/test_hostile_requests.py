@@ -152,6 +152,7 @@ def test_the_chat_cli_saves_and_loads_a_long_conversation(wide_chat_model, tmp_p
     child.sendline("/stats")
     child.expect(r"host_entries: (\d+)")
     assert int(child.match.group(1)) == host
+    child.expect_exact(prompt)  # Ctrl-D typed before readline holds the terminal would be lost
     child.sendeof()
     child.expect(pexpect.EOF)
     assert "Traceback" not in child.before
