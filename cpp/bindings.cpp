@@ -6,6 +6,7 @@
 #include "kv_types.h"
 #include "plain_run.h"
 #include "prefill_plan.h"
+#include "recall_text.h"
 #include "snapshot_format.h"
 
 #include "ggml-backend.h"
@@ -100,6 +101,7 @@ py::dict state_dict(const Engine & e, llama_seq_id seq) {
     d["n_spilled"]      = h.n_spilled();
     d["n_recalled"]     = h.n_recalled();
     d["n_dropped"]      = h.n_dropped();
+    d["text_origins"]   = to_numpy(h.text_origins().data(), {(py::ssize_t) h.text_origins().size()});
     // per-head cells: [layer][KV head][cell] the position each cell holds there (None: every cell holds its own)
     const HeadParts & hp = st.parts;
     if (hp.empty()) {
@@ -245,6 +247,8 @@ PYBIND11_MODULE(_engine, m) {
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
     m.def("q8_0_entry_bytes", &q8_0_entry_bytes, py::arg("raw_bytes"), "Bytes of one F16 entry kept as q8_0 blocks.");
+    m.def("reread_choice", &reread_choice, py::arg("tokens"), py::arg("question"), py::arg("window") = kRereadWindow,
+          py::arg("max_tokens"), "The indices of the dropped text a question reads again (recall_text.h).");
     m.def("check_host_memory", [](uint32_t n_ctx, uint32_t n_outputs_max, uint64_t kv_bytes_per_cell, int32_t n_vocab,
                                   bool kv_on_host, uint64_t have) {
         ContextSize c;

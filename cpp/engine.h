@@ -202,6 +202,11 @@ private:
     // go (back) to the host store
     // prompt: what ranks (its last `question` tokens); fed: whether it is fed right after (a prompt, not recall_for)
     void recall(llama_seq_id seq, const std::vector<llama_token> & prompt, bool fed);
+    // a recall step's first page: the windows of the store's dropped text that the question's tokens find
+    // (recall_text.h), at most the policy's reread tokens and the cells beside the kept ones, decoded again after the
+    // kept entries (as a probe: their attention ranks nothing), as entries of their own places; none when nothing
+    // was dropped or found
+    HostStore::Entries reread(llama_seq_id seq, const std::vector<llama_token> & question);
     // the origins of the host entries a recall step probes, in the order it probes them: all of them in the
     // conversation's order, or, past the policy's recall_pages (and past its budget), those the question's queries
     // rank first against the stored keys (the question is probed once for its queries: recall_ranking.h)

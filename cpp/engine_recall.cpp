@@ -1,6 +1,7 @@
 // The engine's recall: host stores per sequence, their caps, and a prompt's readmission of what it asks for.
 #include "engine.h"
 #include "host_store.h"
+#include "recall_text.h"
 
 #include "llama-attn-scores.h"
 #include "llama-ext.h"
@@ -78,7 +79,8 @@ void Engine::check_recall(const Policy & policy, int64_t cap) const {
 void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, bool fed) {
     SeqCache & sc = seqs_.at(seq);
     const Policy & policy = policy_of(seq);
-    if (sc.host().size() == 0 || !policy.bounded() || policy.probe().source != ProbeSource::question) {
+    if ((sc.host().size() == 0 && sc.host().text_tokens().empty()) || !policy.bounded() ||
+        policy.probe().source != ProbeSource::question) {
         return;
     }
     const size_t n_question = std::min(prompt.size(), (size_t) policy.probe().question);
@@ -87,11 +89,26 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, b
     if (page < 1) {
         return; // no cells beside the kept entries (a unified cache shared by full sequences): nothing comes back
     }
+    std::set<llama_pos> readmitted;
+    // the dropped text the question finds, read again, plays first; what loses goes to the store, whose cap makes it
+    // text again
+    const HostStore::Entries reread_page = reread(seq, question);
+    if (reread_page.size() > 0) {
+        try {
+            sc.readmit(reread_page);
+        } catch (...) {
+            sc.put_back_host(reread_page);
+            sc.trim_host();
+            throw;
+        }
+        readmitted.insert(reread_page.origins.begin(), reread_page.origins.end());
+        probe(seq, question);
+        evict(seq, fed ? (int32_t) prompt.size() : 0);
+    }
     // the spilled entries a page at a time; what loses goes back to the store (after them)
     const std::vector<llama_pos> waiting = recall_order(seq, question, page);
     std::vector<size_t> page_end;
     const HostStore::Entries candidates = sc.take_host(page_indices(sc.host(), waiting, (size_t) page, page_end));
-    std::set<llama_pos> readmitted;
     size_t done = 0; // candidates readmitted (and then kept or spilled by the policy)
     try {
         for (const size_t end : page_end) {
@@ -110,7 +127,37 @@ void Engine::recall(llama_seq_id seq, const std::vector<llama_token> & prompt, b
         kept += readmitted.count(o);
     }
     sc.count_recalled(kept);
+    sc.trim_host();
     compact(seq);
+}
+
+HostStore::Entries Engine::reread(llama_seq_id seq, const std::vector<llama_token> & question) {
+    SeqCache & sc = seqs_.at(seq);
+    const Policy & policy = policy_of(seq);
+    const int32_t room_left = room(seq) - probe_cells(policy);
+    if (policy.probe().reread <= 0 || room_left <= 0 || sc.host().text_tokens().empty()) {
+        return {};
+    }
+    const std::vector<size_t> chosen = reread_choice(sc.host().text_tokens(), question, kRereadWindow,
+                                                     (size_t) std::min(policy.probe().reread, room_left));
+    if (chosen.empty()) {
+        return {};
+    }
+    const std::vector<llama_token> toks = gather_rows(sc.host().text_tokens(), 1, chosen);
+    prober_.start((size_t) sc.size(), n_head_);
+    size_t done = 0;
+    try {
+        while (done < toks.size()) {
+            const size_t b = std::min(toks.size(), done + n_batch());
+            decode({{seq, std::vector<llama_token>(toks.begin() + (std::ptrdiff_t) done, toks.begin() + (std::ptrdiff_t) b)}},
+                   false, {}, {seq});
+            done = b;
+        }
+    } catch (...) {
+        sc.drop_newest((int32_t) done);
+        throw;
+    }
+    return sc.take_reread(chosen);
 }
 
 std::vector<size_t> Engine::page_indices(const HostStore & host, const std::vector<llama_pos> & waiting, size_t page,
@@ -168,22 +215,30 @@ std::vector<llama_pos> Engine::recall_order(llama_seq_id seq, const std::vector<
 
 void Engine::check_host(const SeqSnapshot & snap) const {
     const HostStore & h = snap.host;
-    if (h.size() == 0) {
+    if (h.size() == 0 && h.text_origins().empty()) {
         return;
     }
-    // each entry a place in the conversation of its own, before what was fed last; its key rotated for a position
+    // each entry (and each token of dropped text) a place in the conversation of its own, before what was fed last;
+    // an entry's key rotated for a position
     const std::set<llama_pos> kept(snap.state.origins.begin(), snap.state.origins.end());
     std::set<llama_pos> seen;
+    const auto placed = [&](llama_pos o) { return o >= 0 && o < snap.state.n_seen && kept.count(o) == 0 && seen.insert(o).second; };
     for (size_t i = 0; i < h.size(); ++i) {
-        const llama_pos o = h.origins()[i];
-        if (o < 0 || o >= snap.state.n_seen || kept.count(o) > 0 || !seen.insert(o).second || h.positions()[i] < 0) {
+        if (!placed(h.origins()[i]) || h.positions()[i] < 0) {
             throw std::invalid_argument("the snapshot's host entries do not match its positions");
         }
     }
-    if (!h.fits(llama_kv_entry_size(ctx_), n_head_)) {
+    for (const llama_pos o : h.text_origins()) {
+        if (!placed(o)) {
+            throw std::invalid_argument("the snapshot's dropped text does not match its positions");
+        }
+    }
+    if (!h.consistent() || (h.size() > 0 && !h.fits(llama_kv_entry_size(ctx_), n_head_))) {
         throw std::invalid_argument("the snapshot's host entries do not match this model's cache");
     }
-    for (const llama_token t : h.tokens()) {
+    std::vector<llama_token> toks = h.tokens();
+    toks.insert(toks.end(), h.text_tokens().begin(), h.text_tokens().end());
+    for (const llama_token t : toks) {
         if (t < 0 || t >= model_->n_vocab()) {
             throw std::invalid_argument("the snapshot's host entries hold a token outside the vocabulary");
         }

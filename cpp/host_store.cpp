@@ -38,6 +38,8 @@ HostStore HostStore::without_kv() const {
     out.p_.n_spilled   = p_.n_spilled;
     out.p_.n_recalled  = p_.n_recalled;
     out.p_.n_dropped   = p_.n_dropped;
+    out.p_.text_origins = p_.text_origins;
+    out.p_.text_tokens  = p_.text_tokens;
     return out;
 }
 
@@ -80,15 +82,67 @@ void HostStore::spill(const std::vector<llama_pos> & pos, const std::vector<llam
                       const std::vector<uint8_t> & raw, size_t raw_bytes, size_t cap) {
     put_back({pos, orig, toks, entry_scores, raw}, raw_bytes);
     p_.n_spilled += (int64_t) pos.size();
-    if (size() > cap) { // the oldest text goes first
-        std::vector<size_t> order(size());
-        std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p_.origins[a] > p_.origins[b]; });
-        order.resize(cap);
-        std::sort(order.begin(), order.end());
-        p_.n_dropped += (int64_t) (size() - order.size());
-        keep_only(order);
+    drop_oldest(cap);
+}
+
+void HostStore::drop_oldest(size_t cap) {
+    if (size() <= cap) {
+        return;
     }
+    std::vector<size_t> order(size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p_.origins[a] > p_.origins[b]; });
+    std::vector<std::pair<llama_pos, llama_token>> text;
+    text.reserve(p_.text_origins.size() + size() - cap);
+    for (size_t i = 0; i < p_.text_origins.size(); ++i) {
+        text.emplace_back(p_.text_origins[i], p_.text_tokens[i]);
+    }
+    for (size_t k = cap; k < order.size(); ++k) {
+        text.emplace_back(p_.origins[order[k]], p_.tokens[order[k]]);
+    }
+    std::sort(text.begin(), text.end());
+    p_.text_origins.resize(text.size());
+    p_.text_tokens.resize(text.size());
+    for (size_t i = 0; i < text.size(); ++i) {
+        p_.text_origins[i] = text[i].first;
+        p_.text_tokens[i]  = text[i].second;
+    }
+    order.resize(cap);
+    std::sort(order.begin(), order.end());
+    p_.n_dropped += (int64_t) (size() - order.size());
+    keep_only(order);
+}
+
+void HostStore::take_text(const std::vector<size_t> & indices) {
+    std::vector<uint8_t> gone(p_.text_origins.size(), 0);
+    for (const size_t i : indices) {
+        gone.at(i) = 1;
+    }
+    std::vector<size_t> left;
+    for (size_t i = 0; i < gone.size(); ++i) {
+        if (!gone[i]) {
+            left.push_back(i);
+        }
+    }
+    keep_rows(p_.text_origins, 1, left);
+    keep_rows(p_.text_tokens, 1, left);
+}
+
+void HostStore::keep_before(llama_pos n) {
+    std::vector<size_t> stored, text;
+    for (size_t i = 0; i < size(); ++i) {
+        if (p_.origins[i] < n) {
+            stored.push_back(i);
+        }
+    }
+    for (size_t i = 0; i < p_.text_origins.size(); ++i) {
+        if (p_.text_origins[i] < n) {
+            text.push_back(i);
+        }
+    }
+    keep_only(stored);
+    keep_rows(p_.text_origins, 1, text);
+    keep_rows(p_.text_tokens, 1, text);
 }
 
 HostStore::Entries HostStore::entries(const std::vector<size_t> & indices, size_t raw_bytes) const {
@@ -150,7 +204,10 @@ bool HostStore::fits(size_t raw_bytes, int32_t n_head) const {
 bool HostStore::consistent() const {
     const size_t n = size();
     return p_.tokens.size() == n && p_.origins.size() == n && p_.scores.covers(n) && (n == 0 || (p_.entry_bytes > 0 && p_.kv.size() == n*p_.entry_bytes)) &&
-           p_.n_spilled >= 0 && p_.n_recalled >= 0 && p_.n_dropped >= 0;
+           p_.n_spilled >= 0 && p_.n_recalled >= 0 && p_.n_dropped >= 0 &&
+           p_.text_tokens.size() == p_.text_origins.size() &&
+           std::adjacent_find(p_.text_origins.begin(), p_.text_origins.end(),
+                              [](llama_pos a, llama_pos b) { return a >= b; }) == p_.text_origins.end();
 }
 
 size_t q8_0_entry_bytes(size_t raw_bytes) {

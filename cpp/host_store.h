@@ -28,7 +28,11 @@ public:
         std::vector<uint8_t>     kv;        // [n][entry_bytes]
         int64_t n_spilled  = 0;             // entries ever spilled (a recalled entry spilled again counts again)
         int64_t n_recalled = 0;             // entries brought back that the policy kept
-        int64_t n_dropped  = 0;             // entries dropped for the store's cap (gone for good)
+        int64_t n_dropped  = 0;             // entries dropped for the store's cap (their K and V gone)
+        // the text of the dropped entries: their places in the conversation (ascending) and tokens, which a later
+        // question may read again (the policy option reread)
+        std::vector<llama_pos>   text_origins;
+        std::vector<llama_token> text_tokens;
     };
 
     HostStore() = default;
@@ -36,7 +40,9 @@ public:
     const Parts & parts() const { return p_; }
 
     size_t size() const { return p_.positions.size(); }
-    size_t nbytes() const { return p_.kv.size() + p_.positions.size()*(sizeof(llama_pos) + sizeof(llama_token)); }
+    size_t nbytes() const {
+        return p_.kv.size() + (p_.positions.size() + p_.text_origins.size())*(sizeof(llama_pos) + sizeof(llama_token));
+    }
     size_t entry_bytes() const { return p_.entry_bytes; }
     bool q8_0() const { return p_.q8_0; }
     const std::vector<llama_pos> & positions() const { return p_.positions; }
@@ -47,6 +53,8 @@ public:
     int64_t n_spilled() const { return p_.n_spilled; }
     int64_t n_recalled() const { return p_.n_recalled; }
     int64_t n_dropped() const { return p_.n_dropped; }
+    const std::vector<llama_pos> & text_origins() const { return p_.text_origins; }
+    const std::vector<llama_token> & text_tokens() const { return p_.text_tokens; }
 
     // the same store without its K and V bytes (positions, tokens, scores and counters)
     HostStore without_kv() const;
@@ -65,10 +73,16 @@ public:
     void set_encoding(bool q8, size_t raw_bytes);
 
     // evicted entries in: their positions, origins, tokens, scores and rows (raw_bytes each, as the cache has them); counted
-    // as spilled. Then, above `cap` entries, the oldest text goes first (counted as dropped).
+    // as spilled. Then, above `cap` entries, the oldest text goes first (drop_oldest).
     void spill(const std::vector<llama_pos> & pos, const std::vector<llama_pos> & orig,
                const std::vector<llama_token> & toks, const SeqScores & entry_scores, const std::vector<uint8_t> & raw,
                size_t raw_bytes, size_t cap);
+    // above `cap` entries, the oldest text loses its K and V (counted as dropped); its tokens stay (text_tokens)
+    void drop_oldest(size_t cap);
+    // the text at `indices` of text_origins (ascending) leaves it: read again, its entries are put back (put_back)
+    void take_text(const std::vector<size_t> & indices);
+    // only the entries and text before place n in the conversation (a sequence truncated to n tokens)
+    void keep_before(llama_pos n);
     // the entries at `indices`: their positions, origins, tokens, scores and rows as the cache's (raw_bytes each)
     struct Entries {
         std::vector<llama_pos>   positions;

@@ -124,9 +124,10 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
         const int32_t question = cfg.question < 0 ? kDefaultQuestionTokens : cfg.question;
         check_policy(source != ProbeSource::question || question >= 1,
                      "the question probe needs question >= 1 (tokens), got " + std::to_string(question));
-        const int32_t pages = option_value(cfg, *find_policy_option("recall_pages"));
-        ranked->set_probe({source, source == ProbeSource::question ? question : 0,
-                           source == ProbeSource::question ? pages : 0});
+        const bool asks = source == ProbeSource::question;
+        ranked->set_probe({source, asks ? question : 0,
+                           asks ? option_value(cfg, *find_policy_option("recall_pages")) : 0,
+                           asks ? option_value(cfg, *find_policy_option("reread")) : 0});
     }
     check_options(cfg, ranked);
     if (cfg.block >= 0) {
@@ -143,6 +144,10 @@ std::unique_ptr<Policy> make_policy(const PolicyConfig & cfg) {
     if (cfg.recall_pages >= 0) {
         check_policy(source == ProbeSource::question, "recall_pages chooses what a question probes among the entries "
                      "recall kept aside: it needs the question probe");
+    }
+    if (cfg.reread >= 0) {
+        check_policy(source == ProbeSource::question, "reread reads dropped text again for a question: it needs the "
+                     "question probe");
     }
     if (cfg.handoff > 0) {
         check_policy(source == ProbeSource::question, "handoff gives the recent window to what a question recalls: "

@@ -31,6 +31,7 @@ struct ProbeSpec {
     ProbeSource source   = ProbeSource::none;
     int32_t     question = 0; // tokens of the question probe
     int32_t     recall_pages = 0; // with recall: pages of host entries a question probes, ranked on the host (0: all)
+    int32_t     reread = 0;       // with recall: tokens of the store's dropped text a question may read again
 };
 
 constexpr int32_t kDefaultQuestionTokens = 32;

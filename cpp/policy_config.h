@@ -33,6 +33,7 @@ struct PolicyConfig {
     int32_t reply = -1;    // a flag
     int32_t handoff = -1;  // a flag
     int32_t recall_pages = -1; // pages a recall step probes past which it ranks on the host (0: every page)
+    int32_t reread = -1;       // tokens of the store's dropped text a recall step may read again (0: none)
 };
 
 // One option of a scoring policy.

@@ -332,13 +332,7 @@ void SeqCache::truncate(int64_t n) {
         --kept;
     }
     keep_oldest(kept);
-    std::vector<size_t> stored;
-    for (size_t i = 0; i < host_.size(); ++i) {
-        if (host_.origins()[i] < n) {
-            stored.push_back(i);
-        }
-    }
-    host_.keep_only(stored);
+    host_.keep_before((llama_pos) n);
     st_.n_seen = n;
     // never rolled: the next token takes its own position again; rolled: the one after the newest kept
     st_.next_pos = !was_rolled ? (llama_pos) n : kept > 0 ? st_.positions.back() + 1 : 0;

@@ -54,6 +54,49 @@ void SeqCache::set_host(const HostStore & host) {
     }
 }
 
+HostStore::Entries SeqCache::take_reread(const std::vector<size_t> & indices) {
+    const size_t n = indices.size();
+    std::vector<size_t> newest(n);
+    std::iota(newest.begin(), newest.end(), st_.positions.size() - n);
+    std::vector<llama_pos> pos = gather_rows(st_.positions, 1, newest);
+    const std::vector<llama_pos> orig = gather_rows(host_.text_origins(), 1, indices);
+    const bool moved = !rolled();
+    if (moved) {
+        // never rolled: each entry's position is its place, so the decoded keys move there (free places: the store
+        // dropped what held them), each run of consecutive places by one shift
+        for (size_t a = 0; a < n; ) {
+            size_t b = a + 1;
+            while (b < n && orig[b] == orig[b - 1] + 1) {
+                ++b;
+            }
+            llama_memory_seq_add(mem_, seq_, pos[a], pos[b - 1] + 1, orig[a] - pos[a]);
+            a = b;
+        }
+        pos = orig;
+    }
+    llama_memory_update(ctx_);
+    std::vector<uint8_t> rows(n*llama_kv_entry_size(ctx_));
+    const int32_t rc = llama_kv_entries_get(ctx_, seq_, (int32_t) n, pos.data(), rows.data());
+    if (moved) {
+        for (size_t a = 0; a < n; ) {
+            size_t b = a + 1;
+            while (b < n && orig[b] == orig[b - 1] + 1) {
+                ++b;
+            }
+            llama_memory_seq_rm(mem_, seq_, orig[a], orig[b - 1] + 1);
+            a = b;
+        }
+    }
+    const SeqScores scores = st_.scores.gather(newest); // as new entries have them (a probe's decode scores nothing)
+    drop_newest((int32_t) n);
+    if (rc != 0) {
+        throw std::runtime_error("llama_kv_entries_get failed with status " + std::to_string(rc));
+    }
+    HostStore::Entries out {pos, orig, gather_rows(host_.text_tokens(), 1, indices), scores, rows};
+    host_.take_text(indices);
+    return out;
+}
+
 std::vector<llama_pos> SeqCache::recall_candidates(const Queries & queries, size_t limit, int32_t n_threads) {
     if (!ranks_host() || !queries.fits(layout_)) {
         return {};

@@ -10,11 +10,13 @@ namespace h2o {
 
 namespace {
 
-constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '5'};
+constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '6'};
 // still read: format 3; format 4 is format 3 with the host store and a CRC-32 at the end; format 5 adds the origins
-// of the kept and the stored entries (their places in the conversation, which rolling does not change)
+// of the kept and the stored entries (their places in the conversation, which rolling does not change); format 6
+// the text the store dropped (its places and tokens)
 constexpr char kFormatWithoutChecksum = '3';
 constexpr char kFormatWithoutOrigins = '4';
+constexpr char kFormatWithoutText = '5';
 
 // CRC-32 (IEEE 802.3, the one zlib and zip use): any damage of up to 32 consecutive bits is always detected
 uint32_t crc32(const uint8_t * data, size_t n) {
@@ -140,7 +142,7 @@ char read_magic(ByteReader & r, const uint8_t * data, size_t size) {
     const char format = size >= sizeof(magic) && memcmp(data, kSnapshotMagic, sizeof(magic) - 1) == 0 ?
                         (char) data[sizeof(magic) - 1] : '\0';
     const bool known = format == kFormatWithoutChecksum || format == kFormatWithoutOrigins ||
-                       format == kSnapshotMagic[sizeof(magic) - 1];
+                       format == kFormatWithoutText || format == kSnapshotMagic[sizeof(magic) - 1];
     if (known && format != kFormatWithoutChecksum) {
         uint32_t stored = 0;
         if (size < sizeof(magic) + sizeof(stored)) {
@@ -209,6 +211,8 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.host(snap.host.parts());
     w.array(st.origins);
     w.array(snap.host.origins());
+    w.array(snap.host.text_origins());
+    w.array(snap.host.text_tokens());
     w.value<uint32_t>(crc32(w.out.data(), w.out.size()));
     return w.out;
 }
@@ -252,6 +256,10 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     } else { // saved before origins: no entry came back after a roll, so the kept ones' order is their positions'
         st.origins   = st.positions;
         host.origins = host.positions;
+    }
+    if (format != kFormatWithoutChecksum && format != kFormatWithoutOrigins && format != kFormatWithoutText) {
+        host.text_origins = r.array<llama_pos>();
+        host.text_tokens  = r.array<llama_token>();
     }
     snap.host = HostStore(std::move(host));
     if (!snap.host.consistent()) {

@@ -388,7 +388,8 @@ class ChatSession:
         speed (tokens/s, the prompt left out) and its time to the first token (seconds: the prompt read)."""
         st = self.llm.kv_state()
         recall = {} if not self.recall else {"host_entries": int(len(st.host_positions)),
-                                                    "host_bytes": st.host_bytes, "recalled": st.n_recalled}
+                                                    "host_bytes": st.host_bytes, "recalled": st.n_recalled,
+                                                    "dropped_text_tokens": int(len(st.text_origins))}
         return {"kv_entries": st.n_cells, "budget": self.llm.budget, "n_keep": st.n_keep, "evicted": st.n_evicted,
                 **recall,
                 "seen": st.n_seen, "kv_bytes": st.kv_bytes, "turns": sum(m["role"] == "user" for m in self.messages),

@@ -55,6 +55,9 @@ class KVState:
     n_spilled: int = 0
     n_recalled: int = 0
     n_dropped: int = 0
+    # the places in the conversation of the text the store dropped past its cap (its tokens stay in host memory, 8
+    # bytes each, for the policy's reread: a later question may read them again), ascending
+    text_origins: Optional[np.ndarray] = None
 
     @property
     def n_cells(self) -> int:

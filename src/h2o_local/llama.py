@@ -196,10 +196,13 @@ class Llama:
             sequence (a chat's next turn, `generate(..., reset=False)`, a server conversation continued) bring back
             what that prompt's question ranks above the kept entries, within the budget: True keeps up to the
             model's trained context (`n_ctx_train` tokens) per sequence and at most 256 MiB of it
-            (RECALL_DEFAULT_BYTES), an int that many tokens (the oldest go first beyond it). Host memory:
+            (RECALL_DEFAULT_BYTES), an int that many tokens. Beyond it the oldest text loses its K and V but keeps
+            its tokens (8 bytes each): a later question reads again the windows of it that hold its rarer tokens
+            (the policy option `reread`, 256 tokens a step; 0 forgets what the cap drops). Host memory:
             `kv_bytes_per_cell` bytes per token kept there (SmolLM2-135M: 22.5 KiB, so 8,192 tokens take 180 MiB;
-            Qwen2.5-0.5B: 12 KiB, 21,845 tokens in 256 MiB). The device cache stays at budget + n_batch cells. Needs a policy with the question
-            probe (the default has it), no per-head cells and no position rolling. docs/recall.md.
+            Qwen2.5-0.5B: 12 KiB, 21,845 tokens in 256 MiB). The device cache stays at budget + n_batch cells.
+            Needs a policy with the question probe (the default has it) and no per-head cells; a rolled sequence
+            recalls too (its entries renumbered in the conversation's order). docs/recall.md.
         recall_type: how host memory keeps what recall spilled: None, the cache's own rows (a recalled entry is
             bit for bit the one that left); "q8_0", ggml's q8_0 blocks of the F16 rows (34 bytes per 32 values:
             0.53x the bytes, and twice the tokens in recall=True's 256 MiB; a recalled entry differs from the one
@@ -687,7 +690,7 @@ class Llama:
                        decode_seconds=st["decode_seconds"], compact_seconds=st["compact_seconds"],
                        host_positions=st["host_positions"], host_bytes=st["host_bytes"], n_spilled=st["n_spilled"],
                        n_recalled=st["n_recalled"], n_dropped=st["n_dropped"], origins=st["origins"],
-                       host_origins=st["host_origins"])
+                       host_origins=st["host_origins"], text_origins=st["text_origins"])
 
     def set_policy(self, policy: Union[str, Policy, None], budget: Optional[int] = None, *, heavy: Optional[int] = None,
                    recent: Optional[int] = None, sinks: Optional[int] = None, seq_id: Optional[int] = None) -> None:
@@ -746,7 +749,7 @@ class Llama:
 
     def check_recall(self, policy: Optional[Policy] = None) -> None:
         """Raise ValueError, saying why, when `policy` (default: this Llama's) cannot recall here (no question probe,
-        per-head cells, position rolling, a cache that cannot keep entries apart)."""
+        per-head cells, a cache that cannot keep entries apart)."""
         self._engine.check_recall((policy or self.policy).cpp)
 
     def policy_of(self, seq_id: int = 0) -> Policy:

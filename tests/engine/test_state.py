@@ -130,19 +130,23 @@ def test_a_damaged_snapshot_is_refused_wherever_its_bytes_are_flipped_and_the_se
     assert llm.generate([], max_tokens=6, temperature=0, reset=False) == expected
 
 
-def test_snapshots_of_formats_3_and_4_without_origins_still_load(tiny_model):
+def test_snapshots_of_formats_3_to_5_still_load(tiny_model):
     llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=128)
     llm.eval(llm.tokenize(PROMPT))
     blob = llm.save_state().to_bytes()
-    # format 5 ends with the origins of the kept entries and of the (empty) host store, then the checksum (4 bytes)
+    # format 6 ends with the (empty) dropped text's places and tokens, then the checksum (4 bytes); before them,
+    # format 5's origins of the kept entries and of the (empty) host store
+    text = 8 + 8
     origins = 8 + 4 * llm.kv_state().n_cells + 8
     # format 4: without the origins; format 3: without its host store (empty: 100 bytes) and checksum either
     empty_host = 8 + 8 + 8 + (4 + 5 * 8) + 8 + 3 * 8
-    four = b"h2osnap4" + blob[8:-4 - origins]
+    five = b"h2osnap5" + blob[8:-4 - text]
+    five += zlib.crc32(five).to_bytes(4, "little")
+    four = b"h2osnap4" + blob[8:-4 - text - origins]
     four += zlib.crc32(four).to_bytes(4, "little")
-    three = b"h2osnap3" + blob[8:-4 - origins - empty_host]
+    three = b"h2osnap3" + blob[8:-4 - text - origins - empty_host]
     expected = llm.generate([], max_tokens=6, temperature=0, reset=False)
-    for old in (four, three):
+    for old in (five, four, three):
         llm.load_state(type(llm.save_state()).from_bytes(old))
         assert llm.kv_state().origins.tolist() == llm.kv_state().positions.tolist()  # no roll before origins
         assert llm.generate([], max_tokens=6, temperature=0, reset=False) == expected
