@@ -3,7 +3,8 @@ chat still know it? ChatSession with the defaults `h2o-local chat` runs (the def
 near the trained context, the system prompt kept), beside controls on the same rows: the same long chat without
 recall (what rolling alone keeps), the question asked right after the fact (what the model can answer at all), and
 recall with a store that holds the whole history (`store-all`: whether recall across rolls finds the fact when its
-entries are still stored; the default's store holds 256 MiB and drops the oldest text first past it).
+entries are still stored), and the default without reading dropped text again (`forget`: past its cap the store
+drops the oldest text, and with reread=0 nothing of it comes back).
 
 Each row is one fact of several kinds and phrasings (a code, a name, a password, a place, a date), then turns of news
 text (`--words` words each, the 0-shot XSum articles) until the history passes `--times` x the trained context,
@@ -24,9 +25,11 @@ from typing import Any, Dict, List, Tuple
 
 from benchmarks.endless_chat import ARTICLES, SYSTEM, turn_text
 
-# at-once: the question right after the fact; default: as `h2o-local chat` (recall's store 256 MiB, the oldest text
-# dropped first past it); no-recall: rolling alone; store-all: recall with a store that holds the whole history
-SETTINGS = ["at-once", "default", "no-recall", "store-all"]
+# at-once: the question right after the fact; default: as `h2o-local chat` (recall's store capped at the trained
+# context and 256 MiB; past it the oldest text keeps only its tokens, which a question may read again); forget: the
+# default without reading dropped text again (reread=0: what the cap drops is gone); no-recall: rolling alone;
+# store-all: recall with a store that holds the whole history
+SETTINGS = ["at-once", "default", "forget", "no-recall", "store-all"]
 # (the fact, the question, the value the answer must hold): the values differ per row
 FACTS: List[Tuple[str, str, str]] = [
     ("Remember this: the code of the blue door is {n4}.", "What is the code of the blue door?", "{n4}"),
@@ -78,7 +81,8 @@ def run_row(make_llm, i: int, setting: str, articles: List[str], args) -> Dict[s
     row = fact_row(i)
     llm = make_llm(setting)
     n_train = llm.n_ctx_train()
-    # the default's store: 256 MiB, the oldest text dropped first; store-all: room for the whole history
+    # the default's store: the trained context's worth (and 256 MiB), the oldest text's K and V dropped first;
+    # store-all: room for the whole history
     recall = {"no-recall": False, "store-all": int(args.times * n_train * 1.25)}.get(setting, True)
     chat = ChatSession(llm, system=SYSTEM, max_tokens=args.max_tokens, temperature=0, recall=recall)
     t0 = time.perf_counter()
@@ -146,7 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--threads", type=int)
-    ap.add_argument("--settings", nargs="+", default=["at-once", "default", "no-recall"],
+    ap.add_argument("--settings", nargs="+", default=["at-once", "default", "forget", "no-recall"],
                     choices=SETTINGS)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--report", action="store_true", help="only write OUT.md from the rows OUT.jsonl holds")
@@ -154,6 +158,7 @@ def main(argv=None) -> int:
 
     from h2o_local import Llama, ModelInfo
     from h2o_local.models import default_model_path
+    from h2o_local.policies import resolve
 
     model = args.model or default_model_path()
     articles = [json.loads(line)["article"] for line in open(args.articles)]
@@ -161,8 +166,9 @@ def main(argv=None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in open(path)] if path.exists() else []
     done = {(r["row"], r["setting"]) for r in rows}
-    make = lambda setting: Llama(model, budget=args.budget, keep="system", recall=setting != "no-recall",
-                                 n_threads=args.threads, verbose=False)
+    options = lambda setting: {"reread": 0} if setting == "forget" else {}
+    make = lambda setting: Llama(model, policy=resolve(None, args.budget, **options(setting)), keep="system",
+                                 recall=setting != "no-recall", n_threads=args.threads, verbose=False)
     with open(path, "a") as log:
         for i in range(0 if args.report else args.rows):
             for s in args.settings:

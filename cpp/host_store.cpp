@@ -40,6 +40,7 @@ HostStore HostStore::without_kv() const {
     out.p_.n_dropped   = p_.n_dropped;
     out.p_.text_origins = p_.text_origins;
     out.p_.text_tokens  = p_.text_tokens;
+    out.p_.text_scores  = p_.text_scores;
     return out;
 }
 
@@ -56,6 +57,7 @@ HostStore HostStore::empty_like() const {
     out.p_.entry_bytes   = p_.entry_bytes;
     out.p_.q8_0          = p_.q8_0;
     out.p_.scores.n_head = p_.scores.n_head;
+    out.p_.text_scores.n_head = p_.scores.n_head;
     return out;
 }
 
@@ -92,28 +94,33 @@ void HostStore::drop_oldest(size_t cap) {
     std::vector<size_t> order(size());
     std::iota(order.begin(), order.end(), 0);
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p_.origins[a] > p_.origins[b]; });
-    std::vector<std::pair<llama_pos, llama_token>> text;
-    text.reserve(p_.text_origins.size() + size() - cap);
-    for (size_t i = 0; i < p_.text_origins.size(); ++i) {
-        text.emplace_back(p_.text_origins[i], p_.text_tokens[i]);
-    }
-    for (size_t k = cap; k < order.size(); ++k) {
-        text.emplace_back(p_.origins[order[k]], p_.tokens[order[k]]);
-    }
-    std::sort(text.begin(), text.end());
-    p_.text_origins.resize(text.size());
-    p_.text_tokens.resize(text.size());
-    for (size_t i = 0; i < text.size(); ++i) {
-        p_.text_origins[i] = text[i].first;
-        p_.text_tokens[i]  = text[i].second;
-    }
+    std::vector<size_t> gone(order.begin() + (std::ptrdiff_t) cap, order.end());
+    // the text so far, then what goes, merged in the conversation's order
+    std::vector<llama_pos> origins = p_.text_origins;
+    std::vector<llama_token> tokens = p_.text_tokens;
+    SeqScores scores = p_.text_scores;
+    scores.n_head = p_.scores.n_head;
+    const std::vector<llama_pos> gone_origins = gather_rows(p_.origins, 1, gone);
+    origins.insert(origins.end(), gone_origins.begin(), gone_origins.end());
+    const std::vector<llama_token> gone_tokens = gather_rows(p_.tokens, 1, gone);
+    tokens.insert(tokens.end(), gone_tokens.begin(), gone_tokens.end());
+    scores.extend(p_.scores.gather(gone));
+    std::vector<size_t> by_place(origins.size());
+    std::iota(by_place.begin(), by_place.end(), 0);
+    std::sort(by_place.begin(), by_place.end(), [&](size_t a, size_t b) { return origins[a] < origins[b]; });
+    p_.text_origins = gather_rows(origins, 1, by_place);
+    p_.text_tokens  = gather_rows(tokens, 1, by_place);
+    p_.text_scores  = scores.gather(by_place);
     order.resize(cap);
     std::sort(order.begin(), order.end());
-    p_.n_dropped += (int64_t) (size() - order.size());
+    p_.n_dropped += (int64_t) gone.size();
     keep_only(order);
 }
 
-void HostStore::take_text(const std::vector<size_t> & indices) {
+HostStore::Entries HostStore::take_text(const std::vector<size_t> & indices, std::vector<llama_pos> pos,
+                                        std::vector<uint8_t> raw) {
+    Entries out {std::move(pos), gather_rows(p_.text_origins, 1, indices), gather_rows(p_.text_tokens, 1, indices),
+                 p_.text_scores.gather(indices), std::move(raw)};
     std::vector<uint8_t> gone(p_.text_origins.size(), 0);
     for (const size_t i : indices) {
         gone.at(i) = 1;
@@ -124,8 +131,14 @@ void HostStore::take_text(const std::vector<size_t> & indices) {
             left.push_back(i);
         }
     }
-    keep_rows(p_.text_origins, 1, left);
-    keep_rows(p_.text_tokens, 1, left);
+    keep_text(left);
+    return out;
+}
+
+void HostStore::keep_text(const std::vector<size_t> & indices) {
+    keep_rows(p_.text_origins, 1, indices);
+    keep_rows(p_.text_tokens, 1, indices);
+    p_.text_scores.keep_only(indices);
 }
 
 void HostStore::keep_before(llama_pos n) {
@@ -141,8 +154,7 @@ void HostStore::keep_before(llama_pos n) {
         }
     }
     keep_only(stored);
-    keep_rows(p_.text_origins, 1, text);
-    keep_rows(p_.text_tokens, 1, text);
+    keep_text(text);
 }
 
 HostStore::Entries HostStore::entries(const std::vector<size_t> & indices, size_t raw_bytes) const {
@@ -193,6 +205,7 @@ HostStore HostStore::adopted(const HostStore & saved, size_t raw_bytes, int32_t 
         h.p_.q8_0 = h.p_.entry_bytes != raw_bytes;
     }
     h.p_.scores.n_head = n_head;
+    h.p_.text_scores.n_head = n_head;
     return h;
 }
 
@@ -205,7 +218,7 @@ bool HostStore::consistent() const {
     const size_t n = size();
     return p_.tokens.size() == n && p_.origins.size() == n && p_.scores.covers(n) && (n == 0 || (p_.entry_bytes > 0 && p_.kv.size() == n*p_.entry_bytes)) &&
            p_.n_spilled >= 0 && p_.n_recalled >= 0 && p_.n_dropped >= 0 &&
-           p_.text_tokens.size() == p_.text_origins.size() &&
+           p_.text_tokens.size() == p_.text_origins.size() && p_.text_scores.covers(p_.text_origins.size()) &&
            std::adjacent_find(p_.text_origins.begin(), p_.text_origins.end(),
                               [](llama_pos a, llama_pos b) { return a >= b; }) == p_.text_origins.end();
 }

@@ -29,10 +29,11 @@ public:
         int64_t n_spilled  = 0;             // entries ever spilled (a recalled entry spilled again counts again)
         int64_t n_recalled = 0;             // entries brought back that the policy kept
         int64_t n_dropped  = 0;             // entries dropped for the store's cap (their K and V gone)
-        // the text of the dropped entries: their places in the conversation (ascending) and tokens, which a later
-        // question may read again (the policy option reread)
+        // the text of the dropped entries: their places in the conversation (ascending), tokens and scores as they
+        // left, which a later question may read again (the policy option reread)
         std::vector<llama_pos>   text_origins;
         std::vector<llama_token> text_tokens;
+        SeqScores                text_scores;
     };
 
     HostStore() = default;
@@ -41,7 +42,9 @@ public:
 
     size_t size() const { return p_.positions.size(); }
     size_t nbytes() const {
-        return p_.kv.size() + (p_.positions.size() + p_.text_origins.size())*(sizeof(llama_pos) + sizeof(llama_token));
+        const size_t scores_bytes = 2*sizeof(float) + sizeof(int64_t) + 2*p_.scores.n_head*sizeof(float);
+        return p_.kv.size() + (p_.positions.size() + p_.text_origins.size())*(sizeof(llama_pos) + sizeof(llama_token) +
+                                                                                scores_bytes);
     }
     size_t entry_bytes() const { return p_.entry_bytes; }
     bool q8_0() const { return p_.q8_0; }
@@ -55,6 +58,7 @@ public:
     int64_t n_dropped() const { return p_.n_dropped; }
     const std::vector<llama_pos> & text_origins() const { return p_.text_origins; }
     const std::vector<llama_token> & text_tokens() const { return p_.text_tokens; }
+    const SeqScores & text_scores() const { return p_.text_scores; }
 
     // the same store without its K and V bytes (positions, tokens, scores and counters)
     HostStore without_kv() const;
@@ -63,7 +67,7 @@ public:
     HostStore with_raw_kv(size_t raw_bytes) const;
     // an empty store that keeps entries as this one does (their size and encoding, the heads of their scores)
     HostStore empty_like() const;
-    void set_heads(int32_t n_head) { p_.scores.n_head = n_head; }
+    void set_heads(int32_t n_head) { p_.scores.n_head = n_head; p_.text_scores.n_head = n_head; }
     void count_recalled(int64_t n) { p_.n_recalled += n; }
     // keep only the entries at `indices` (ascending)
     void keep_only(const std::vector<size_t> & indices);
@@ -77,10 +81,8 @@ public:
     void spill(const std::vector<llama_pos> & pos, const std::vector<llama_pos> & orig,
                const std::vector<llama_token> & toks, const SeqScores & entry_scores, const std::vector<uint8_t> & raw,
                size_t raw_bytes, size_t cap);
-    // above `cap` entries, the oldest text loses its K and V (counted as dropped); its tokens stay (text_tokens)
+    // above `cap` entries, the oldest text loses its K and V (counted as dropped); its tokens and scores stay
     void drop_oldest(size_t cap);
-    // the text at `indices` of text_origins (ascending) leaves it: read again, its entries are put back (put_back)
-    void take_text(const std::vector<size_t> & indices);
     // only the entries and text before place n in the conversation (a sequence truncated to n tokens)
     void keep_before(llama_pos n);
     // the entries at `indices`: their positions, origins, tokens, scores and rows as the cache's (raw_bytes each)
@@ -101,6 +103,9 @@ public:
     Entries take(const std::vector<size_t> & indices, size_t raw_bytes);
     // taken entries that did not stay in the cache come back, after the others (not counted as spilled again)
     void put_back(const Entries & e, size_t raw_bytes);
+    // the text at `indices` of text_origins (ascending), read again: it leaves the text, as the entries of its places,
+    // tokens and scores with the rows the cache computed for it again (raw, at positions `pos`)
+    Entries take_text(const std::vector<size_t> & indices, std::vector<llama_pos> pos, std::vector<uint8_t> raw);
     // a saved store adopted by a cache whose entries are raw_bytes (with room for the next spills; how it keeps
     // them read from their size); throws std::invalid_argument when they are neither that size nor its q8_0 blocks
     static HostStore adopted(const HostStore & saved, size_t raw_bytes, int32_t n_head);
@@ -113,6 +118,8 @@ public:
 private:
     // append n entries of raw_bytes each (the cache's rows), encoded as this store keeps them
     void append_rows(const std::vector<uint8_t> & raw, size_t raw_bytes);
+    // keep only the text at `indices` (ascending)
+    void keep_text(const std::vector<size_t> & indices);
 
     Parts p_;
 };

@@ -163,7 +163,7 @@ public:
     void count_recalled(int64_t n) { host_.count_recalled(n); }
     // the store's dropped text at `indices` (of HostStore::text_origins), just decoded again as this sequence's n
     // newest entries: those entries leave the cache and the text, as entries of their own places (their keys rotated,
-    // where the sequence never rolled, for their own positions) to readmit
+    // where the sequence never rolled, for their own positions) and their scores as they left, to readmit
     HostStore::Entries take_reread(const std::vector<size_t> & indices);
     void trim_host() { host_.drop_oldest((size_t) spill_cap_); }
     // where an entry's keys are (an invalid layout: the host entries are not ranked on the host)

@@ -56,45 +56,36 @@ void SeqCache::set_host(const HostStore & host) {
 
 HostStore::Entries SeqCache::take_reread(const std::vector<size_t> & indices) {
     const size_t n = indices.size();
-    std::vector<size_t> newest(n);
-    std::iota(newest.begin(), newest.end(), st_.positions.size() - n);
-    std::vector<llama_pos> pos = gather_rows(st_.positions, 1, newest);
+    std::vector<llama_pos> pos(st_.positions.end() - (std::ptrdiff_t) n, st_.positions.end());
     const std::vector<llama_pos> orig = gather_rows(host_.text_origins(), 1, indices);
+    // runs of consecutive places, [a, b) of the decoded entries each
+    std::vector<std::pair<size_t, size_t>> runs;
+    for (size_t a = 0, b = 1; a < n; a = b++) {
+        while (b < n && orig[b] == orig[b - 1] + 1) {
+            ++b;
+        }
+        runs.emplace_back(a, b);
+    }
     const bool moved = !rolled();
     if (moved) {
         // never rolled: each entry's position is its place, so the decoded keys move there (free places: the store
-        // dropped what held them), each run of consecutive places by one shift
-        for (size_t a = 0; a < n; ) {
-            size_t b = a + 1;
-            while (b < n && orig[b] == orig[b - 1] + 1) {
-                ++b;
-            }
+        // dropped what held them), a run at a time
+        for (const auto & [a, b] : runs) {
             llama_memory_seq_add(mem_, seq_, pos[a], pos[b - 1] + 1, orig[a] - pos[a]);
-            a = b;
         }
         pos = orig;
     }
     llama_memory_update(ctx_);
     std::vector<uint8_t> rows(n*llama_kv_entry_size(ctx_));
     const int32_t rc = llama_kv_entries_get(ctx_, seq_, (int32_t) n, pos.data(), rows.data());
-    if (moved) {
-        for (size_t a = 0; a < n; ) {
-            size_t b = a + 1;
-            while (b < n && orig[b] == orig[b - 1] + 1) {
-                ++b;
-            }
-            llama_memory_seq_rm(mem_, seq_, orig[a], orig[b - 1] + 1);
-            a = b;
-        }
+    for (size_t r = 0; moved && r < runs.size(); ++r) { // below the newest position: drop_newest would not find them
+        llama_memory_seq_rm(mem_, seq_, orig[runs[r].first], orig[runs[r].second - 1] + 1);
     }
-    const SeqScores scores = st_.scores.gather(newest); // as new entries have them (a probe's decode scores nothing)
     drop_newest((int32_t) n);
     if (rc != 0) {
         throw std::runtime_error("llama_kv_entries_get failed with status " + std::to_string(rc));
     }
-    HostStore::Entries out {pos, orig, gather_rows(host_.text_tokens(), 1, indices), scores, rows};
-    host_.take_text(indices);
-    return out;
+    return host_.take_text(indices, std::move(pos), std::move(rows));
 }
 
 std::vector<llama_pos> SeqCache::recall_candidates(const Queries & queries, size_t limit, int32_t n_threads) {

@@ -13,7 +13,7 @@ namespace {
 constexpr char kSnapshotMagic[8] = {'h', '2', 'o', 's', 'n', 'a', 'p', '6'};
 // still read: format 3; format 4 is format 3 with the host store and a CRC-32 at the end; format 5 adds the origins
 // of the kept and the stored entries (their places in the conversation, which rolling does not change); format 6
-// the text the store dropped (its places and tokens)
+// the text the store dropped (its places, tokens and scores)
 constexpr char kFormatWithoutChecksum = '3';
 constexpr char kFormatWithoutOrigins = '4';
 constexpr char kFormatWithoutText = '5';
@@ -213,6 +213,7 @@ std::vector<uint8_t> snapshot_to_bytes(const SeqSnapshot & snap) {
     w.array(snap.host.origins());
     w.array(snap.host.text_origins());
     w.array(snap.host.text_tokens());
+    w.scores(snap.host.text_scores());
     w.value<uint32_t>(crc32(w.out.data(), w.out.size()));
     return w.out;
 }
@@ -260,6 +261,9 @@ SeqSnapshot snapshot_from_bytes(const uint8_t * data, size_t size) {
     if (format != kFormatWithoutChecksum && format != kFormatWithoutOrigins && format != kFormatWithoutText) {
         host.text_origins = r.array<llama_pos>();
         host.text_tokens  = r.array<llama_token>();
+        host.text_scores  = r.scores();
+    } else {
+        host.text_scores.n_head = host.scores.n_head;
     }
     snap.host = HostStore(std::move(host));
     if (!snap.host.consistent()) {

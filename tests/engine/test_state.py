@@ -134,9 +134,9 @@ def test_snapshots_of_formats_3_to_5_still_load(tiny_model):
     llm = Llama(tiny_model, policy="h2o", budget=16, n_batch=128)
     llm.eval(llm.tokenize(PROMPT))
     blob = llm.save_state().to_bytes()
-    # format 6 ends with the (empty) dropped text's places and tokens, then the checksum (4 bytes); before them,
-    # format 5's origins of the kept entries and of the (empty) host store
-    text = 8 + 8
+    # format 6 ends with the (empty) dropped text's places, tokens and scores, then the checksum (4 bytes); before
+    # them, format 5's origins of the kept entries and of the (empty) host store
+    text = 8 + 8 + (4 + 5 * 8)
     origins = 8 + 4 * llm.kv_state().n_cells + 8
     # format 4: without the origins; format 3: without its host store (empty: 100 bytes) and checksum either
     empty_host = 8 + 8 + 8 + (4 + 5 * 8) + 8 + 3 * 8
