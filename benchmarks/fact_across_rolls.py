@@ -115,8 +115,9 @@ def report(rows: List[Dict[str, Any]], settings: List[str], args, n_train: int) 
     lines = [f"A fact in the first turn, asked after the history passed {args.times}x the trained context "
              f"({n_train} tokens); turns of {args.words} words, {args.max_tokens}-token greedy answers; right: the "
              f"answer holds the fact's value. Rows: one fact each ({len(FACTS)} kinds and phrasings).", "",
-             "The value's tokens in the cache at the answer: those of its tokens (their places in the "
-             "conversation) that the cache holds after the question's recall, over all rows' value tokens.", "",
+             "The value's tokens in the cache: those of its tokens (their places in the conversation) that the "
+             "cache holds after the answer (the question's recall, then the answer's own evictions), over all rows' "
+             "value tokens.", "",
              "| setting | rows | right | s.e. | history x trained (median) | largest position | entries recalled "
              "(median) | value's tokens in the cache |", "|---|---|---|---|---|---|---|---|"]
     for s in settings:

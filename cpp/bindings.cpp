@@ -247,8 +247,11 @@ PYBIND11_MODULE(_engine, m) {
           "KV cells llama.cpp allocates for n_cells (rounded up per stream).");
     m.def("kv_type_bytes", &kv_type_bytes, py::arg("name"), "Bytes per element of a KV cache type (ggml name).");
     m.def("q8_0_entry_bytes", &q8_0_entry_bytes, py::arg("raw_bytes"), "Bytes of one F16 entry kept as q8_0 blocks.");
-    m.def("reread_choice", &reread_choice, py::arg("tokens"), py::arg("question"), py::arg("window") = kRereadWindow,
-          py::arg("max_tokens"), "The indices of the dropped text a question reads again (recall_text.h).");
+    m.def("reread_choice", [](const std::vector<llama_token> & tokens, const std::vector<llama_token> & question,
+                              size_t max_tokens, size_t window) {
+              return reread_choice(tokens, question, window, max_tokens);
+          }, py::arg("tokens"), py::arg("question"), py::arg("max_tokens"), py::arg("window") = kRereadWindow,
+          "The indices (ascending) of the dropped text `tokens` whose windows a question reads again (recall_text.h).");
     m.def("check_host_memory", [](uint32_t n_ctx, uint32_t n_outputs_max, uint64_t kv_bytes_per_cell, int32_t n_vocab,
                                   bool kv_on_host, uint64_t have) {
         ContextSize c;

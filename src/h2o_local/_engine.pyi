@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['DEFAULT_QUESTION_TOKENS', 'ENGINE_SETTINGS', 'Embedder', 'Engine', 'EngineParams', 'GrammarError', 'GrammarWorkExceeded', 'LLAMA_CPP_COMMIT', 'Model', 'POLICY_OPTIONS', 'PROBE_TEXTS', 'Policy', 'PolicyConfig', 'RPC_PROTO_VERSION', 'RankedPolicy', 'Sampler', 'SeqSnapshot', 'apply_label_suffix', 'backend_devices', 'bounded_cells', 'check_device_memory', 'check_host_memory', 'choose_kv_types', 'context_size', 'default_policy_config', 'flash_attn_type', 'kv_type_bytes', 'padded_cells', 'parse_policy_label', 'plain_run', 'plan_prefill', 'policy_names', 'q8_0_entry_bytes', 'rpc_serve']
+__all__: list[str] = ['DEFAULT_QUESTION_TOKENS', 'ENGINE_SETTINGS', 'Embedder', 'Engine', 'EngineParams', 'GrammarError', 'GrammarWorkExceeded', 'LLAMA_CPP_COMMIT', 'Model', 'POLICY_OPTIONS', 'PROBE_TEXTS', 'Policy', 'PolicyConfig', 'RPC_PROTO_VERSION', 'RankedPolicy', 'Sampler', 'SeqSnapshot', 'apply_label_suffix', 'backend_devices', 'bounded_cells', 'check_device_memory', 'check_host_memory', 'choose_kv_types', 'context_size', 'default_policy_config', 'flash_attn_type', 'kv_type_bytes', 'padded_cells', 'parse_policy_label', 'plain_run', 'plan_prefill', 'policy_names', 'q8_0_entry_bytes', 'reread_choice', 'rpc_serve']
 class GrammarError(ValueError):
     pass
 class GrammarWorkExceeded(GrammarError):
@@ -645,6 +645,10 @@ def policy_names() -> list[str]:
 def q8_0_entry_bytes(raw_bytes: typing.SupportsInt | typing.SupportsIndex) -> int:
     """
     Bytes of one F16 entry kept as q8_0 blocks.
+    """
+def reread_choice(tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], question: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], max_tokens: typing.SupportsInt | typing.SupportsIndex, window: typing.SupportsInt | typing.SupportsIndex = 64) -> list[int]:
+    """
+    The indices (ascending) of the dropped text `tokens` whose windows a question reads again (recall_text.h).
     """
 def rpc_serve(endpoint: str, n_threads: typing.SupportsInt | typing.SupportsIndex) -> None:
     """
