@@ -94,23 +94,25 @@ void HostStore::drop_oldest(size_t cap) {
     std::vector<size_t> order(size());
     std::iota(order.begin(), order.end(), 0);
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p_.origins[a] > p_.origins[b]; });
-    std::vector<size_t> gone(order.begin() + (std::ptrdiff_t) cap, order.end());
-    // the text so far, then what goes, merged in the conversation's order
-    std::vector<llama_pos> origins = p_.text_origins;
-    std::vector<llama_token> tokens = p_.text_tokens;
-    SeqScores scores = p_.text_scores;
-    scores.n_head = p_.scores.n_head;
+    // what goes, oldest first, appended to the text; merged into the conversation's order only where it is not
+    // already after all of it (an entry read again or recalled, dropped again): a generated token's drop stays O(1)
+    std::vector<size_t> gone(order.rbegin(), order.rend() - (std::ptrdiff_t) cap);
+    const size_t n_text = p_.text_origins.size();
     const std::vector<llama_pos> gone_origins = gather_rows(p_.origins, 1, gone);
-    origins.insert(origins.end(), gone_origins.begin(), gone_origins.end());
+    p_.text_origins.insert(p_.text_origins.end(), gone_origins.begin(), gone_origins.end());
     const std::vector<llama_token> gone_tokens = gather_rows(p_.tokens, 1, gone);
-    tokens.insert(tokens.end(), gone_tokens.begin(), gone_tokens.end());
-    scores.extend(p_.scores.gather(gone));
-    std::vector<size_t> by_place(origins.size());
-    std::iota(by_place.begin(), by_place.end(), 0);
-    std::sort(by_place.begin(), by_place.end(), [&](size_t a, size_t b) { return origins[a] < origins[b]; });
-    p_.text_origins = gather_rows(origins, 1, by_place);
-    p_.text_tokens  = gather_rows(tokens, 1, by_place);
-    p_.text_scores  = scores.gather(by_place);
+    p_.text_tokens.insert(p_.text_tokens.end(), gone_tokens.begin(), gone_tokens.end());
+    p_.text_scores.n_head = p_.scores.n_head;
+    p_.text_scores.extend(p_.scores.gather(gone));
+    if (n_text > 0 && p_.text_origins[n_text - 1] > p_.text_origins[n_text]) {
+        std::vector<size_t> by_place(p_.text_origins.size());
+        std::iota(by_place.begin(), by_place.end(), 0);
+        std::inplace_merge(by_place.begin(), by_place.begin() + (std::ptrdiff_t) n_text, by_place.end(),
+                           [&](size_t a, size_t b) { return p_.text_origins[a] < p_.text_origins[b]; });
+        p_.text_origins = gather_rows(p_.text_origins, 1, by_place);
+        p_.text_tokens  = gather_rows(p_.text_tokens, 1, by_place);
+        p_.text_scores  = p_.text_scores.gather(by_place);
+    }
     order.resize(cap);
     std::sort(order.begin(), order.end());
     p_.n_dropped += (int64_t) gone.size();

@@ -130,6 +130,8 @@ def test_a_reread_step_keeps_the_budget_the_cap_and_the_next_position(tiny_model
     assert st.n_cells <= 24 and len(st.host_origins) <= CAP and next_position(llm, 0) == len(tokens)
     held = st.origins.tolist() + st.host_origins.tolist() + st.text_origins.tolist()
     assert sorted(held) == list(range(len(tokens)))  # every token once: kept, stored or text
+    # what the question read again and the policy did not keep is dropped again, older than the text: merged in order
+    assert st.text_origins.tolist() == sorted(st.text_origins.tolist()) != st0.text_origins.tolist()
     assert st.n_recalled > st0.n_recalled
 
 
@@ -155,3 +157,16 @@ def test_snapshots_carry_the_text_and_a_truncation_forgets_what_follows(tiny_mod
     llm.truncate(cut)
     st = llm.kv_state()
     assert st.text_origins.tolist() == [o for o in text if o < cut] and st.n_seen == cut < len(tokens)
+
+
+def test_a_chat_sessions_stats_count_the_dropped_text(tmp_path):
+    from h2o_local.chat_session import ChatSession
+
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    model = str(write_tiny_llama(tmp_path / "chat.gguf", chat_template=chatml, n_ctx_train=4096))
+    chat = ChatSession(make(model), max_tokens=4, temperature=0, recall=CAP)
+    assert chat.stats()["dropped_text_tokens"] == 0
+    "".join(chat.send(story()))
+    dropped = chat.stats()["dropped_text_tokens"]
+    assert dropped == len(chat.llm.kv_state().text_origins) > 0
